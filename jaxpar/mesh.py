@@ -1,0 +1,167 @@
+"""The named device mesh: four axes that always exist, sizes from text, TOML or Python.
+
+Axis order puts `tensor` innermost so that on GPU/TPU hosts it lands on the
+fastest links (NVLink / ICI neighbours); `data` is outermost so that on several
+hosts it is the axis that crosses the slower network (DCN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "pipe", "expert", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """Sizes of the four named axes; one may be -1 (the rest of the devices).
+
+    `dcn` gives, per axis, how many of its slices span hosts (multi-host only):
+    `MeshSpec(data=8, dcn={"data": 2})` on two hosts of four devices each puts
+    the two halves of `data` on different hosts and everything else inside one.
+    """
+
+    data: int = 1
+    pipe: int = 1
+    expert: int = 1
+    tensor: int = 1
+    dcn: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for axis in self.dcn:
+            if axis not in AXES:
+                raise ValueError(f"unknown mesh axis {axis!r} in dcn; axes are {AXES}")
+        wild = [a for a in AXES if self.size(a) == -1]
+        if len(wild) > 1:
+            raise ValueError(f"only one mesh axis may be -1, got {wild}")
+        for axis in AXES:
+            if self.size(axis) == 0 or self.size(axis) < -1:
+                raise ValueError(f"mesh axis {axis!r} must be a positive size or -1, got {self.size(axis)}")
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {a: self.size(a) for a in AXES}
+
+    def resolve(self, num_devices: int) -> "MeshSpec":
+        """Fill in a -1 axis and check that the product equals the device count."""
+        known = math.prod(s for s in self.shape.values() if s != -1)
+        sizes = self.shape
+        wild = [a for a, s in sizes.items() if s == -1]
+        if wild:
+            if num_devices % known:
+                raise ValueError(
+                    f"mesh axis {wild[0]!r}=-1: {num_devices} devices do not divide by the "
+                    f"product {known} of the other axes {self._describe(sizes)}"
+                )
+            sizes[wild[0]] = num_devices // known
+        total = math.prod(sizes.values())
+        if total != num_devices:
+            raise ValueError(
+                f"mesh {self._describe(sizes)} has {total} devices but {num_devices} are available; "
+                f"make the product of the axis sizes equal {num_devices} (or set one axis to -1)"
+            )
+        return dataclasses.replace(self, **sizes)
+
+    @staticmethod
+    def _describe(sizes: dict[str, int]) -> str:
+        return ",".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "data=1"
+
+    def __str__(self) -> str:
+        return self._describe(self.shape)
+
+
+def parse_mesh(text: str | None) -> tuple[MeshSpec, dict]:
+    """Read a mesh from `data=4,tensor=2`, a TOML file, or a preset name in `meshes/`.
+
+    Returns the spec and the preset's `[plan]` table (empty for inline text), so a
+    preset such as `zero3-8` can carry plan options along with its mesh.
+    """
+    if text is None or text == "":
+        return MeshSpec(data=-1), {}
+    if "=" in text and not text.endswith(".toml"):
+        return _parse_inline(text), {}
+    path = Path(text)
+    if path.suffix == ".toml" or path.exists():
+        if not path.exists():
+            raise ValueError(f"mesh file {text!r} does not exist")
+        return _parse_toml(path.read_text(), source=str(path))
+    presets = available_presets()
+    if text not in presets:
+        raise ValueError(
+            f"unknown mesh {text!r}: give axis sizes like data=4,tensor=2, a .toml file, "
+            f"or one of the presets {sorted(presets)}"
+        )
+    return _parse_toml(presets[text], source=f"preset {text}")
+
+
+def available_presets() -> dict[str, str]:
+    folder = resources.files("jaxpar.meshes")
+    return {p.name[: -len(".toml")]: p.read_text() for p in folder.iterdir() if p.name.endswith(".toml")}
+
+
+def _parse_inline(text: str) -> MeshSpec:
+    sizes = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in AXES:
+            raise ValueError(f"unknown mesh axis {name!r} in {text!r}; axes are {', '.join(AXES)}")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"mesh axis {name!r} needs an integer size, got {value!r}") from None
+    return MeshSpec(**sizes)
+
+
+def _parse_toml(text: str, source: str) -> tuple[MeshSpec, dict]:
+    table = tomllib.loads(text)
+    unknown = set(table) - {"mesh", "plan", "description"}
+    if unknown:
+        raise ValueError(f"{source}: unknown top-level keys {sorted(unknown)}; allowed: mesh, plan, description")
+    mesh = dict(table.get("mesh", {}))
+    dcn = mesh.pop("dcn", {})
+    bad = set(mesh) - set(AXES)
+    if bad:
+        raise ValueError(f"{source}: unknown mesh axes {sorted(bad)}; axes are {', '.join(AXES)}")
+    return MeshSpec(**mesh, dcn=dcn), dict(table.get("plan", {}))
+
+
+def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
+    """Build the jax Mesh (Auto axis types: GSPMD places collectives from annotations).
+
+    On one host, `jax.make_mesh` orders devices so that inner axes get the fastest
+    links. Across hosts, axes named in `spec.dcn` are split into a per-host part
+    and a cross-host part with `create_hybrid_device_mesh`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    spec = spec.resolve(len(devices))
+    shape = tuple(spec.size(a) for a in AXES)
+    axis_types = (AxisType.Auto,) * len(AXES)
+    if spec.dcn and jax.process_count() > 1:
+        from jax.experimental import mesh_utils
+
+        dcn_shape = tuple(spec.dcn.get(a, 1) for a in AXES)
+        for axis, size, across in zip(AXES, shape, dcn_shape):
+            if size % across:
+                raise ValueError(f"mesh axis {axis!r}={size} does not divide into dcn={across} host slices")
+        ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices)
+        return Mesh(grid, AXES, axis_types=axis_types)
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(shape, AXES, axis_types=axis_types)
+    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=axis_types)
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))

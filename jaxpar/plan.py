@@ -1,0 +1,155 @@
+"""The parallel plan: a mesh plus the options that decide every sharding of a step.
+
+A Plan turns the logical names carried by a model's parameters into
+PartitionSpecs for parameters, optimizer state and batches. Strategies (ZeRO,
+sequence parallelism, pipelining) are options here, so switching strategy is a
+configuration change, never a model change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar import rules as rules_lib
+from jaxpar.mesh import MeshSpec, make_mesh, mesh_shape
+
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-params")
+REMAT_POLICIES = ("none", "full", "selective")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one training step is laid out on `mesh`.
+
+    rules: logical name -> mesh axes (see jaxpar.rules.DEFAULT_RULES).
+    zero: 0 plain data parallelism; 1 optimizer state, 2 also gradients,
+        3 also parameters sharded over `data`.
+    sequence_parallel: shard the residual stream's sequence over `tensor`.
+    grad_accum: microbatches accumulated per optimizer step.
+    remat: activation checkpointing per block: none, full or selective.
+    precision: fp32, bf16 / fp16 compute with fp32 master weights, or bf16-params.
+    """
+
+    mesh: Mesh
+    rules: Mapping[str, rules_lib.Rule] = dataclasses.field(default_factory=lambda: dict(rules_lib.DEFAULT_RULES))
+    zero: int = 0
+    sequence_parallel: bool = False
+    grad_accum: int = 1
+    remat: str = "none"
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.sequence_parallel:
+            object.__setattr__(self, "rules", {**self.rules, "seq_residual": "tensor"})
+
+    @classmethod
+    def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, **options: Any) -> "Plan":
+        """A plan from a MeshSpec, a jax Mesh, or mesh text (`data=4,tensor=2`, a preset name)."""
+        preset_options: dict = {}
+        if mesh is None or isinstance(mesh, str):
+            from jaxpar.mesh import parse_mesh
+
+            mesh, preset_options = parse_mesh(mesh)
+        if isinstance(mesh, MeshSpec):
+            mesh = make_mesh(mesh, devices)
+        fields = {f.name for f in dataclasses.fields(cls)} - {"mesh"}
+        merged = {**preset_options, **options}
+        unknown = set(merged) - fields
+        if unknown:
+            raise ValueError(f"unknown plan options {sorted(unknown)}; known: {sorted(fields)}")
+        return cls(mesh=mesh, **merged)
+
+    # -- sizes -------------------------------------------------------------
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return mesh_shape(self.mesh)
+
+    def axis_size(self, *axes: str) -> int:
+        return math.prod(self.shape[a] for a in axes)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return rules_lib.mesh_axes_of(self.rules["batch"])
+
+    def check_batch(self, global_batch: int) -> None:
+        ways = self.axis_size(*self.batch_axes) * self.grad_accum
+        if global_batch % ways:
+            raise ValueError(
+                f"global batch {global_batch} does not divide by the batch axes "
+                f"{', '.join(f'{a}={self.shape[a]}' for a in self.batch_axes)} x grad_accum={self.grad_accum} "
+                f"(product {ways})"
+            )
+
+    # -- specs ---------------------------------------------------------------
+
+    def param_specs(self, logical) -> Any:
+        """PartitionSpec of every parameter from its logical names (ZeRO-3: also over data).
+
+        `logical` is a tree of `jax.ShapeDtypeStruct`-like leaves each paired with
+        its names: see `jaxpar.state.LogicalArray`.
+        """
+        return self._specs(logical, over_data=self.zero >= 3)
+
+    def optimizer_specs(self, optimizer: optax.GradientTransformation, logical) -> Any:
+        """PartitionSpec of every optimizer-state leaf: like its parameter (ZeRO-1+: over data)."""
+        specs = self._specs(logical, over_data=self.zero >= 1)
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), logical, is_leaf=_is_logical)
+        abstract = jax.eval_shape(optimizer.init, shapes)
+        return optax.tree_map_params(
+            optimizer,
+            lambda _, spec: spec,
+            abstract,
+            specs,
+            transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+
+    def batch_spec(self, rank: int = 2) -> P:
+        return P(self.batch_axes or None, *([None] * (rank - 1)))
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def shardings(self, specs) -> Any:
+        return jax.tree.map(self.sharding, specs, is_leaf=lambda x: isinstance(x, P))
+
+    def _specs(self, logical, over_data: bool) -> Any:
+        def resolve(path, leaf):
+            spec = rules_lib.resolve_spec(leaf.names, leaf.shape, self.shape, self.rules, path=jax.tree_util.keystr(path))
+            if over_data:
+                from jaxpar import zero
+
+                spec = zero.add_data_axis(spec, leaf.shape, self)
+            return spec
+
+        return jax.tree.map_with_path(resolve, logical, is_leaf=_is_logical)
+
+    # -- tracing context -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Set the mesh and the rules that `jaxpar.rules.constrain` reads while tracing."""
+        with rules_lib.axis_rules(self.mesh, self.rules):
+            yield
+
+
+def _is_logical(x) -> bool:
+    return hasattr(x, "names") and hasattr(x, "shape")

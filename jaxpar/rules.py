@@ -1,0 +1,131 @@
+"""Logical axis rules: model code names dimensions, a plain dict maps names to mesh axes.
+
+A rule maps a logical name (`embed`, `mlp`, `heads`, ...) to one mesh axis, a
+tuple of them, or None (replicated). Resolution turns a tuple of logical names
+into a PartitionSpec for a concrete mesh, dropping axes of size 1, never using a
+mesh axis twice in one spec, and checking divisibility so that a bad shape fails
+before anything compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+Rule = str | tuple[str, ...] | None
+Rules = Mapping[str, Rule]
+
+# `seq_residual` is the sequence dimension of the residual stream (norms, adds):
+# replicated by default, sharded over `tensor` under sequence parallelism.
+DEFAULT_RULES: dict[str, Rule] = {
+    "batch": ("data", "expert"),
+    "seq": None,
+    "seq_residual": None,
+    "embed": None,
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "vocab": "tensor",
+    "layers": "pipe",
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    "norm": None,
+}
+
+_active: contextvars.ContextVar[tuple[dict[str, int], Rules] | None] = contextvars.ContextVar(
+    "jaxpar_axis_rules", default=None
+)
+
+
+def mesh_axes_of(rule: Rule) -> tuple[str, ...]:
+    if rule is None:
+        return ()
+    return (rule,) if isinstance(rule, str) else tuple(rule)
+
+
+def resolve_spec(
+    logical: Sequence[str | None],
+    shape: Sequence[int],
+    mesh_shape: Mapping[str, int],
+    rules: Rules,
+    path: str = "array",
+    skip_axes: Sequence[str] = (),
+) -> P:
+    """PartitionSpec for an array whose dimensions carry the given logical names.
+
+    Raises ValueError naming the path, dimension, size and mesh axes when a
+    sharded dimension does not divide by the product of its mesh axes.
+    """
+    if len(logical) != len(shape):
+        raise ValueError(f"{path}: {len(logical)} logical axis names {tuple(logical)} for a rank-{len(shape)} array")
+    used: set[str] = set(skip_axes)
+    entries = []
+    for dim, (name, size) in enumerate(zip(logical, shape)):
+        if name is None:
+            entries.append(None)
+            continue
+        if name not in rules:
+            raise ValueError(f"{path}: logical axis {name!r} (dimension {dim}) has no rule; known: {sorted(rules)}")
+        axes = tuple(a for a in mesh_axes_of(rules[name]) if mesh_shape.get(a, 1) > 1 and a not in used)
+        for axis in mesh_axes_of(rules[name]):
+            if axis not in mesh_shape:
+                raise ValueError(f"rule {name!r} -> {rules[name]!r} names unknown mesh axis {axis!r}")
+        ways = math.prod(mesh_shape[a] for a in axes)
+        if size % ways:
+            sizes = ", ".join(f"{a}={mesh_shape[a]}" for a in axes)
+            raise ValueError(
+                f"{path}: dimension {dim} ({name!r}) of size {size} does not divide by mesh axes "
+                f"{sizes} (product {ways})"
+            )
+        used.update(axes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+@contextlib.contextmanager
+def axis_rules(mesh: jax.sharding.Mesh, rules: Rules):
+    """Make `constrain` active while tracing: sets the jax mesh and the rules."""
+    token = _active.set((dict(zip(mesh.axis_names, mesh.devices.shape)), rules))
+    try:
+        with jax.set_mesh(mesh):
+            yield
+    finally:
+        _active.reset(token)
+
+
+def active_rules() -> tuple[dict[str, int], Rules] | None:
+    return _active.get()
+
+
+def rule_axes(name: str) -> tuple[str, ...]:
+    """Mesh axes (of size > 1) that the active rules give a logical name; () outside a plan."""
+    active = _active.get()
+    if active is None:
+        return ()
+    shape, rules = active
+    return tuple(a for a in mesh_axes_of(rules.get(name)) if shape.get(a, 1) > 1)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint from logical names; a no-op outside `axis_rules`.
+
+    Inside a `jax.shard_map` the manual axes are left out, so the same model
+    code runs in a pipeline stage or an expert shard.
+    """
+    active = _active.get()
+    if active is None:
+        return x
+    shape, rules = active
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if manual >= {a for a, s in shape.items() if s > 1}:
+        return x
+    spec = resolve_spec(logical, x.shape, shape, rules, path="activation", skip_axes=tuple(manual))
+    return jax.lax.with_sharding_constraint(x, spec)

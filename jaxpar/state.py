@@ -1,0 +1,108 @@
+"""Training state: a model's parameters and optimizer state as plain pytrees, placed by a plan.
+
+The NNX module is split once into a static graph definition and a pure dict of
+arrays; everything jaxpar shards, steps and checkpoints is that dict, and the
+module is merged back only inside the traced loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.plan import Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalArray:
+    """Shape, dtype and logical axis names of one parameter (no data)."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    names: tuple[str | None, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """The static half of a split NNX model: how to rebuild it, and its parameters' logical names."""
+
+    graphdef: nnx.GraphDef
+    logical: Any
+
+    def merge(self, params) -> nnx.Module:
+        return nnx.merge(self.graphdef, params)
+
+    def param_count(self) -> int:
+        return sum(int(jnp.prod(jnp.array(a.shape))) for a in jax.tree.leaves(self.logical, is_leaf=_is_logical))
+
+    def param_bytes(self) -> int:
+        leaves = jax.tree.leaves(self.logical, is_leaf=_is_logical)
+        return sum(int(jnp.prod(jnp.array(a.shape))) * jnp.dtype(a.dtype).itemsize for a in leaves)
+
+
+def _is_logical(x) -> bool:
+    return isinstance(x, LogicalArray)
+
+
+def _split(model: nnx.Module):
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def describe(make_model: Callable[[], nnx.Module]) -> ModelDef:
+    """Trace the model's construction abstractly: its graph and logical names, no memory used."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(make_model)
+    graphdef, state = nnx.split(abstract)
+    names = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    shapes = nnx.to_pure_dict(state)
+    logical = jax.tree.map(
+        lambda a, spec: LogicalArray(tuple(a.shape), a.dtype, tuple(spec) + (None,) * (len(a.shape) - len(spec))),
+        shapes,
+        names,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+    return ModelDef(graphdef, logical)
+
+
+def state_specs(model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+    """PartitionSpecs of the whole train state under `plan` (checked for divisibility)."""
+    return TrainState(
+        params=plan.param_specs(model.logical),
+        opt_state=plan.optimizer_specs(optimizer, model.logical),
+        step=P(),
+    )
+
+
+def init_state(
+    make_model: Callable[[], nnx.Module], optimizer: optax.GradientTransformation, plan: Plan
+) -> tuple[ModelDef, TrainState]:
+    """Build the model and optimizer state directly into their shards (never whole on one device)."""
+    model = describe(make_model)
+    shardings = plan.shardings(state_specs(model, optimizer, plan))
+
+    def build():
+        with nnx.use_eager_sharding(False):
+            params = _split(make_model())[1]
+        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+
+    return model, jax.jit(build, out_shardings=shardings)()
+
+
+def place_state(state: TrainState, model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+    """Copy an existing state onto `plan`'s shardings (e.g. the same initial parameters on two meshes)."""
+    return jax.device_put(state, plan.shardings(state_specs(model, optimizer, plan)))
