@@ -106,3 +106,11 @@ def init_state(
 def place_state(state: TrainState, model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
     """Copy an existing state onto `plan`'s shardings (e.g. the same initial parameters on two meshes)."""
     return jax.device_put(state, plan.shardings(state_specs(model, optimizer, plan)))
+
+
+def abstract_state(model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+    """The train state as sharded ShapeDtypeStructs: enough to compile and inspect any size of model."""
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.logical, is_leaf=_is_logical)
+    state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), shapes)
+    shardings = plan.shardings(state_specs(model, optimizer, plan))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)
