@@ -1,0 +1,146 @@
+"""`jaxpar train | inspect`: the command line over jaxpar.train and jaxpar.inspect.
+
+jax is imported only after the arguments are read, so `--devices` can set the
+number of host (CPU) devices before jax initialises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tomllib
+
+TRAIN_FLAGS = {
+    "model": (str, "model name (tiny, small, 1b, 7b, 70b, 405b, ...)"),
+    "steps": (int, "total optimizer steps of the run"),
+    "batch_size": (int, "global batch size in sequences"),
+    "seq_len": (int, "tokens per sequence"),
+    "lr": (float, "peak learning rate (AdamW, warm-up then cosine decay)"),
+    "warmup": (int, "warm-up steps"),
+    "seed": (int, "seed of the initial parameters and of the batch sequence"),
+    "data": (str, "text file, folder of text files, or .npy/.bin token file (default: built-in corpus)"),
+    "metrics": (str, "append one JSON object per step to this file"),
+}
+CONFIG_TABLES = ("model", "train", "mesh", "plan")
+
+
+def _plan_fields():
+    from jaxpar.plan import Plan
+
+    return [f for f in dataclasses.fields(Plan) if f.name not in ("mesh", "rules")]
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file with [model], [train], [mesh] and [plan] tables; flags override it")
+    parser.add_argument("--mesh", help="axis sizes (data=4,tensor=2; one may be -1), a .toml file, or a preset name in meshes/")
+    parser.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose when no accelerator is used (default 8)")
+    for name, (kind, text) in TRAIN_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+    plan = parser.add_argument_group("plan", "how the step is laid out on the mesh")
+    for field in _plan_fields():
+        flag = "--" + field.name.replace("_", "-")
+        text = field.metadata.get("help", "plan option")
+        if isinstance(field.default, bool):
+            plan.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            plan.add_argument(flag, dest=field.name, type=type(field.default), default=None, help=f"{text} (default {field.default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxpar",
+        description="Train and inspect Flax models with data, ZeRO, tensor, pipeline and expert parallelism.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (defaults: the tiny Llama on the built-in corpus)")
+    _add_common(train)
+    inspect = sub.add_parser("inspect", help="compile one step and report its collectives, memory and FLOPs")
+    _add_common(inspect)
+    inspect.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return parser
+
+
+def read_config(path: str | None) -> dict:
+    if not path:
+        return {}
+    if not os.path.exists(path):
+        raise ValueError(f"--config {path!r} does not exist")
+    with open(path, "rb") as f:
+        table = tomllib.load(f)
+    unknown = set(table) - set(CONFIG_TABLES)
+    if unknown:
+        raise ValueError(f"{path}: unknown tables {sorted(unknown)}; allowed: {', '.join(CONFIG_TABLES)}")
+    unknown_train = set(table.get("train", {})) - set(TRAIN_FLAGS) - {"weight_decay", "clip"}
+    if unknown_train:
+        raise ValueError(f"{path}: unknown [train] keys {sorted(unknown_train)}")
+    return table
+
+
+def resolve(args: argparse.Namespace):
+    """Merge built-in defaults, the --config file and flags into (TrainConfig, Plan options, mesh)."""
+    from jaxpar.mesh import MeshSpec, parse_mesh
+    from jaxpar.train import TrainConfig
+
+    table = read_config(args.config)
+    model_table = dict(table.get("model", {}))
+    train = {k: v for k, v in table.get("train", {}).items()}
+    if "name" in model_table:
+        train["model"] = model_table.pop("name")
+    for name in TRAIN_FLAGS:
+        if getattr(args, name) is not None:
+            train[name] = getattr(args, name)
+    config = TrainConfig(**train, model_overrides=model_table)
+
+    if args.mesh is not None:
+        mesh, options = parse_mesh(args.mesh)
+    elif "mesh" in table:
+        mesh, options = MeshSpec(**table["mesh"]), {}
+    else:
+        mesh, options = parse_mesh(None)
+    options = {**options, **table.get("plan", {})}
+    for field in _plan_fields():
+        if getattr(args, field.name) is not None:
+            options[field.name] = getattr(args, field.name)
+    return config, options, mesh
+
+
+def _set_host_devices(count: int | None) -> None:
+    count = 8 if count is None else count
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _set_host_devices(args.devices)
+    from rich.console import Console
+
+    console = Console(stderr=args.command == "inspect" and args.json)
+    try:
+        from jaxpar import distributed
+
+        distributed.initialize()
+        from jaxpar.plan import Plan
+        from jaxpar.train import prepare
+
+        config, options, mesh = resolve(args)
+        plan = Plan.create(mesh, **options)
+        run = prepare(config, plan)
+    except ValueError as error:
+        console.print(f"[bold red]error:[/] {error}")
+        return 2
+    if args.command == "train":
+        from jaxpar.report import train_with_progress
+
+        return train_with_progress(run, console)
+    from jaxpar.report import print_inspection
+
+    return print_inspection(run, console, as_json=args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

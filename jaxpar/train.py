@@ -1,0 +1,152 @@
+"""The training run behind `jaxpar train`: model, plan, data and optimizer from one config.
+
+Everything is checked before anything compiles: the mesh against the devices,
+every parameter against the plan's rules, the batch against the batch axes,
+the data against the vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxpar import data as data_lib
+from jaxpar.models import model_config, model_factory
+from jaxpar.plan import Plan
+from jaxpar.state import ModelDef, TrainState, describe, init_state
+from jaxpar.step import Step, make_train_step, remat_wrapper
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What to train and for how long (the plan says how it is laid out)."""
+
+    model: str = "tiny"
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    steps: int = 150
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup: int = 10
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    data: str | None = None
+    metrics: str | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
+    warmup = min(config.warmup, config.steps - 1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, warmup, max(config.steps, warmup + 1), end_value=config.lr / 10
+    )
+    return optax.chain(optax.clip_by_global_norm(config.clip), optax.adamw(schedule, weight_decay=config.weight_decay))
+
+
+def reference_loss(plan: Plan) -> Callable:
+    """The reference models' loss under `plan` (its remat policy applied per block)."""
+    remat = remat_wrapper(plan)
+    return lambda module, batch: module(batch, remat=remat)
+
+
+@dataclasses.dataclass
+class Run:
+    """A prepared run: everything built and checked, nothing compiled yet."""
+
+    config: TrainConfig
+    plan: Plan
+    model_config: Any
+    model: ModelDef
+    optimizer: optax.GradientTransformation
+    batches: data_lib.Batches
+    make_model: Callable
+    step_fn: Step
+
+    @property
+    def batch_sharding(self):
+        return self.plan.sharding(self.plan.batch_spec(2))
+
+    def init(self) -> TrainState:
+        return init_state(self.make_model, self.optimizer, self.plan)[1]
+
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        return data_lib.global_batch(self.batches, step, self.batch_sharding)
+
+
+def prepare(config: TrainConfig, plan: Plan) -> Run:
+    """Build and check everything a run needs; raises ValueError on any bad input."""
+    mcfg = model_config(config.model, {"seq_len": config.seq_len, **config.model_overrides})
+    plan.check_batch(config.batch_size)
+    make_model = model_factory(config.model, mcfg, config.seed)
+    model = describe(make_model)
+    optimizer = make_optimizer(config)
+    plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
+    batches = data_lib.Batches(data_lib.load_tokens(config.data), config.batch_size, config.seq_len, config.seed)
+    batches.check_vocab(mcfg.vocab)
+    step_fn = make_train_step(model, reference_loss(plan), optimizer, plan)
+    return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn)
+
+
+def scalar_metrics(metrics: dict) -> dict[str, Any]:
+    """Metrics as JSON-ready values: scalars as floats, small arrays as lists."""
+    out = {}
+    for key, value in jax.device_get(metrics).items():
+        value = np.asarray(value)
+        out[key] = float(value) if value.ndim == 0 else value.tolist()
+    return out
+
+
+def iterate(run: Run, state: TrainState, start: int = 0) -> Iterator[tuple[TrainState, dict]]:
+    """Train from step `start` to `config.steps`, yielding the state and metrics of each step."""
+    tokens = run.config.batch_size * run.config.seq_len
+    metrics_file = Path(run.config.metrics).open("a") if run.config.metrics else None
+    try:
+        for step in range(start, run.config.steps):
+            batch = run.batch(step)
+            began = time.perf_counter()
+            state, metrics = run.step_fn(state, batch)
+            row = scalar_metrics(metrics)
+            elapsed = time.perf_counter() - began
+            row = {"step": step + 1, **row, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
+            if metrics_file:
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+            yield state, row
+    finally:
+        if metrics_file:
+            metrics_file.close()
+
+
+def param_table(run: Run) -> list[dict]:
+    """One row per parameter: path, shape, logical names, PartitionSpec, bytes per device."""
+    specs = run.plan.param_specs(run.model.logical)
+    shape = run.plan.shape
+    rows = []
+    for (path, leaf), spec in zip(
+        jax.tree_util.tree_flatten_with_path(run.model.logical, is_leaf=lambda x: hasattr(x, "names"))[0],
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+    ):
+        ways = 1
+        for entry in spec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                ways *= shape[axis]
+        nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        rows.append({
+            "path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "logical": list(leaf.names),
+            "spec": str(spec), "bytes_per_device": nbytes // ways,
+        })
+    return rows
