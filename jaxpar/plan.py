@@ -41,11 +41,13 @@ class Plan:
 
     mesh: Mesh
     rules: Mapping[str, rules_lib.Rule] = dataclasses.field(default_factory=lambda: dict(rules_lib.DEFAULT_RULES))
-    zero: int = 0
-    sequence_parallel: bool = False
-    grad_accum: int = 1
-    remat: str = "none"
-    precision: str = "fp32"
+    zero: int = dataclasses.field(default=0, metadata={"help": "ZeRO stage over data: 0, 1, 2 or 3"})
+    sequence_parallel: bool = dataclasses.field(
+        default=False, metadata={"help": "shard norms and residuals along the sequence over tensor"}
+    )
+    grad_accum: int = dataclasses.field(default=1, metadata={"help": "microbatches accumulated per optimizer step"})
+    remat: str = dataclasses.field(default="none", metadata={"help": "activation checkpointing: none, full, selective"})
+    precision: str = dataclasses.field(default="fp32", metadata={"help": "fp32, bf16, fp16 or bf16-params"})
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
