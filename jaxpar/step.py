@@ -93,7 +93,7 @@ def make_train_step(
         loss, aux, grads = loss_and_grads(model, loss_fn, state.params, batch, plan)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
         return TrainState(params, opt_state, state.step + 1), metrics
 
     return Step(

@@ -1,0 +1,75 @@
+"""Shared test fixtures: tiny models, identical initial states on several plans, relative errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpar.data import Batches, default_corpus
+from jaxpar.models.llama import CONFIGS, Llama
+from jaxpar.plan import Plan
+from jaxpar.state import init_state, place_state
+from jaxpar.step import make_train_step
+
+TINY = CONFIGS["tiny"]
+
+
+def single_device_plan(**options) -> Plan:
+    return Plan.create("data=1", devices=jax.devices()[:1], **options)
+
+
+def reference_state(config=TINY, optimizer=None, seed: int = 0):
+    """Model definition and train state on one device: the baseline every strategy must match."""
+    optimizer = optimizer or optax.adamw(1e-3)
+    model, state = init_state(lambda: Llama(config, nnx.Rngs(seed)), optimizer, single_device_plan())
+    return model, state, optimizer
+
+
+def copy_state(state):
+    return jax.tree.map(lambda x: np.array(x), state)
+
+
+def train(model, state, optimizer, plan: Plan, batches, steps: int, loss_fn=lambda m, b: m(b)):
+    """Run `steps` steps of `plan` from a copy of `state`; return the losses and final state on host."""
+    state = place_state(copy_state(state), model, optimizer, plan)
+    step = make_train_step(model, loss_fn, optimizer, plan)
+    losses = []
+    for i in range(steps):
+        state, metrics = step(state, batches[i])
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state)
+
+
+def batches(batch_size=16, seq_len=32, seed=0) -> Batches:
+    return Batches(default_corpus(), batch_size, seq_len, seed)
+
+
+def max_relative_error(a, b) -> float:
+    """Largest per-leaf relative error ||a - b|| / ||b|| (Frobenius norms), over matching leaves.
+
+    Norm-wise per leaf, as numerical analysis defines the relative error of a
+    vector: an element whose gradient is near zero carries roundoff that Adam's
+    normalisation turns into a full-size step, so element-wise ratios on such
+    entries measure noise rather than the strategy.
+    """
+    def leaf_error(x, y):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+    return max(jax.tree.leaves(jax.tree.map(leaf_error, a, b)))
+
+
+def gradients(model, params, batch, plan: Plan, loss_fn=lambda m, b: m(b)):
+    """Loss and gradients of `params` on `batch`, computed under `plan` and returned on host."""
+    from jaxpar.step import loss_and_grads
+
+    params = jax.device_put(copy_state(params), plan.shardings(plan.param_specs(model.logical)))
+
+    def compute(p, b):
+        loss, _, grads = loss_and_grads(model, loss_fn, p, b, plan)
+        return loss, grads
+
+    with plan.activate():
+        return jax.device_get(jax.jit(compute)(params, batch))
