@@ -1,0 +1,60 @@
+"""The HLO reader: replica groups in each of XLA's text forms map to the right mesh axes."""
+
+import numpy as np
+import pytest
+
+from jaxpar import inspect
+from jaxpar.mesh import MeshSpec, make_mesh
+
+MESH = make_mesh(MeshSpec(data=4, tensor=2))
+
+HLO = """HloModule test, entry_computation_layout={()->f32[]}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%body (p: (s32[], f32[4,64])) -> (s32[], f32[4,64]) {
+  %ar = f32[4,64]{1,0} all-reduce(f32[4,64]{1,0} %g), channel_id=1, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[4,64]) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[4,64])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8,16]) -> f32[] {
+  %w = (s32[], f32[4,64]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %ag = f32[32,16]{1,0} all-gather(f32[8,16]{1,0} %a), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}, use_global_device_ids=true
+  %rs = bf16[2,16]{1,0} reduce-scatter(bf16[4,16]{1,0} %b), channel_id=3, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_1'}, dimensions={0}, to_apply=%add
+  %ar2 = (f32[10]{0}, f32[6]{0}) all-reduce(f32[10]{0} %c, f32[6]{0} %d), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %cp = f32[4,16]{1,0} collective-permute(f32[4,16]{1,0} %e), channel_id=5, source_target_pairs={{0,2},{2,4},{4,6},{6,0},{1,3},{3,5},{5,7},{7,1}}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_ops_axes_sizes_and_loop_counts():
+    ops = {op.name: op for op in inspect.collective_ops(HLO, MESH)}
+    assert ops["ar"].axes == ("tensor",) and ops["ar"].count == 6 and ops["ar"].bytes == 4 * 64 * 4
+    assert ops["ag"].axes == ("data",) and ops["ag"].bytes == 32 * 16 * 4 and ops["ag"].group_size == 4
+    assert ops["rs"].axes == ("tensor",) and ops["rs"].bytes == 4 * 16 * 2
+    assert ops["ar2"].axes == ("data", "tensor") and ops["ar2"].bytes == 16 * 4 and len(ops["ar2"].shapes) == 2
+    assert ops["cp"].axes == ("data",) and ops["cp"].bytes == 4 * 16 * 4
+
+
+def test_rows_sum_calls_and_ring_traffic():
+    rows = {(r["kind"], tuple(r["axes"])): r for r in inspect.collectives(HLO, MESH)}
+    tensor = rows[("all-reduce", ("tensor",))]
+    assert tensor["count"] == 6 and tensor["bytes"] == 6 * 1024
+    assert tensor["traffic"] == pytest.approx(6 * 1024 * 2 * (2 - 1) / 2)
+    assert rows[("all-gather", ("data",))]["traffic"] == pytest.approx(2048 * 3 / 4)
+    assert rows[("all-reduce", ("data", "tensor"))]["buffers"] == 2
+    assert rows[("collective-permute", ("data",))]["traffic"] == 256
+
+
+def test_ring_formulas():
+    assert inspect.ring_traffic("all-reduce", 800, 8) == pytest.approx(1400)
+    assert inspect.ring_traffic("all-to-all", 800, 4) == pytest.approx(600)
+    assert inspect.ring_traffic("all-gather", 800, 1) == 0.0
+    assert np.isclose(inspect.ring_traffic("collective-permute", 800, 2), 800)

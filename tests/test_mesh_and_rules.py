@@ -1,0 +1,82 @@
+"""Named meshes from text, TOML and presets; logical rules resolved with divisibility checks."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.mesh import AXES, MeshSpec, make_mesh, parse_mesh
+from jaxpar.plan import Plan
+from jaxpar.rules import DEFAULT_RULES, resolve_spec
+
+
+def test_inline_mesh_fills_the_wildcard_and_keeps_every_axis():
+    spec, options = parse_mesh("data=-1,tensor=2")
+    mesh = make_mesh(spec)
+    assert mesh.axis_names == AXES
+    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"data": 4, "pipe": 1, "expert": 1, "tensor": 2}
+    assert options == {}
+
+
+def test_tensor_is_the_innermost_axis():
+    mesh = make_mesh(MeshSpec(data=4, tensor=2))
+    ids = [[d.id for d in row] for row in mesh.devices.reshape(4, 2)]
+    assert all(abs(a - b) == 1 for a, b in ids)
+
+
+def test_presets_by_name_and_file(tmp_path):
+    spec, options = parse_mesh("zero3-8")
+    assert spec.data == 8 and options == {"zero": 3}
+    path = tmp_path / "m.toml"
+    path.write_text("[mesh]\ndata = 2\npipe = 2\ntensor = 2\n[plan]\nzero = 1\n")
+    spec, options = parse_mesh(str(path))
+    assert (spec.data, spec.pipe, spec.tensor) == (2, 2, 2) and options == {"zero": 1}
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("data=3", "has 3 devices but 8 are available"),
+        ("data=4,model=2", "unknown mesh axis 'model'"),
+        ("data=-1,tensor=-1", "only one mesh axis may be -1"),
+        ("data=-1,tensor=3", "do not divide by the product 3"),
+        ("no-such-preset", "unknown mesh 'no-such-preset'"),
+    ],
+)
+def test_bad_meshes_are_named(text, message):
+    with pytest.raises(ValueError, match=message):
+        make_mesh(parse_mesh(text)[0])
+
+
+def test_unknown_keys_in_a_preset_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[mesh]\ndata = 8\n[plans]\nzero = 1\n")
+    with pytest.raises(ValueError, match=r"unknown top-level keys \['plans'\]"):
+        parse_mesh(str(path))
+    path.write_text("[mesh]\ndata = 8\n[plan]\nzeroo = 1\n")
+    with pytest.raises(ValueError, match=r"unknown plan options \['zeroo'\]"):
+        Plan.create(str(path))
+
+
+def test_resolution_drops_trivial_axes_and_never_reuses_one():
+    shape = {"data": 4, "pipe": 1, "expert": 2, "tensor": 1}
+    assert resolve_spec(("batch", "seq"), (16, 8), shape, DEFAULT_RULES) == P(("data", "expert"))
+    rules = {**DEFAULT_RULES, "embed": "data"}
+    assert resolve_spec(("batch", "embed"), (16, 8), shape, rules) == P(("data", "expert"))
+
+
+def test_resolution_error_names_path_dimension_size_and_axes():
+    shape = {"data": 2, "pipe": 1, "expert": 1, "tensor": 4}
+    with pytest.raises(ValueError) as error:
+        resolve_spec(("layers", "embed", "kv_heads", "head_dim"), (4, 64, 2, 16), shape, DEFAULT_RULES, path="blocks.wk")
+    text = str(error.value)
+    assert "blocks.wk" in text and "dimension 2" in text and "'kv_heads'" in text
+    assert "size 2" in text and "tensor=4" in text
+
+
+def test_batch_that_does_not_divide():
+    with pytest.raises(ValueError, match=r"global batch 12 does not divide by the batch axes data=8"):
+        Plan.create("data=8").check_batch(12)
+
+
+def test_device_count_matches_conftest():
+    assert jax.device_count() == 8
