@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="compile one step and report its collectives, memory and FLOPs")
     _add_common(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    launch = sub.add_parser("launch", help="run a jaxpar command as several cooperating processes on this machine")
+    launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
+    launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
+    launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
     return parser
 
 
@@ -108,14 +112,19 @@ def resolve(args: argparse.Namespace):
 
 
 def _set_host_devices(count: int | None) -> None:
-    count = 8 if count is None else count
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    """Expose `count` host devices (default 8, unless XLA_FLAGS already says); before jax starts."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if count is None or "host_platform_device_count" not in f]
+    if not any("host_platform_device_count" in f for f in flags):
+        flags.append(f"--xla_force_host_platform_device_count={8 if count is None else count}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "launch":
+        from jaxpar.distributed import launch_local
+
+        return launch_local(args.processes, args.devices_per_process, args.rest)
     _set_host_devices(args.devices)
     from rich.console import Console
 
@@ -123,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from jaxpar import distributed
 
-        distributed.initialize()
+        if distributed.initialize() and not distributed.is_leader():
+            console.quiet = True
         from jaxpar.plan import Plan
         from jaxpar.train import prepare
 

@@ -2,14 +2,17 @@
 
 On a cluster (SLURM, Open MPI, Kubernetes/TPU) `jax.distributed.initialize()`
 finds the coordinator itself; elsewhere set JAX_COORDINATOR_ADDRESS,
-JAX_NUM_PROCESSES and JAX_PROCESS_ID. A single process needs nothing.
+JAX_NUM_PROCESSES and JAX_PROCESS_ID. `launch_local` starts N such processes
+on this machine (each with its own host devices), which is how the
+multi-process path is exercised without a cluster.
 """
 
 from __future__ import annotations
 
 import os
-
-import jax
+import socket
+import subprocess
+import sys
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
@@ -18,6 +21,10 @@ def initialize() -> bool:
     """Join the multi-process runtime when launched as part of one; True if it did."""
     if not any(name in os.environ for name in CLUSTER_ENV):
         return False
+    import jax
+
+    if jax.config.jax_platforms in (None, "", "cpu") and "JAX_COORDINATOR_ADDRESS" in os.environ:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if "JAX_COORDINATOR_ADDRESS" in os.environ:
         jax.distributed.initialize(
             coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
@@ -27,3 +34,39 @@ def initialize() -> bool:
     else:
         jax.distributed.initialize()
     return True
+
+
+def is_leader() -> bool:
+    """True on the process that prints and writes files (process 0)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) -> int:
+    """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine.
+
+    Only process 0's output is shown; the exit code is the first non-zero one.
+    """
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {num_processes}, {devices_per_process}")
+    address = f"localhost:{_free_port()}"
+    children = []
+    for rank in range(num_processes):
+        env = {
+            **os.environ,
+            "JAX_COORDINATOR_ADDRESS": address,
+            "JAX_NUM_PROCESSES": str(num_processes),
+            "JAX_PROCESS_ID": str(rank),
+        }
+        command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
+        quiet = subprocess.DEVNULL if rank else None
+        children.append(subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet))
+    codes = [child.wait() for child in children]
+    return next((code for code in codes if code), 0)

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from jaxpar import data as data_lib
+from jaxpar.distributed import is_leader
 from jaxpar.models import model_config, model_factory
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, describe, init_state
@@ -113,7 +114,7 @@ def scalar_metrics(metrics: dict) -> dict[str, Any]:
 def iterate(run: Run, state: TrainState, start: int = 0) -> Iterator[tuple[TrainState, dict]]:
     """Train from step `start` to `config.steps`, yielding the state and metrics of each step."""
     tokens = run.config.batch_size * run.config.seq_len
-    metrics_file = Path(run.config.metrics).open("a") if run.config.metrics else None
+    metrics_file = Path(run.config.metrics).open("a") if run.config.metrics and is_leader() else None
     try:
         for step in range(start, run.config.steps):
             batch = run.batch(step)
