@@ -1,4 +1,4 @@
-"""`jaxpar train | inspect`: the command line over jaxpar.train and jaxpar.inspect.
+"""`jaxpar train | inspect | export | launch`: the command line over jaxpar.train, jaxpar.inspect and jaxpar.export.
 
 jax is imported only after the arguments are read, so `--devices` can set the
 number of host (CPU) devices before jax initialises.
@@ -23,8 +23,13 @@ TRAIN_FLAGS = {
     "seed": (int, "seed of the initial parameters and of the batch sequence"),
     "data": (str, "text file, folder of text files, or .npy/.bin token file (default: built-in corpus)"),
     "metrics": (str, "append one JSON object per step to this file"),
+    "checkpoint_dir": (str, "save sharded checkpoints here and resume from the newest one on start"),
+    "save_every": (int, "save a checkpoint every N steps (async; also at the end and on SIGTERM)"),
+    "keep": (int, "keep the newest K checkpoints"),
+    "on_nonfinite": (str, "a step with a NaN/Inf loss or gradient: skip its update, or stop the run"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan")
+DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
 
 
 def _plan_fields():
@@ -60,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="compile one step and report its collectives, memory and FLOPs")
     _add_common(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    inspect.add_argument("--stages", type=int, default=None,
+                         help="draw the --schedule timeline for this many pipeline stages (no model is compiled)")
+    inspect.add_argument("--png", default=None, help="also draw the pipeline schedule into this PNG file")
+    export = sub.add_parser("export", help="write a checkpoint's parameters as one unsharded checkpoint")
+    export.add_argument("--checkpoint-dir", required=True, help="a directory `jaxpar train --checkpoint-dir` wrote")
+    export.add_argument("--out", required=True, help="a .npz file, or a directory for an Orbax checkpoint")
+    export.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
     launch = sub.add_parser("launch", help="run a jaxpar command as several cooperating processes on this machine")
     launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
@@ -103,7 +115,9 @@ def resolve(args: argparse.Namespace):
     elif "mesh" in table:
         mesh, options = MeshSpec(**table["mesh"]), {}
     else:
-        mesh, options = parse_mesh(None)
+        import jax
+
+        mesh, options = parse_mesh(DEFAULT_MESH if jax.device_count() == 8 else None)
     options = {**options, **table.get("plan", {})}
     for field in _plan_fields():
         if getattr(args, field.name) is not None:
@@ -119,14 +133,48 @@ def _set_host_devices(count: int | None) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from jaxpar.export import export
+
+    try:
+        summary = export(args.checkpoint_dir, args.out, args.step)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
+    """Draw a pipeline timeline: from --stages and the schedule flags, or from the plan being inspected."""
+    from jaxpar.schedule import Schedule, render, save_png
+
+    if plan is not None:
+        schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.microbatches, plan.virtual_stages)
+    else:
+        defaults = {f.name: f.default for f in _plan_fields()}
+        name = args.schedule or defaults["schedule"]
+        schedule = Schedule(name, args.stages, args.microbatches or args.stages, args.virtual_stages or 1)
+    console.print(render(schedule))
+    if args.png:
+        save_png(schedule, args.png)
+        console.print(f"wrote {args.png}")
+    if args.json and plan is None:
+        print(json.dumps(schedule.summary()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         from jaxpar.distributed import launch_local
 
         return launch_local(args.processes, args.devices_per_process, args.rest)
+    if args.command == "export":
+        return _export(args)
     _set_host_devices(args.devices)
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console(stderr=args.command == "inspect" and args.json)
     try:
@@ -137,11 +185,15 @@ def main(argv: list[str] | None = None) -> int:
         from jaxpar.plan import Plan
         from jaxpar.train import prepare
 
+        if args.command == "inspect" and args.stages is not None:
+            return _draw_schedule(args, console)
         config, options, mesh = resolve(args)
         plan = Plan.create(mesh, **options)
+        if args.command == "inspect" and args.png and plan.shape["pipe"] == 1:
+            raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)
     except ValueError as error:
-        console.print(f"[bold red]error:[/] {error}")
+        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
     if args.command == "train":
         from jaxpar.report import train_with_progress
@@ -149,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_with_progress(run, console)
     from jaxpar.report import print_inspection
 
+    if plan.shape["pipe"] > 1 and (args.png or not args.json):
+        _draw_schedule(args, console, plan)
     return print_inspection(run, console, as_json=args.json)
 
 

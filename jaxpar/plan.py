@@ -9,6 +9,7 @@ configuration change, never a model change.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -19,10 +20,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import precision as precision_lib
 from jaxpar import rules as rules_lib
+from jaxpar import schedule as schedule_lib
+from jaxpar import tensor as tensor_lib
+from jaxpar import zero as zero_lib
 from jaxpar.mesh import MeshSpec, make_mesh, mesh_shape
 
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-params")
+PRECISIONS = tuple(precision_lib.POLICIES)
 REMAT_POLICIES = ("none", "full", "selective")
 
 
@@ -32,34 +37,71 @@ class Plan:
 
     rules: logical name -> mesh axes (see jaxpar.rules.DEFAULT_RULES).
     zero: 0 plain data parallelism; 1 optimizer state, 2 also gradients,
-        3 also parameters sharded over `data`.
+        3 also parameters sharded over `data` (jaxpar.zero). Stage 2 keeps the
+        parameters sharded between steps as well and gathers each layer once
+        per step; stage 3 gathers it again for the backward pass.
+    zero_tolerance: the largest share of parameter bytes ZeRO may leave
+        replicated (arrays with no dimension divisible by `data`) before it is an error.
     sequence_parallel: shard the residual stream's sequence over `tensor`.
     grad_accum: microbatches accumulated per optimizer step.
     remat: activation checkpointing per block: none, full or selective.
     precision: fp32, bf16 / fp16 compute with fp32 master weights, or bf16-params.
+    tensor_form: Megatron layers as sharding annotations or as explicit shard_map (jaxpar.tensor).
+    schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.schedule);
+        microbatches 0 means one per pipeline stage.
     """
 
     mesh: Mesh
     rules: Mapping[str, rules_lib.Rule] = dataclasses.field(default_factory=lambda: dict(rules_lib.DEFAULT_RULES))
     zero: int = dataclasses.field(default=0, metadata={"help": "ZeRO stage over data: 0, 1, 2 or 3"})
+    zero_tolerance: float = dataclasses.field(
+        default=0.02, metadata={"help": "largest fraction of parameter bytes ZeRO may leave replicated"}
+    )
     sequence_parallel: bool = dataclasses.field(
         default=False, metadata={"help": "shard norms and residuals along the sequence over tensor"}
     )
     grad_accum: int = dataclasses.field(default=1, metadata={"help": "microbatches accumulated per optimizer step"})
     remat: str = dataclasses.field(default="none", metadata={"help": "activation checkpointing: none, full, selective"})
     precision: str = dataclasses.field(default="fp32", metadata={"help": "fp32, bf16, fp16 or bf16-params"})
+    tensor_form: str = dataclasses.field(
+        default="annotation", metadata={"help": "tensor-parallel layers: annotation (XLA places collectives) or explicit"}
+    )
+    schedule: str = dataclasses.field(
+        default="1f1b", metadata={"help": "pipeline schedule over pipe: gpipe, 1f1b or interleaved"}
+    )
+    microbatches: int = dataclasses.field(
+        default=0, metadata={"help": "pipeline microbatches per step (0: one per pipe stage)"}
+    )
+    virtual_stages: int = dataclasses.field(
+        default=1, metadata={"help": "layer chunks per pipe device (the interleaved schedule needs >= 2)"}
+    )
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not 0.0 <= self.zero_tolerance <= 1.0:
+            raise ValueError(f"zero_tolerance must be a fraction in [0, 1], got {self.zero_tolerance!r}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.tensor_form not in tensor_lib.FORMS:
+            raise ValueError(f"tensor_form must be one of {tensor_lib.FORMS}, got {self.tensor_form!r}")
+        nesting = [f"{a}={self.shape[a]}" for a in ("data", "pipe", "expert") if self.shape[a] > 1]
+        if self.tensor_form == "explicit" and self.remat == "selective" and self.shape["tensor"] > 1 and nesting:
+            raise ValueError(
+                f"tensor_form='explicit' with remat='selective' needs tensor to be the only mesh axis > 1, got "
+                f"{', '.join(nesting)}: jax cannot rematerialise part of a tensor shard_map nested in the "
+                "step's shard_map over those axes; use remat='full' or 'none', or tensor_form='annotation'"
+            )
         if self.sequence_parallel:
             object.__setattr__(self, "rules", {**self.rules, "seq_residual": "tensor"})
+        stages = self.shape["pipe"]
+        if self.microbatches == 0:
+            object.__setattr__(self, "microbatches", stages)
+        schedule_lib.validate(self.schedule, stages, self.microbatches, self.virtual_stages)
 
     @classmethod
     def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, **options: Any) -> "Plan":
@@ -92,26 +134,27 @@ class Plan:
         return rules_lib.mesh_axes_of(self.rules["batch"])
 
     def check_batch(self, global_batch: int) -> None:
-        ways = self.axis_size(*self.batch_axes) * self.grad_accum
+        ways = self.axis_size(*self.batch_axes) * self.grad_accum * self.microbatches
         if global_batch % ways:
             raise ValueError(
                 f"global batch {global_batch} does not divide by the batch axes "
                 f"{', '.join(f'{a}={self.shape[a]}' for a in self.batch_axes)} x grad_accum={self.grad_accum} "
-                f"(product {ways})"
+                f"x microbatches={self.microbatches} (product {ways})"
             )
 
     # -- specs ---------------------------------------------------------------
 
     def param_specs(self, logical) -> Any:
-        """PartitionSpec of every parameter from its logical names (ZeRO-3: also over data).
+        """PartitionSpec of every parameter from its logical names (ZeRO-2/3: also over data).
 
         `logical` is a tree of `jax.ShapeDtypeStruct`-like leaves each paired with
         its names: see `jaxpar.state.LogicalArray`.
         """
-        return self._specs(logical, over_data=self.zero >= 3)
+        return self._specs(logical, over_data=self.zero >= 2)
 
     def optimizer_specs(self, optimizer: optax.GradientTransformation, logical) -> Any:
         """PartitionSpec of every optimizer-state leaf: like its parameter (ZeRO-1+: over data)."""
+        optimizer = precision_lib.wrap(optimizer, self.precision)
         specs = self._specs(logical, over_data=self.zero >= 1)
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), logical, is_leaf=_is_logical)
         abstract = jax.eval_shape(optimizer.init, shapes)
@@ -133,15 +176,21 @@ class Plan:
     def shardings(self, specs) -> Any:
         return jax.tree.map(self.sharding, specs, is_leaf=lambda x: isinstance(x, P))
 
+    def gradient_specs(self, logical) -> Any:
+        """PartitionSpec of every reduced gradient: like its parameter (ZeRO-1+: over data, like the optimizer state)."""
+        return self._specs(logical, over_data=self.zero >= 1)
+
+    def zero_report(self, logical):
+        """The parameters ZeRO leaves replicated on this mesh and their share of the bytes (jaxpar.zero)."""
+        return zero_lib.replicated_report(logical, self)
+
     def _specs(self, logical, over_data: bool) -> Any:
         def resolve(path, leaf):
             spec = rules_lib.resolve_spec(leaf.names, leaf.shape, self.shape, self.rules, path=jax.tree_util.keystr(path))
-            if over_data:
-                from jaxpar import zero
+            return zero_lib.add_data_axis(spec, leaf, self) if over_data else spec
 
-                spec = zero.add_data_axis(spec, leaf.shape, self)
-            return spec
-
+        if over_data:
+            zero_lib.check_replicated(self.zero_report(logical), self.zero_tolerance)
         return jax.tree.map_with_path(resolve, logical, is_leaf=_is_logical)
 
     # -- tracing context -------------------------------------------------------
@@ -149,8 +198,20 @@ class Plan:
     @contextlib.contextmanager
     def activate(self):
         """Set the mesh and the rules that `jaxpar.rules.constrain` reads while tracing."""
-        with rules_lib.axis_rules(self.mesh, self.rules):
-            yield
+        token = _active.set(self)
+        try:
+            with rules_lib.axis_rules(self.mesh, self.rules), tensor_lib.use_form(self.tensor_form):
+                yield
+        finally:
+            _active.reset(token)
+
+
+_active: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
+
+
+def active_plan() -> Plan | None:
+    """The plan being traced under (see `Plan.activate`), for layers that need more than the rules."""
+    return _active.get()
 
 
 def _is_logical(x) -> bool:

@@ -6,12 +6,14 @@ import json
 
 import jax
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from jaxpar import inspect as inspect_lib
+from jaxpar import zero
 from jaxpar.state import abstract_state
-from jaxpar.train import Run, iterate, param_table
+from jaxpar.train import Run, changed_settings, iterate, open_checkpoints, param_table, resume
 
 
 def _bytes(n: float) -> str:
@@ -29,6 +31,10 @@ def show_layout(run: Run, console: Console) -> None:
                   f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''})")
     options = {k: v for k, v in vars(run.plan).items() if k not in ("mesh", "rules")}
     console.print("[bold]plan[/] " + ", ".join(f"{k}={v}" for k, v in options.items()))
+    if zero.no_effect_message(run.plan):
+        console.print(f"[yellow]note:[/] {zero.no_effect_message(run.plan)}")
+    elif run.plan.zero:
+        console.print(escape(str(run.plan.zero_report(run.model.logical))).split("\n")[0])
     table = Table(title=f"{run.config.model}: {run.model.param_count():,} parameters", show_lines=False)
     for column in ("parameter", "shape", "logical axes", "sharding", "per device"):
         table.add_column(column)
@@ -41,24 +47,49 @@ def show_layout(run: Run, console: Console) -> None:
 
 
 def train_with_progress(run: Run, console: Console) -> int:
-    """Train with a progress bar (loss, tokens/s, step time) and print the loss curve's key points."""
+    """Train with a progress bar (loss, tokens/s, step time) and print the loss curve's key points.
+
+    With a checkpoint directory the run continues from its newest checkpoint;
+    SIGTERM saves after the current step and returns 0.
+    """
     show_layout(run, console)
-    state = run.init()
+    try:
+        checkpoints = open_checkpoints(run)
+        state, position = resume(run, checkpoints)
+    except ValueError as error:
+        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return 2
+    start, row = position["step"], {}
+    if start:
+        mesh = (position["config"] or {}).get("mesh", {})
+        under = (",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "one device") if mesh else "an unknown plan"
+        console.print(f"[bold]resumed[/] from step {start} in {checkpoints.directory} (saved under {under})")
+        for change in changed_settings(position, run):
+            console.print(f"[yellow]changed since that checkpoint:[/] {change}")
     log_every = max(1, run.config.steps // 10)
     losses = []
     columns = (TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[ms]:.1f} ms/step"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=run.config.steps, loss=float("nan"), tps=0.0, ms=0.0)
-        for state, row in iterate(run, state):
-            losses.append(row["loss"])
-            progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],
-                            ms=row["step_time_s"] * 1e3)
-            if row["step"] % log_every == 0 or row["step"] == 1:
-                extras = "  ".join(f"{k} {v:.4g}" for k, v in row.items()
-                                   if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))
-                progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.6f}  {extras}")
+        task = progress.add_task("train", total=run.config.steps, completed=start, loss=float("nan"), tps=0.0, ms=0.0)
+        try:
+            for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
+                losses.append(row["loss"])
+                progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],
+                                ms=row["step_time_s"] * 1e3)
+                if row["step"] % log_every == 0 or row["step"] == 1:
+                    extras = "  ".join(f"{k} {v:.4g}" for k, v in row.items()
+                                       if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))
+                    progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.6f}  {extras}")
+        except FloatingPointError as error:
+            console.print(f"[bold red]stopped:[/] {error}")
+            return 1
+        finally:
+            if checkpoints is not None:
+                checkpoints.close()
+    if row.get("preempted"):
+        console.print(f"[bold yellow]preempted[/] (SIGTERM): step {row['step']} saved in {checkpoints.directory}")
     if losses:
         console.print(f"[bold green]done[/]: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
     return 0

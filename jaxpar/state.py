@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import precision
 from jaxpar.plan import Plan
 
 
@@ -98,9 +99,15 @@ def init_state(
     def build():
         with nnx.use_eager_sharding(False):
             params = _split(make_model())[1]
-        return TrainState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+        return _initial_state(params, optimizer, plan)
 
     return model, jax.jit(build, out_shardings=shardings)()
+
+
+def _initial_state(params, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+    """Step 0 from the model's parameters, in the plan's precision (e.g. bf16 params, fp32 master copy)."""
+    optimizer = precision.wrap(optimizer, plan.precision)
+    return TrainState(optimizer.cast(params), optimizer.init(params), jnp.zeros((), jnp.int32))
 
 
 def place_state(state: TrainState, model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
@@ -111,6 +118,6 @@ def place_state(state: TrainState, model: ModelDef, optimizer: optax.GradientTra
 def abstract_state(model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
     """The train state as sharded ShapeDtypeStructs: enough to compile and inspect any size of model."""
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.logical, is_leaf=_is_logical)
-    state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32)), shapes)
+    state = jax.eval_shape(lambda p: _initial_state(p, optimizer, plan), shapes)
     shardings = plan.shardings(state_specs(model, optimizer, plan))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)

@@ -2,7 +2,10 @@
 
 `make_train_step` returns a `Step`: a `jax.jit` with in/out shardings from the
 plan and the state donated, that enters the plan's mesh and rules whenever it
-is traced, so model code can call `jaxpar.rules.constrain`.
+is traced, so model code can call `jaxpar.rules.constrain`. The gradient path
+runs per data rank inside `jax.shard_map` over `data`, where the ZeRO stage
+decides which collective sums the gradients (jaxpar.zero); the update runs in
+the plan's precision (jaxpar.precision).
 """
 
 from __future__ import annotations
@@ -13,22 +16,47 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
-from jaxpar.plan import Plan
+from jaxpar import precision, zero
+from jaxpar.plan import Plan, active_plan
 from jaxpar.state import ModelDef, TrainState, state_specs
 
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
 
+# What a block keeps for its backward pass: everything, nothing (recompute the
+# whole block), or the outputs of its weight matmuls (recompute attention and
+# elementwise work, as in Korthikanti et al.'s selective recomputation).
 REMAT = {
-    "none": lambda f: f,
-    "full": functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable),
-    "selective": functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
 def remat_wrapper(plan: Plan) -> Callable[[Callable], Callable]:
-    """Wrap a per-block function with the plan's activation-checkpointing policy."""
-    return REMAT[plan.remat]
+    """Wrap a per-block function with the plan's activation-checkpointing policy.
+
+    The ZeRO stage decides what becomes of a layer's gathered parameters.
+    ZeRO-2 keeps them for the backward pass whatever else is recomputed.
+    ZeRO-3 never keeps them: even `none` checkpoints the block, keeping every
+    matmul output but nothing computed from the parameters alone (the gathered
+    weights, their concatenations), so the backward pass gathers them again.
+    """
+    policy = REMAT[plan.remat]
+    if plan.shape[zero.AXIS] > 1 and plan.zero == 2 and policy is not None:
+        policy = jax.checkpoint_policies.save_from_both_policies(
+            policy, jax.checkpoint_policies.save_only_these_names(zero.GATHERED)
+        )
+    if plan.shape[zero.AXIS] > 1 and plan.zero == 3 and policy is None:
+        policy = jax.checkpoint_policies.dots_saveable
+    return (lambda f: f) if policy is None else functools.partial(jax.checkpoint, policy=policy)
+
+
+def active_remat() -> Callable[[Callable], Callable]:
+    """The remat wrapper of the plan being traced (none outside a plan), for a model's layer scan."""
+    plan = active_plan()
+    return remat_wrapper(plan) if plan is not None else (lambda f: f)
 
 
 class Step:
@@ -56,45 +84,116 @@ def microbatches(batch: dict, k: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: Plan):
-    """Mean loss, metrics and gradients over `plan.grad_accum` microbatches."""
+def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: Plan, loss_scale=None):
+    """Mean loss, metrics and gradients over the global batch, summed over `data` as the ZeRO stage asks.
+
+    Each data rank differentiates its own rows inside `jax.shard_map` over
+    `data`. Under ZeRO-0/1 its gradients stay local while microbatches
+    accumulate and are summed over `data` once per step: all-reduced (ZeRO-0)
+    or reduce-scattered into the optimizer's shards (ZeRO-1). Under ZeRO-2/3
+    the parameters arrive sharded and each layer's are gathered inside the
+    layer scan, so autodiff reduce-scatters each layer's gradients as the
+    backward scan produces them: no full-size gradient ever exists.
+    `loss_scale` multiplies the loss before differentiation (fp16).
+    """
+    plan.check_batch(jax.tree.leaves(batch)[0].shape[0])
+    extra = () if loss_scale is None else (loss_scale,)
+    if plan.shape[zero.AXIS] == 1 or zero.AXIS not in plan.batch_axes:
+        return _per_rank(model, loss_fn, plan, False, params, batch, *extra)
+    return jax.shard_map(
+        functools.partial(_per_rank, model, loss_fn, plan, True),
+        in_specs=(zero.manual_specs(plan.param_specs(model.logical)), P(zero.AXIS), *(P(),) * len(extra)),
+        out_specs=(P(), P(), zero.manual_specs(plan.gradient_specs(model.logical))),
+        axis_names=zero.manual_axes(plan),
+    )(params, batch, *extra)
+
+
+def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, over_data: bool, params, batch: dict, loss_scale=None):
+    """One data rank's share of `loss_and_grads` (`over_data`: inside the shard_map, manual over data)."""
+    param_specs, grad_specs = plan.param_specs(model.logical), plan.gradient_specs(model.logical)
+    stacked = zero.stacked(model.logical)
+    if over_data:
+        params = zero.vary(params, param_specs)
 
     def compute(p, b):
-        return loss_fn(model.merge(p), b)
+        if over_data:
+            with zero.layer_gathers(p, param_specs, stacked):
+                loss, aux = loss_fn(model.merge(zero.gather_params(p, param_specs, stacked)), b)
+        else:
+            loss, aux = loss_fn(model.merge(p), b)
+        return (loss if loss_scale is None else loss * loss_scale), (loss, aux)
 
-    grad_fn = jax.value_and_grad(compute, has_aux=True)
-    if plan.grad_accum == 1:
-        (loss, aux), grads = grad_fn(params, batch)
+    def one_microbatch(b):
+        grads, (loss, aux) = jax.grad(compute, has_aux=True)(params, b)
         return loss, aux, grads
 
-    def accumulate(carry, b):
-        (loss, aux), grads = grad_fn(params, b)
-        total = jax.tree.map(jnp.add, carry, (loss, aux, grads))
-        return total, None
+    k = plan.grad_accum
+    loss, aux, grads = one_microbatch(batch) if k == 1 else _accumulate(one_microbatch, batch, k, over_data)
+    ranks = plan.shape[zero.AXIS] if over_data else 1
+    if over_data:
+        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, param_specs)
+        loss, aux = zero.mean((loss, aux))
+    if k * ranks == 1:
+        return loss, aux, grads
+    return loss / k, jax.tree.map(lambda x: x / k, aux), jax.tree.map(lambda g: g / (k * ranks), grads)
 
-    mb = microbatches(batch, plan.grad_accum)
-    first = jax.tree.map(lambda x: x[0], mb)
-    shapes = jax.eval_shape(lambda: grad_fn(params, first))
-    (loss_shape, aux_shape), grad_shape = shapes
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_shape, aux_shape, grad_shape))
-    (loss, aux, grads), _ = jax.lax.scan(accumulate, init, mb)
-    scale = 1.0 / plan.grad_accum
-    return jax.tree.map(lambda x: x * scale, (loss, aux, grads))
+
+def _accumulate(one_microbatch: Callable, batch: dict, k: int, over_data: bool):
+    """Sum (loss, aux, grads) over k strided microbatches in a scan, in fp32 accumulators.
+
+    The sums come back in the dtypes one microbatch gives, so gradients are
+    communicated in the parameters' dtype.
+    """
+    mb = microbatches(batch, k)
+    shapes = jax.eval_shape(one_microbatch, jax.tree.map(lambda x: x[0], mb))
+
+    def zeros(s):
+        z = jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))
+        return jax.lax.pcast(z, zero.AXIS, to="varying") if over_data else z
+
+    def add(total, b):
+        return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, one_microbatch(b)), None
+
+    total, _ = jax.lax.scan(add, jax.tree.map(zeros, shapes), mb)
+    return jax.tree.map(lambda t, s: t.astype(s.dtype), total, shapes)
+
+
+def keep_finite(old: TrainState, new: TrainState, metrics: dict, loss_scaling: bool) -> tuple[TrainState, dict]:
+    """`new`, but with `old`'s params and optimizer state if the loss or gradient norm is NaN/Inf.
+
+    The step counter still advances (its batch was consumed) and the metrics
+    gain `nonfinite` (1: update skipped). Under fp16 loss scaling the optimizer
+    has already skipped such an update and lowered its scale, which must stand.
+    """
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+    metrics = {**metrics, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
+    if loss_scaling:
+        return new, metrics
+    keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
+    return TrainState(keep(new.params, old.params), keep(new.opt_state, old.opt_state), new.step), metrics
 
 
 def make_train_step(
     model: ModelDef, loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: Plan
 ) -> Step:
-    """Compile-ready step(state, batch) -> (state, metrics) for `plan`."""
+    """Compile-ready step(state, batch) -> (state, metrics) for `plan`.
+
+    Under ZeRO the update runs on each rank's shard of the gradients and
+    optimizer state; ZeRO-1 then all-gathers the updated parameters, ZeRO-2/3
+    keep them sharded until the layers gather them.
+    """
+    optimizer = precision.wrap(optimizer, plan.precision)
     state_shardings = plan.shardings(state_specs(model, optimizer, plan))
     batch_sharding = plan.sharding(plan.batch_spec(1))
+    update_shardings = plan.shardings(plan.gradient_specs(model.logical))
 
     def step(state: TrainState, batch: dict):
-        loss, aux, grads = loss_and_grads(model, loss_fn, state.params, batch, plan)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), **aux}
-        return TrainState(params, opt_state, state.step + 1), metrics
+        scale = optimizer.loss_scale(state.opt_state)
+        loss, aux, grads = loss_and_grads(model, loss_fn, state.params, batch, plan, scale)
+        params, opt_state, stats = optimizer.apply(grads, state.opt_state, state.params)
+        params = jax.lax.with_sharding_constraint(params, update_shardings)
+        metrics = {"loss": loss, **stats, **aux}
+        return keep_finite(state, TrainState(params, opt_state, state.step + 1), metrics, optimizer.policy.loss_scaling)
 
     return Step(
         step,

@@ -19,11 +19,17 @@ import numpy as np
 import optax
 
 from jaxpar import data as data_lib
+from jaxpar.checkpoint import Checkpoints, Preemption, differences, run_config
 from jaxpar.distributed import is_leader
 from jaxpar.models import model_config, model_factory
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, describe, init_state
 from jaxpar.step import Step, make_train_step, remat_wrapper
+
+
+NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
+# Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
+TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +48,17 @@ class TrainConfig:
     seed: int = 0
     data: str | None = None
     metrics: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 100
+    keep: int = 3
+    on_nonfinite: str = "skip"
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len"):
+        for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -111,23 +123,81 @@ def scalar_metrics(metrics: dict) -> dict[str, Any]:
     return out
 
 
-def iterate(run: Run, state: TrainState, start: int = 0) -> Iterator[tuple[TrainState, dict]]:
-    """Train from step `start` to `config.steps`, yielding the state and metrics of each step."""
-    tokens = run.config.batch_size * run.config.seq_len
-    metrics_file = Path(run.config.metrics).open("a") if run.config.metrics and is_leader() else None
+def open_checkpoints(run: Run) -> Checkpoints | None:
+    """The run's checkpoint directory (None without one); raises ValueError if it holds another model's."""
+    config = run.config
+    if not config.checkpoint_dir:
+        return None
+    return Checkpoints(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
+                       config=run_config(config, run.model_config, run.plan))
+
+
+def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]:
+    """The newest checkpoint's state laid out for this run's plan (or a fresh state), and where it stands.
+
+    The position is the saved metadata (`step`, `nonfinite_steps`, `config`, ...),
+    or step 0 for a fresh start.
+    """
+    if checkpoints is None or checkpoints.latest_step() is None:
+        return run.init(), {"step": 0, "nonfinite_steps": 0}
+    return checkpoints.restore(run.model, run.optimizer, run.plan)
+
+
+def changed_settings(position: dict, run: Run) -> list[str]:
+    """Train settings that differ from the ones the resumed checkpoint was saved with (see TRAJECTORY)."""
+    if not position.get("config"):
+        return []
+    saved, current = position["config"]["train"], run_config(run.config, run.model_config, run.plan)["train"]
+    return differences({k: saved.get(k) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
+
+
+def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoints | None = None,
+            nonfinite_steps: int = 0) -> Iterator[tuple[TrainState, dict]]:
+    """Train from step `start` to `config.steps`, yielding the state and metrics of each step.
+
+    With `checkpoints`, saves every `save_every` steps and at the end. SIGTERM
+    ends the run after the current step, saved (the last row says
+    `preempted`). A step whose loss or gradient is not finite keeps the old
+    parameters (see jaxpar.step) and is counted in `nonfinite_steps`; under
+    `on_nonfinite="stop"` it raises FloatingPointError instead.
+    """
+    config = run.config
+    tokens = config.batch_size * config.seq_len
+    metrics_file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
     try:
-        for step in range(start, run.config.steps):
-            batch = run.batch(step)
-            began = time.perf_counter()
-            state, metrics = run.step_fn(state, batch)
-            row = scalar_metrics(metrics)
-            elapsed = time.perf_counter() - began
-            row = {"step": step + 1, **row, "step_time_s": elapsed, "tokens_per_s": tokens / elapsed}
-            if metrics_file:
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
-            yield state, row
+        with Preemption() as preemption:
+            for step in range(start, config.steps):
+                batch = run.batch(step)
+                began = time.perf_counter()
+                state, metrics = run.step_fn(state, batch)
+                row = scalar_metrics(metrics)
+                elapsed = time.perf_counter() - began
+                done = step + 1
+                nonfinite_steps += int(row.get("nonfinite", 0))
+                row = {"step": done, **row, "nonfinite_steps": nonfinite_steps, "step_time_s": elapsed,
+                       "tokens_per_s": tokens / elapsed}
+                if row.get("nonfinite") and config.on_nonfinite == "stop":
+                    raise FloatingPointError(
+                        f"step {done}: loss {row['loss']}, gradient norm {row.get('grad_norm')}; stopping "
+                        f"(on_nonfinite='stop'), parameters left as after step {step}"
+                    )
+                preempted = preemption.reached(done)
+                if checkpoints is not None:
+                    position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": config.seed},
+                                "rng": {"seed": config.seed, "batches": "numpy default_rng([seed, step]) per step"}}
+                    row["saved"] = checkpoints.save(done, state, force=preempted or done == config.steps,
+                                                    metadata=position)
+                if preempted:
+                    row["preempted"] = True
+                if metrics_file:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                yield state, row
+                if preempted:
+                    break
     finally:
+        if checkpoints is not None:
+            checkpoints.wait()
         if metrics_file:
             metrics_file.close()
 

@@ -1,24 +1,300 @@
-"""ZeRO sharding over `data`: which dimension of each array takes the data axis."""
+"""ZeRO over `data`: where each array's shard lies, what stays whole, and the collectives between the two.
+
+Stage 1 shards the optimizer state over `data`; parameters stay whole, and
+each step reduce-scatters the gradients into the optimizer's shards and
+all-gathers the updated parameters. Stage 2 also keeps the parameters sharded
+between steps and gathers each layer's once per step, keeping them for the
+backward pass (PyTorch FSDP's SHARD_GRAD_OP): the same traffic, but a layer's
+gradients are reduce-scattered as soon as the backward pass produces them, so
+no full-size gradient ever exists. Stage 3 (FSDP) drops the gathered
+parameters after use and gathers them again for the backward pass.
+
+Each array takes `data` on one more of its dimensions than its tensor-parallel
+spec already uses, never the stacked `layers` axis that the layer scan walks,
+so that one layer's parameters can be gathered on their own. The collectives
+run inside `jax.shard_map` over `data` (see `jaxpar.step`): the CPU backend
+compiles a gradient annotated as sharded into all-reduce plus slice, while
+`psum_scatter` written out is a true reduce-scatter. A model's layer scan
+calls `gather_layer`; autodiff turns each gather into the reduce-scatter of
+that layer's gradients.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import rules as rules_lib
 
-def add_data_axis(spec: P, shape, plan) -> P:
-    """Shard one more dimension of `shape` over `data`, if one divides; else keep `spec`.
+AXIS = "data"
+SCANNED = "layers"  # the stacked-layers dimension: a layer scan slices it, so ZeRO never shards it
+GATHERED = "zero_gathered"  # checkpoint name of a layer's gathered parameters (remat policies keep or drop them)
 
-    Picks the largest dimension not already sharded whose size divides by the
-    data axis, so tensor-parallel dimensions are never sharded twice.
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entries(spec: P, ndim: int) -> tuple:
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _over_data(entries) -> bool:
+    return any(AXIS in _axes(e) for e in entries)
+
+
+def _dim_over_data(entries) -> int | None:
+    return next((d for d, e in enumerate(entries) if AXIS in _axes(e)), None)
+
+
+def choose_dim(names: Sequence[str | None], shape: Sequence[int], spec: P, data: int) -> int | None:
+    """The dimension of one array that ZeRO shards over `data` (None: it stays replicated).
+
+    The largest dimension that no mesh axis shards yet, that is not the stacked
+    `layers` axis, and whose size divides by `data`; ties go to the first.
     """
-    data = plan.shape["data"]
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    used = {a for e in entries if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    if data == 1 or "data" in used:
+    entries = _entries(spec, len(shape))
+    if data == 1 or _over_data(entries):
+        return None
+    free = [d for d, e in enumerate(entries) if e is None and names[d] != SCANNED and shape[d] % data == 0]
+    return max(free, key=lambda d: shape[d]) if free else None
+
+
+def add_data_axis(spec: P, leaf, plan) -> P:
+    """`spec` with `data` added on the dimension `choose_dim` picks for `leaf` (a LogicalArray)."""
+    dim = choose_dim(leaf.names, leaf.shape, spec, plan.shape[AXIS])
+    if dim is None:
         return spec
-    free = [d for d, e in enumerate(entries) if e is None and shape[d] % data == 0]
-    if not free:
-        return spec
-    dim = max(free, key=lambda d: shape[d])
-    entries[dim] = "data"
+    entries = list(_entries(spec, len(leaf.shape)))
+    entries[dim] = AXIS
+    while entries[-1] is None:
+        entries.pop()
     return P(*entries)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicatedReport:
+    """Parameters that ZeRO leaves whole on every data rank, and their share of all parameter bytes."""
+
+    data: int
+    replicated: tuple[tuple[str, tuple[int, ...], int], ...]  # (path, shape, bytes)
+    total_bytes: int
+
+    @property
+    def replicated_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.replicated)
+
+    @property
+    def fraction(self) -> float:
+        return self.replicated_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def __str__(self) -> str:
+        head = (
+            f"ZeRO over data={self.data}: {len(self.replicated)} parameters stay replicated, "
+            f"{self.replicated_bytes} of {self.total_bytes} bytes ({self.fraction:.2%})"
+        )
+        rows = [f"  {path} {shape}: no unsharded dimension divides by data={self.data}"
+                for path, shape, _ in self.replicated]
+        return "\n".join([head, *rows])
+
+
+def replicated_report(logical, plan) -> ReplicatedReport:
+    """Which parameters of a model (a tree of LogicalArray) ZeRO cannot shard under `plan`."""
+    data = plan.shape[AXIS]
+    replicated, total = [], 0
+    leaves = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: hasattr(x, "names"))[0]
+    for path, leaf in leaves:
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        total += nbytes
+        name = jax.tree_util.keystr(path)
+        spec = rules_lib.resolve_spec(leaf.names, leaf.shape, plan.shape, plan.rules, path=name)
+        if data > 1 and choose_dim(leaf.names, leaf.shape, spec, data) is None:
+            replicated.append((name, tuple(leaf.shape), nbytes))
+    return ReplicatedReport(data, tuple(replicated), total)
+
+
+def check_replicated(report: ReplicatedReport, tolerance: float) -> None:
+    """Raise when more than `tolerance` of the parameter bytes would stay replicated."""
+    if report.fraction > tolerance:
+        raise ValueError(
+            f"{report}\nthat is above zero_tolerance={tolerance:.2%}: pick a data size that divides these "
+            f"dimensions, or raise zero_tolerance"
+        )
+
+
+def no_effect_message(plan) -> str | None:
+    """Why `plan.zero` changes nothing (data axis of size 1), or None when it does shard something."""
+    if plan.zero and plan.shape[AXIS] == 1:
+        return (
+            f"zero={plan.zero} has no effect: the data axis has size 1, so parameters, gradients and "
+            f"optimizer state stay whole on every device"
+        )
+    return None
+
+
+# -- inside jax.shard_map over data ----------------------------------------------
+
+
+def manual_axes(plan) -> set[str]:
+    """The shard_map's manual axes: `data`, and every axis of size 1 so it is partly automatic only where it must be."""
+    return {AXIS} | {a for a, n in plan.shape.items() if n == 1}
+
+
+def _fully_manual(collective, x, entries: tuple = ()):
+    """Run a collective over `data` with every other mesh axis manual too.
+
+    Inside the shard_map over `data` the other axes (tensor, expert, ...) are
+    left to the compiler, and XLA's partitioner gathers an operand sharded over
+    them before a `data` collective (and its CPU compiler crashes on bf16 ones
+    there). A nested shard_map over those axes, with the operand's own spec
+    `entries`, keeps the collective on each device's local shard.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = {a for a, n in mesh.shape.items() if n > 1 and a not in mesh.manual_axes}
+    if not auto:
+        return collective(x)
+    spec = P(*(tuple(a for a in _axes(e) if a in auto) or None for e in entries))
+    return jax.shard_map(collective, in_specs=spec, out_specs=spec, axis_names=auto)(x)
+
+
+def mean(tree):
+    """Mean over `data` of per-rank values (losses, metrics)."""
+    return jax.tree.map(lambda x: _fully_manual(lambda v: jax.lax.pmean(v, AXIS), x), tree)
+
+
+def manual_specs(specs):
+    """Specs that name only `data`: the in/out specs of a shard_map that is manual over `data` alone."""
+    def manual(spec):
+        return P(*(AXIS if AXIS in _axes(e) else None for e in spec))
+
+    return jax.tree.map(manual, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def stacked(logical):
+    """For every parameter (LogicalArray), whether it is layer-stacked: its leading dimension is `layers`."""
+    return jax.tree.map(lambda a: a.names[:1] == (SCANNED,), logical, is_leaf=lambda x: hasattr(x, "names"))
+
+
+def vary(params, specs):
+    """Mark the parameters whole over `data` as varying over it, so their gradients stay per-device sums."""
+    return jax.tree.map(lambda x, s: x if _over_data(s) else jax.lax.pcast(x, AXIS, to="varying"), params, specs,
+                        is_leaf=lambda v: isinstance(v, P))
+
+
+def gather(x, entries: tuple):
+    """All-gather `x` over `data` on the dimension its spec `entries` shards over data.
+
+    Autodiff turns the gather into the reduce-scatter of the gradient.
+    """
+    dim = _dim_over_data(entries)
+    full = _fully_manual(lambda v: jax.lax.all_gather(v, AXIS, axis=dim, tiled=True), x, entries)
+    return checkpoint_name(full, GATHERED)
+
+
+def gather_params(params, specs, stacked):
+    """Gather the parameters sharded over data at rest, except layer-stacked ones (see `gather_layer`)."""
+    def one(x, spec, is_stacked):
+        entries = _entries(spec, x.ndim)
+        return gather(x, entries) if _over_data(entries) and not is_stacked else x
+
+    return jax.tree.map(one, params, specs, stacked, is_leaf=lambda v: isinstance(v, P))
+
+
+def scatter_gradients(grads, grad_specs, param_specs):
+    """Sum per-device gradients over `data` into each device's shard (reduce-scatter).
+
+    Only for parameters whole at rest: those sharded at rest were gathered, and
+    autodiff has already reduce-scattered their gradients.
+    """
+    def one(g, grad_spec, param_spec):
+        entries = _entries(grad_spec, g.ndim)
+        dim = _dim_over_data(entries)
+        if dim is None or _over_data(param_spec):
+            return g
+        return _fully_manual(lambda v: jax.lax.psum_scatter(v, AXIS, scatter_dimension=dim, tiled=True), g, entries)
+
+    return jax.tree.map(one, grads, grad_specs, param_specs, is_leaf=lambda v: isinstance(v, P))
+
+
+def sum_gradients(grads, grad_specs, param_specs):
+    """All-reduce over `data` the gradients that stay whole (of parameters ZeRO leaves whole)."""
+    def one(g, grad_spec, param_spec):
+        if _over_data(grad_spec) or _over_data(param_spec):
+            return g
+        return _fully_manual(lambda v: jax.lax.psum(v, AXIS), g, _entries(grad_spec, g.ndim))
+
+    return jax.tree.map(one, grads, grad_specs, param_specs, is_leaf=lambda v: isinstance(v, P))
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerShard:
+    keys: tuple[str, ...]  # the parameter's path in the model's tree
+    tail: tuple[int, ...]  # the shape of one layer's shard
+    entries: tuple  # the spec of one layer's dimensions
+
+
+_layer_shards: contextvars.ContextVar[tuple[_LayerShard, ...] | None] = contextvars.ContextVar(
+    "jaxpar_zero_layers", default=None
+)
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+@contextlib.contextmanager
+def layer_gathers(params, specs, stacked):
+    """While the model is traced, let `gather_layer` find how each layer-stacked parameter is sharded."""
+    shards = []
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))
+    for (path, x), spec, is_stacked in zip(flat, spec_leaves, jax.tree.leaves(stacked)):
+        per_layer = _entries(spec, x.ndim)[1:]
+        if is_stacked and _over_data(per_layer):
+            shards.append(_LayerShard(_keys(path), tuple(x.shape[1:]), per_layer))
+    token = _layer_shards.set(tuple(shards))
+    try:
+        yield
+    finally:
+        _layer_shards.reset(token)
+
+
+def gather_layer(p):
+    """One layer's parameters, all-gathered over `data` under ZeRO-2/3 (unchanged otherwise).
+
+    A model calls this at the top of its layer-scan body. Each leaf is matched to
+    the stacked parameter it was sliced from by the end of its path and its
+    shard's shape, so a scan over any sub-tree or re-stacking of the layers works.
+    """
+    shards = _layer_shards.get()
+    if not shards:
+        return p
+
+    def one(path, x):
+        keys = _keys(path)
+        for start in range(len(keys)):
+            suffix = keys[start:]
+            found = {s.entries for s in shards if s.keys[-len(suffix):] == suffix and _ends_with(x.shape, s.tail)}
+            if len(found) > 1:
+                raise ValueError(f"ZeRO: layer parameter {'/'.join(keys)} {x.shape} matches stacked parameters "
+                                 f"sharded in different ways; give them distinct names")
+            if found:
+                entries = found.pop()
+                return gather(x, (None,) * (x.ndim - len(entries)) + entries)
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, p)
+
+
+def _ends_with(shape: tuple[int, ...], tail: tuple[int, ...]) -> bool:
+    return len(shape) >= len(tail) and tuple(shape[len(shape) - len(tail):]) == tail

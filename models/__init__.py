@@ -13,9 +13,12 @@ from flax import nnx
 
 from jaxpar.models.llama import CONFIGS as LLAMA_CONFIGS
 from jaxpar.models.llama import Llama
+from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
+from jaxpar.models.moe import MoeLlama
 
 MODELS: dict[str, tuple[Callable[..., nnx.Module], Any]] = {
-    name: (Llama, config) for name, config in LLAMA_CONFIGS.items()
+    **{name: (Llama, config) for name, config in LLAMA_CONFIGS.items()},
+    **{name: (MoeLlama, config) for name, config in MOE_CONFIGS.items()},
 }
 
 

@@ -16,7 +16,7 @@ def run_train(tmp_path, name, *flags):
 
 def test_metrics_file_and_same_losses_on_two_meshes(tmp_path):
     dp = run_train(tmp_path, "dp", "--mesh", "data=8")
-    tp = run_train(tmp_path, "tp", "--mesh", "data=4,tensor=2")
+    tp = run_train(tmp_path, "tp", "--mesh", "data=2,tensor=4", "--sequence-parallel")
     assert [row["step"] for row in dp] == [1, 2, 3, 4]
     assert {"loss", "tokens_per_s", "step_time_s", "grad_norm"} <= set(dp[0])
     for a, b in zip(dp, tp):
@@ -46,7 +46,7 @@ def test_inspect_json(capsys):
         (["--mesh", "data=3"], "has 3 devices but 8 are available"),
         (["--mesh", "data=4,model=2"], "unknown mesh axis 'model'"),
         (["--mesh", "data=8", "--batch-size", "12"], "global batch 12 does not divide"),
-        (["--mesh", "data=2,tensor=4"], "dimension 2 ('kv_heads') of size 2 does not divide by mesh axes tensor=4"),
+        (["--mesh", "tensor=8"], "dimension 2 ('kv_heads') of size 4 does not divide by mesh axes tensor=8"),
         (["--data", "/no/such/file.txt"], "does not exist"),
         (["--model", "gpt5"], "unknown model 'gpt5'"),
         (["--zero", "7"], "zero stage must be 0, 1, 2 or 3"),

@@ -1,0 +1,123 @@
+"""Expert-parallelism figures as JSON, at a fixed global batch on 8 devices:
+
+- for expert = 1, 2, 4, 8 (data = 8 / expert): the all-to-all calls and bytes per device per step,
+  read from the compiled step, against 4 per MoE layer of k · tokens per device · d_model ·
+  capacity factor · bytes per element (dispatch and combine, forward and backward), and the
+  part of them that leaves the device ((expert - 1) / expert); the expert weights' bytes per
+  device; the median step time;
+- the dropped-token fraction at capacity factor 1.0 and 1.25 (and dropless), at the first step and
+  after training, with the load-balancing loss that pushes the router towards even loads.
+
+    python benchmarks/experts.py [--model moe-tiny] [--batch-size 16] [--seq-len 64] [--steps 5] [--train-steps 20]
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxpar import data as data_lib  # noqa: E402
+from jaxpar import inspect  # noqa: E402
+from jaxpar.models.moe import CONFIGS, MoeLlama  # noqa: E402
+from jaxpar.plan import Plan  # noqa: E402
+from jaxpar.state import init_state  # noqa: E402
+from jaxpar.step import make_train_step  # noqa: E402
+from jaxpar.train import TrainConfig, make_optimizer  # noqa: E402
+
+
+def setup(config, plan: Plan, batch_size: int, train_steps: int):
+    optimizer = make_optimizer(TrainConfig(steps=max(train_steps, 2), batch_size=batch_size, seq_len=config.seq_len))
+    model, state = init_state(lambda: MoeLlama(config, nnx.Rngs(0)), optimizer, plan)
+    step = make_train_step(model, lambda m, b: m(b), optimizer, plan)
+    batches = data_lib.Batches(data_lib.default_corpus(), batch_size, config.seq_len, seed=0)
+    sharding = plan.sharding(plan.batch_spec(2))
+    return state, step, lambda i: data_lib.global_batch(batches, i, sharding)
+
+
+def expert_weight_bytes(state) -> int:
+    """Bytes of the experts' weights on device 0."""
+    moe = state.params["blocks"]["moe"]
+    return sum(moe[k].addressable_shards[0].data.nbytes for k in ("expert_gate", "expert_up", "expert_down"))
+
+
+def scaling_row(config, expert: int, batch_size: int, steps: int) -> dict:
+    plan = Plan.create(f"data={8 // expert},expert={expert}")
+    state, step, batch = setup(config, plan, batch_size, steps)
+    compiled = step.lower(state, batch(0)).compile()
+    all_to_all = [r for r in inspect.collectives(compiled, plan.mesh) if r["kind"] == "all-to-all"]
+    tokens = batch_size * config.seq_len // 8
+    factor = config.n_experts / config.top_k if config.dropless else config.capacity_factor
+    per_call = config.top_k * tokens * config.d_model * factor * np.dtype(config.param_dtype).itemsize
+    weights = expert_weight_bytes(state)
+    times = []
+    for i in range(steps + 1):
+        began = time.perf_counter()
+        state, metrics = step(state, batch(i))
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - began)
+    return {
+        "mesh": {"data": 8 // expert, "expert": expert},
+        "all_to_all_calls": sum(r["count"] for r in all_to_all),
+        "all_to_all_bytes": sum(r["bytes"] for r in all_to_all),
+        "all_to_all_bytes_formula": 0 if expert == 1 else 4 * config.n_moe_layers * per_call,
+        "all_to_all_traffic": sum(r["traffic"] for r in all_to_all),  # (expert - 1) / expert of it leaves the device
+        "expert_weight_bytes_per_device": weights,
+        "step_time_s": statistics.median(times[1:]),
+    }
+
+
+def drops_row(config, capacity: float | None, batch_size: int, train_steps: int) -> dict:
+    cfg = dataclasses.replace(config, dropless=True) if capacity is None else \
+        dataclasses.replace(config, capacity_factor=capacity)
+    state, step, batch = setup(cfg, Plan.create("data=2,expert=4"), batch_size, train_steps)
+    rows = []
+    for i in range(train_steps):
+        state, metrics = step(state, batch(i))
+        rows.append({k: np.asarray(v) for k, v in jax.device_get(metrics).items()})
+    return {
+        "capacity_factor": "dropless" if capacity is None else capacity,
+        "capacity_per_group": cfg.moe.capacity(cfg.moe.group(cfg.seq_len)),
+        "dropped_fraction_first_step": float(rows[0]["dropped_fraction"]),
+        "dropped_fraction_last_step": float(rows[-1]["dropped_fraction"]),
+        "load_balance_loss_first_step": float(rows[0]["load_balance_loss"]),
+        "load_balance_loss_last_step": float(rows[-1]["load_balance_loss"]),
+        "expert_share_last_step": [round(float(v), 4) for v in rows[-1]["expert_share"]],
+        "loss_first_step": float(rows[0]["loss"]),
+        "loss_last_step": float(rows[-1]["loss"]),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="moe-tiny", choices=sorted(CONFIGS))
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per mesh")
+    parser.add_argument("--train-steps", type=int, default=20, help="steps of the dropped-token runs")
+    args = parser.parse_args()
+    config = dataclasses.replace(CONFIGS[args.model], seq_len=args.seq_len)
+    report = {
+        "model": args.model,
+        "global_batch": args.batch_size,
+        "seq_len": args.seq_len,
+        "n_experts": config.n_experts,
+        "top_k": config.top_k,
+        "moe_layers": config.n_moe_layers,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "scaling": [scaling_row(config, expert, args.batch_size, args.steps) for expert in (1, 2, 4, 8)],
+        "drops": [drops_row(config, capacity, args.batch_size, args.train_steps) for capacity in (1.0, 1.25, None)],
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

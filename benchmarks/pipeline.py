@@ -1,0 +1,127 @@
+"""Pipeline figures as JSON, read back from compiled train steps on pipe = 4 (one sequence per microbatch):
+
+- each schedule's bubble fraction from its tick table, against (p-1)/(v*m+p-1);
+- matmul FLOPs of the pipelined step (per device x p) over those of the unpipelined step on
+  one device, against (v*m+p-1)/(v*m): the bubble ticks are the only extra work;
+- bytes passed between stages (collective-permutes over pipe, per device and direction) against
+  v x m x one microbatch's activation bytes (each of a device's v chunks hands every microbatch on
+  once), and every other collective over pipe (with v > 1
+  also the per-step move of the layers into round-robin order and of their gradients back);
+- the temp memory of the compiled step for m = 4, 8, 16, 32 at a fixed microbatch size.
+
+    python benchmarks/pipeline.py [--microbatches 4,8,16,32] [--seq-len 32]
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxpar import inspect  # noqa: E402
+from jaxpar.models.llama import CONFIGS, Llama  # noqa: E402
+from jaxpar.plan import Plan  # noqa: E402
+from jaxpar.schedule import Schedule  # noqa: E402
+from jaxpar.state import abstract_state, describe  # noqa: E402
+from jaxpar.step import make_train_step  # noqa: E402
+
+STAGES = 4
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+_DOT = re.compile(
+    r"%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* dot\((%?[\w.\-]+), %?[\w.\-]+\).*lhs_contracting_dims=\{([\d,]*)\}"
+)
+_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([\d,]*)\]")
+
+
+def matmul_flops(compiled) -> float:
+    """2 x M x N x K of every dot, times the executions per step of its computation (loop trip counts).
+
+    XLA's cost analysis counts a while loop's body once, so scans over layers
+    and ticks would vanish from it; the loop-aware call counts come from
+    jaxpar.inspect's reading of the same HLO.
+    """
+    computations = inspect._split_computations(compiled.as_text())
+    counts = inspect._execution_counts(computations)
+    total = 0.0
+    for name, lines in computations.items():
+        if name == "__entry__" or not counts.get(name):
+            continue
+        shapes = {m.group(1): [int(d) for d in m.group(2).split(",") if d] for m in map(_DEF.match, lines) if m}
+        for line in lines:
+            dot = _DOT.search(line)
+            if not dot:
+                continue
+            out = [int(d) for d in dot.group(3).split(",") if d]
+            lhs = shapes[dot.group(4).lstrip("%")]
+            contracted = math.prod(lhs[int(d)] for d in dot.group(5).split(",") if d)
+            total += 2.0 * math.prod(out) * contracted * counts[name]
+    return total
+
+
+def compile_step(model, optimizer, plan: Plan, batch: int, seq: int):
+    spec = jax.ShapeDtypeStruct((batch, seq), np.int32)
+    step = make_train_step(model, lambda module, b: module(b), optimizer, plan)
+    return step.lower(abstract_state(model, optimizer, plan), {"inputs": spec, "targets": spec}).compile()
+
+
+def measure(model, optimizer, config, name: str, v: int, m: int, reference_flops: float) -> dict:
+    plan = Plan.create(f"pipe={STAGES}", devices=jax.devices()[:STAGES], schedule=name, microbatches=m,
+                       virtual_stages=v)
+    compiled = compile_step(model, optimizer, plan, m, config.seq_len)
+    schedule = Schedule(name, STAGES, m, v)
+    activation = config.seq_len * config.d_model * 4
+    over_pipe = [r for r in inspect.collectives(compiled, plan.mesh) if r["axes"] == ["pipe"]]
+    permutes = [op for op in inspect.collective_ops(compiled, plan.mesh)
+                if op.kind == "collective-permute" and op.axes == ("pipe",)]
+    permuted = sum(op.count * op.bytes for op in permutes if op.bytes == activation)
+    relaid = sum(op.count * op.bytes for op in permutes if op.bytes != activation)
+    flops_ratio = matmul_flops(compiled) * STAGES / reference_flops
+    goal = (v * m + STAGES - 1) / (v * m)
+    return {
+        "schedule": name, "virtual_stages": v, "microbatches": m, "ticks": schedule.ticks,
+        "bubble": schedule.bubble, "bubble_formula": schedule.bubble_formula,
+        "flops_ratio": flops_ratio, "flops_ratio_formula": goal, "flops_within_goal": flops_ratio <= goal * 1.05,
+        "stage_bytes_per_direction": permuted / 2, "ideal_stage_bytes_per_direction": v * m * activation,
+        "stage_bytes_over_ideal": permuted / 2 / (v * m * activation),
+        "layer_relayout_bytes": relaid,
+        "collectives_over_pipe": over_pipe,
+        "memory": inspect.memory(compiled),
+        "in_flight_microbatches": schedule.in_flight,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--microbatches", default="4,8,16,32", help="comma-separated m values for the series")
+    parser.add_argument("--seq-len", type=int, default=32)
+    args = parser.parse_args()
+    series = [int(m) for m in args.microbatches.split(",")]
+    config = dataclasses.replace(CONFIGS["tiny"], n_layers=8, seq_len=args.seq_len)
+    model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
+    single = Plan.create("data=1", devices=jax.devices()[:1])
+    results = []
+    for m in series:
+        reference_flops = matmul_flops(compile_step(model, optimizer, single, m, config.seq_len))
+        for name, v in SCHEDULES:
+            results.append(measure(model, optimizer, config, name, v, m, reference_flops))
+    temp = {name: {r["microbatches"]: r["memory"]["temp"] for r in results if r["schedule"] == name}
+            for name, _ in SCHEDULES}
+    print(json.dumps({
+        "benchmark": "pipeline", "stages": STAGES, "layers": config.n_layers, "seq_len": config.seq_len,
+        "microbatch_sequences": 1, "activation_bytes": config.seq_len * config.d_model * 4,
+        "temp_memory_series": temp,
+        "temp_growth_m_last_over_first": {name: s[series[-1]] / s[series[0]] for name, s in temp.items()},
+        "results": results,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""Pipeline parallelism over `pipe`: stacked layers cut into stages, microbatches streamed by a schedule.
+
+A model hands `loss` three pure functions (embedding, a chunk of its stacked
+layers, loss head) and their parameters. Under a plan with pipe > 1 the layers'
+leading axis is cut into pipe x virtual_stages chunks and the schedule's tick
+table (`jaxpar.schedule`) runs inside `jax.shard_map` over `pipe` only, so data,
+tensor and expert sharding inside a stage keep working through GSPMD. Each tick
+is one `lax.scan` iteration; activations go forward and cotangents backward
+with one `ppermute` each.
+
+- gpipe / interleaved: a scan of forward ticks; the backward is its autodiff,
+  which keeps every tick's residuals (memory grows with the microbatches).
+- 1f1b: forward and backward slots of different microbatches share a tick;
+  each stage keeps the VJP residuals of at most 2p - 1 microbatches in a ring
+  buffer, whatever m is. Loss and gradients come out of one scan, wrapped in a
+  `jax.custom_vjp` so the train step differentiates it like any loss.
+
+The embedding feeds stage 0 and the loss head runs on the last stage's outputs,
+split over the pipe stages by sequence positions (a reduce-scatter of the
+outputs and an all-gather of their cotangents), so no stage does p times the
+head's work. Parameters every stage holds (embedding, head) get their gradients
+summed over pipe once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.plan import active_plan
+from jaxpar.schedule import EMPTY, Schedule
+from jaxpar.step import microbatches
+
+AXIS = "pipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A model cut for pipelining into pure functions of explicit parameters.
+
+    embed(params, tokens[b, s]) -> x[b, s, d] runs before the first stage;
+    layers(stacked, x) -> x runs the layers stacked along the leading axis of `stacked`;
+    head(params, x, targets[b, s]) -> mean loss runs after the last stage.
+    """
+
+    embed: Callable[[Any, jax.Array], jax.Array]
+    layers: Callable[[Any, jax.Array], jax.Array]
+    head: Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+_fill: contextvars.ContextVar[float] = contextvars.ContextVar("jaxpar_bubble_fill", default=0.0)
+
+
+@contextlib.contextmanager
+def bubble_fill(value: float):
+    """Fill bubble slots (and empty ring-buffer slots) with `value` while tracing; NaN in tests shows leaks."""
+    token = _fill.set(value)
+    try:
+        yield
+    finally:
+        _fill.reset(token)
+
+
+def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """The model's mean loss on a batch; pipelined over `pipe` when the active plan has pipe > 1."""
+    plan = active_plan()
+    if plan is None or plan.shape[AXIS] == 1:
+        return stages.head(head_params, stages.layers(stacked, stages.embed(embed_params, inputs)), targets)
+    schedule = Schedule(plan.schedule, plan.shape[AXIS], plan.microbatches, plan.virtual_stages)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    check_shapes(schedule, stacked, inputs, plan.axis_size(*(a for a in plan.batch_axes if a not in manual)))
+    split = microbatches({"inputs": inputs, "targets": targets}, schedule.microbatches)
+    args = (embed_params, to_chunks(stacked, schedule), head_params, split["inputs"], split["targets"])
+    return _pipelined(stages, schedule, _fill.get())(*args)
+
+
+def check_shapes(schedule: Schedule, stacked, inputs: jax.Array, batch_ways: int) -> None:
+    """Raise ValueError (before anything compiles) when layers, batch or sequence do not split."""
+    p, v, m = schedule.stages, schedule.virtual_stages, schedule.microbatches
+    layers = {leaf.shape[0] for leaf in jax.tree.leaves(stacked)}
+    if len(layers) != 1:
+        raise ValueError(f"stacked layer parameters disagree on the number of layers: {sorted(layers)}")
+    (depth,) = layers
+    if depth % (p * v):
+        raise ValueError(
+            f"{depth} stacked layers do not divide into pipe={p} x virtual_stages={v} = {p * v} pipeline chunks"
+        )
+    batch, seq = inputs.shape
+    if batch % (m * batch_ways):
+        raise ValueError(
+            f"global batch {batch} does not split into microbatches={m} x {batch_ways} batch shards "
+            f"(the batch axes); make it a multiple of {m * batch_ways}"
+        )
+    if seq % p:
+        raise ValueError(
+            f"sequence length {seq} does not divide by pipe={p}: the loss head is split over the pipe stages "
+            f"by sequence positions"
+        )
+
+
+def to_chunks(stacked, schedule: Schedule):
+    """[L, ...] -> [p, v, L/(p*v), ...]: device i's chunk k holds ring position k*p + i of the layers.
+
+    With v = 1 this is the `layers` -> `pipe` sharding the parameters already
+    have; with v > 1 it moves each device's layers into round-robin order.
+    """
+    p, v = schedule.stages, schedule.virtual_stages
+
+    def cut(leaf):
+        chunked = leaf.reshape(v, p, leaf.shape[0] // (p * v), *leaf.shape[1:])
+        return jnp.swapaxes(chunked, 0, 1)
+
+    return jax.tree.map(cut, stacked)
+
+
+def _shard(body: Callable, out_specs) -> Callable:
+    return jax.shard_map(
+        body, in_specs=(P(), P(AXIS), P(), P(), P()), out_specs=out_specs, axis_names={AXIS}
+    )
+
+
+def _varying(tree, axes: set[str]):
+    """Mark values as varying over `axes` (pipe, plus any manual axis the inputs vary over, e.g. data).
+
+    Scan carries must start varying; parameters replicated over `pipe` are cast
+    once before use, so their gradients stay per stage until one explicit psum
+    (an implicit cast at each use would psum the gradients on every tick).
+    """
+    def cast(x):
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _inputs_vary_over(*trees) -> set[str]:
+    """`pipe` and every manual axis along which some input differs between devices."""
+    return {AXIS}.union(*(_varying_axes(x) for x in jax.tree.leaves(trees)))
+
+
+def _varying_axes(x) -> set[str]:
+    """Manual axes along which x may differ between devices (`vma` in jax < 0.10)."""
+    aval = jax.typeof(x)
+    manual_type = getattr(aval, "manual_axis_type", None)
+    return set(manual_type.varying) if manual_type is not None else set(getattr(aval, "vma", ()))
+
+
+def _row(x, index):
+    """x[index] along the leading axis for a traced index (clamped: EMPTY slots read row 0)."""
+    return jax.lax.dynamic_index_in_dim(x, jnp.maximum(index, 0), 0, keepdims=False)
+
+
+def _head_share(outputs, targets, stage, p: int):
+    """This stage's share of the sequence positions of the last stage's `outputs` [..., b, s, d] and `targets`.
+
+    An all-to-all over pipe cuts every stage's outputs into p pieces of s/p
+    positions; each stage keeps the piece the last stage sent it, so all of
+    them run the loss head on s/p positions. Returned as [-1, s/p, d] and [-1, s/p].
+    """
+    *lead, seq, d = outputs.shape
+    width = seq // p
+    pieces = jnp.moveaxis(outputs.reshape(*lead, p, width, d), len(lead), 0)
+    share = jax.lax.all_to_all(pieces, AXIS, split_axis=0, concat_axis=0, tiled=True)[p - 1]
+    tgt = jax.lax.dynamic_slice_in_dim(targets, stage * width, width, axis=targets.ndim - 1)
+    return share.reshape(-1, width, d), tgt.reshape(-1, width)
+
+
+def _sum_over_stages(tree):
+    """psum over pipe in at least fp32 (better sums; XLA:CPU also fails to compile bf16 reductions here)."""
+    def total(x):
+        return jax.lax.psum(x.astype(jnp.promote_types(x.dtype, jnp.float32)), AXIS).astype(x.dtype)
+
+    return jax.tree.map(total, tree)
+
+
+def _circular_loss(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+    """gpipe and interleaved: the embedding, forward ticks in a scan (the backward is its autodiff), the head.
+
+    Autodiff keeps every tick's residuals anyway, so the m microbatches are
+    embedded before the scan, and the table's gradient is one scatter-add.
+    """
+    p, v = schedule.stages, schedule.virtual_stages
+    ring = [(a, (a + 1) % p) for a in range(p)] if v > 1 else [(a, a + 1) for a in range(p - 1)]
+
+    def body(embed_params, chunks, head_params, tokens, targets):
+        stage = jax.lax.axis_index(AXIS)
+        varies = _inputs_vary_over(embed_params, chunks, head_params, tokens, targets)
+        chunks = jax.tree.map(lambda a: a[0], chunks)
+        embedded = jax.vmap(lambda t: stages.embed(embed_params, t))(tokens)
+
+        def tick(incoming, row):
+            j, k = row[0][stage], row[1][stage]
+            valid = j != EMPTY
+            fresh = _row(embedded, j)
+            x = jnp.where((stage == 0) & (k == 0), fresh, incoming)
+            x = jnp.where(valid, x, jnp.zeros_like(x))
+            y = stages.layers(jax.tree.map(lambda a: _row(a, k), chunks), x)
+            y = jnp.where(valid, y, jnp.full_like(y, fill))
+            return jax.lax.ppermute(y, AXIS, ring), y
+
+        start = _varying(jnp.full(embedded.shape[1:], fill, embedded.dtype), varies)
+        table = (jnp.asarray(schedule.forward), jnp.asarray(schedule.chunk))
+        _, ys = jax.lax.scan(tick, start, table)
+        outputs = jnp.swapaxes(ys[schedule.output_ticks], 0, 1)
+        value = stages.head(head_params, *_head_share(outputs, jnp.swapaxes(targets, 0, 1), stage, p))
+        return jax.lax.pmean(value, AXIS)
+
+    return body
+
+
+def _pipelined(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+    """loss(embed params, chunks, head params, tokens, targets) whose VJP is the schedule's own backward.
+
+    Without differentiation only the forward ticks run. Under autodiff the
+    schedule computes the loss and every gradient in one shard_map (a custom
+    VJP that stashes the gradients and scales them by the incoming cotangent),
+    so no transpose of the pipeline is left to JAX.
+    """
+    forward_schedule = schedule
+    if schedule.explicit_backward:
+        forward_schedule = Schedule("gpipe", schedule.stages, schedule.microbatches)
+    forward = _shard(_circular_loss(stages, forward_schedule, fill), P())
+    body = _one_f_one_b_body if schedule.explicit_backward else _autodiff_body
+    with_grads = _shard(body(stages, schedule, fill), (P(), (P(), P(AXIS), P())))
+
+    primal_axes = {}
+
+    @jax.custom_vjp
+    def run(embed_params, chunks, head_params, tokens, targets):
+        return forward(embed_params, chunks, head_params, tokens, targets)
+
+    def run_fwd(*args):
+        primal_axes["params"] = jax.tree.map(_varying_axes, args[:3])
+        return with_grads(*args)
+
+    def run_bwd(grads, cotangent):
+        def scale(g, axes):
+            g = (g * cotangent).astype(g.dtype)
+            extra = tuple(sorted(_varying_axes(g) - axes))
+            return jax.lax.psum(g, extra) if extra else g
+
+        is_axes = lambda x: isinstance(x, set)  # noqa: E731
+        return (*jax.tree.map(scale, grads, primal_axes["params"], is_leaf=is_axes), None, None)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def _autodiff_body(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+    """gpipe and interleaved: the forward ticks and their autodiff, inside the pipe shard_map."""
+    forward = _circular_loss(stages, schedule, fill)
+
+    def body(embed_params, chunks, head_params, tokens, targets):
+        varies = _inputs_vary_over(embed_params, chunks, head_params, tokens, targets)
+        embed_params, head_params = _varying((embed_params, head_params), varies)
+        value, vjp = jax.vjp(lambda e, c, h: forward(e, c, h, tokens, targets), embed_params, chunks, head_params)
+        d_embed, d_chunks, d_head = vjp(jnp.ones_like(value))
+        return value, (_sum_over_stages(d_embed), d_chunks, _sum_over_stages(d_head))
+
+    return body
+
+
+def _accumulator(x):
+    return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _add(total, part):
+    """total + part leaf by leaf, in the accumulators' dtype."""
+    return jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, part)
+
+
+class _ResidualRing:
+    """Where a stage keeps the VJP residuals of its microbatches in flight: row j mod `slots`.
+
+    The stage's VJP closes over its parameters and over per-microbatch values;
+    only the latter are stored (the parameters are the same on every tick). One
+    scratch row takes the writes and reads of empty slots.
+    """
+
+    def __init__(self, layers: Callable, params, x, slots: int, fill: float):
+        _, probe = jax.vjp(layers, params, x)
+        leaves, self.treedef = jax.tree.flatten(probe)
+        self.params = jax.tree.leaves(params)
+        position = {id(a): n for n, a in enumerate(self.params)}
+        self.param_of_leaf = [position.get(id(leaf)) for leaf in leaves]
+        self.slots = slots
+
+        def blank(leaf):
+            value = fill if jnp.issubdtype(leaf.dtype, jnp.floating) else 0
+            return jnp.full((slots + 1, *leaf.shape), value, leaf.dtype)
+
+        self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+
+    def _row(self, j):
+        return jnp.where(j != EMPTY, jnp.maximum(j, 0) % self.slots, self.slots)
+
+    def store(self, buffers: list, j, vjp) -> list:
+        leaves = jax.tree.leaves(vjp)
+        if len(leaves) != len(self.param_of_leaf):
+            raise AssertionError("the stage's VJP changed structure between ticks")
+        kept = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        row = self._row(j)
+        return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
+
+    def load(self, buffers: list, j) -> Callable:
+        """The VJP of microbatch j's forward, rebuilt from its stored residuals and the parameters."""
+        stored = iter(_row(buf, self._row(j)) for buf in buffers)
+        leaves = [self.params[n] if n is not None else next(stored) for n in self.param_of_leaf]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+    """1f1b: warm-up, steady and cool-down scans computing the loss and all gradients."""
+    p, m = schedule.stages, schedule.microbatches
+    forward_ring = [(a, a + 1) for a in range(p - 1)]
+    backward_ring = [(a + 1, a) for a in range(p - 1)]
+    warm, steady, _ = schedule.phases
+
+    def body(embed_params, chunks, head_params, tokens, targets):
+        stage = jax.lax.axis_index(AXIS)
+        varies = _inputs_vary_over(embed_params, chunks, head_params, tokens, targets)
+        embed_params, head_params = _varying((embed_params, head_params), varies)
+        params = jax.tree.map(lambda a: a[0, 0], chunks)
+        act = jax.eval_shape(stages.embed, embed_params, tokens[0])
+        width = act.shape[1] // p
+        loss_dtype = jax.eval_shape(
+            stages.head, head_params, jax.ShapeDtypeStruct((act.shape[0], width, act.shape[2]), act.dtype),
+            jax.ShapeDtypeStruct((act.shape[0], width), targets.dtype),
+        ).dtype
+        ring = _ResidualRing(stages.layers, params, _varying(jnp.zeros(act.shape, act.dtype), varies),
+                             schedule.in_flight, fill)
+
+        def forward_slot(carry, j):
+            """Stage forward of microbatch j (embedded here on stage 0); its VJP goes into the ring."""
+            valid = j != EMPTY
+            x = jnp.where(stage == 0, stages.embed(embed_params, _row(tokens, j)), carry["fwd_in"])
+            y, vjp = jax.vjp(stages.layers, params, jnp.where(valid, x, jnp.zeros_like(x)))
+            carry["ring"] = ring.store(carry["ring"], j, vjp)
+            return jnp.where(valid, y, jnp.full_like(y, fill))
+
+        def head_slot(carry, y, j):
+            """Loss of microbatch j on each stage's share of positions; the cotangent of the last stage's y."""
+            share, tgt = _head_share(y, _row(targets, j), stage, p)
+            value, head_vjp = jax.vjp(lambda h, x: stages.head(h, x, tgt), head_params, share)
+            d_head, d_share = head_vjp(jnp.ones_like(value) / (m * p))
+            carry["loss"] = carry["loss"] + value.astype(carry["loss"].dtype)
+            carry["d_head"] = _add(carry["d_head"], d_head)
+            return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True)
+
+        def backward_slot(carry, j, cotangent):
+            """Stage backward of microbatch j from its stored residuals; stage 0 also backs into the embedding."""
+            valid = j != EMPTY
+            d_params, dx = ring.load(carry["ring"], j)(jnp.where(valid, cotangent, jnp.zeros_like(cotangent)))
+            carry["d_stage"] = _add(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params))
+            _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
+            carry["d_embed"] = _add(carry["d_embed"], embed_vjp(jnp.where(valid & (stage == 0), dx, 0))[0])
+            return jnp.where(valid, dx, jnp.full_like(dx, fill))
+
+        def warm_tick(carry, row):
+            carry = dict(carry)
+            carry["fwd_in"] = jax.lax.ppermute(forward_slot(carry, row[stage]), AXIS, forward_ring)
+            return carry, None
+
+        def steady_tick(carry, rows):
+            fwd_row, bwd_row, head_j = rows
+            carry = dict(carry)
+            y = forward_slot(carry, fwd_row[stage])
+            dy = head_slot(carry, y, head_j)
+            dx = backward_slot(carry, bwd_row[stage], jnp.where(stage == p - 1, dy, carry["bwd_in"]))
+            carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
+            carry["bwd_in"] = jax.lax.ppermute(dx, AXIS, backward_ring)
+            return carry, None
+
+        def cool_tick(carry, row):
+            carry = dict(carry)
+            carry["bwd_in"] = jax.lax.ppermute(backward_slot(carry, row[stage], carry["bwd_in"]), AXIS, backward_ring)
+            return carry, None
+
+        carry = _varying({
+            "fwd_in": jnp.full(act.shape, fill, act.dtype),
+            "bwd_in": jnp.full(act.shape, fill, act.dtype),
+            "ring": ring.empty,
+            "d_stage": jax.tree.map(_accumulator, params),
+            "d_embed": jax.tree.map(_accumulator, embed_params),
+            "d_head": jax.tree.map(_accumulator, head_params),
+            "loss": jnp.zeros((), jnp.float32),
+        }, varies)
+        fwd, bwd = jnp.asarray(schedule.forward), jnp.asarray(schedule.backward)
+        carry, _ = jax.lax.scan(warm_tick, carry, fwd[:warm])
+        rows = (fwd[warm:warm + steady], bwd[warm:warm + steady], fwd[warm:warm + steady, p - 1])
+        carry, _ = jax.lax.scan(steady_tick, carry, rows)
+        carry, _ = jax.lax.scan(cool_tick, carry, bwd[warm + steady:])
+
+        def cast(tree, like):
+            return jax.tree.map(lambda a, ref: a.astype(ref.dtype), tree, like)
+
+        d_stage = jax.tree.map(lambda a: a[None, None], cast(carry["d_stage"], params))
+        d_embed = cast(_sum_over_stages(carry["d_embed"]), embed_params)
+        d_head = cast(_sum_over_stages(carry["d_head"]), head_params)
+        loss = (jax.lax.psum(carry["loss"], AXIS) / (m * p)).astype(loss_dtype)
+        return loss, (d_embed, d_stage, d_head)
+
+    return body

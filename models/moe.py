@@ -1,0 +1,150 @@
+"""The reference Llama with a mixture-of-experts feed-forward layer in every `moe_every`-th block.
+
+Blocks come in groups of `moe_every`: `moe_every - 1` dense Llama blocks, then
+one block whose MLP is `jaxpar.experts.moe_ffn`. Groups are stacked along the
+`layers` axis and scanned, like the dense model's blocks, so the compiled step
+stays the same size whatever the depth. The loss adds the routers' auxiliary
+losses, and the aux dict carries the routing metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar import experts, tensor, zero
+from jaxpar.models import llama
+from jaxpar.plan import active_plan
+from jaxpar.rules import constrain
+from jaxpar.step import active_remat
+
+MoeLayer = Callable[[dict, jax.Array, experts.MoEConfig], tuple[jax.Array, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeLlamaConfig(llama.LlamaConfig):
+    """A LlamaConfig plus the experts (see jaxpar.experts.MoEConfig for the routing fields)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    moe_every: int = 2
+    expert_d_ff: int = 128
+    capacity_factor: float = 1.25
+    dropless: bool = False
+    group_size: int | None = None
+    load_balance_coef: float = 1e-2
+    router_z_coef: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.moe_every < 1 or self.n_layers % self.moe_every:
+            raise ValueError(f"moe_every={self.moe_every} must be >= 1 and divide n_layers={self.n_layers}")
+        self.moe.group(self.seq_len)
+
+    @property
+    def moe(self) -> experts.MoEConfig:
+        return experts.MoEConfig(
+            n_experts=self.n_experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
+            dropless=self.dropless, group_size=self.group_size,
+            load_balance_coef=self.load_balance_coef, router_z_coef=self.router_z_coef,
+        )
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers // self.moe_every
+
+    def param_count(self) -> int:
+        d, e, fe, n_moe = self.d_model, self.n_experts, self.expert_d_ff, self.n_moe_layers
+        dense_mlp = 3 * d * self.d_ff
+        return super().param_count() - n_moe * dense_mlp + n_moe * (d * e + 3 * e * d * fe)
+
+
+CONFIGS: dict[str, MoeLlamaConfig] = {
+    "moe-tiny": MoeLlamaConfig(),
+    "moe-small": MoeLlamaConfig(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
+                                expert_d_ff=384, n_experts=16, seq_len=256),
+}
+
+
+class ExpertBlocks(llama.Blocks):
+    """The MoE blocks: Llama attention and norms, then a router and the experts, stacked over `layers`."""
+
+    def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs, count=cfg.n_moe_layers, dense_ffn=False)
+        n, e, d, fe = cfg.n_moe_layers, cfg.n_experts, cfg.d_model, cfg.expert_d_ff
+        dt = jnp.dtype(cfg.param_dtype)
+        s_in, s_out = d**-0.5, fe**-0.5 / (2 * cfg.n_layers) ** 0.5
+        hidden = ("layers", "experts", "embed", "expert_mlp")
+        self.router = llama._param(rngs, (n, d, e), ("layers", "embed", None), dt, s_in)
+        self.expert_gate = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
+        self.expert_up = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
+        self.expert_down = llama._param(rngs, (n, e, fe, d), ("layers", "experts", "expert_mlp", "embed"), dt, s_out)
+
+
+class MoeBlocks(nnx.Module):
+    """Per group of `moe_every` blocks: the dense Llama blocks, then one MoE block."""
+
+    def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
+        dense = cfg.n_moe_layers * (cfg.moe_every - 1)
+        self.dense = llama.Blocks(cfg, rngs, count=dense) if dense else None
+        self.moe = ExpertBlocks(cfg, rngs)
+
+    def stacked(self) -> dict[str, dict[str, jax.Array]]:
+        """Each group's weights along a leading group axis (the dense blocks' as [groups, moe_every - 1, ...])."""
+        moe = self.moe.stacked()
+        if self.dense is None:
+            return {"moe": moe}
+        groups = moe["router"].shape[0]
+        dense = {k: v.reshape(groups, v.shape[0] // groups, *v.shape[1:]) for k, v in self.dense.stacked().items()}
+        return {"dense": dense, "moe": moe}
+
+
+def moe_block(p, x, cfg: MoeLlamaConfig, moe_layer: MoeLayer = experts.moe_ffn):
+    """Attention, then the experts in place of the MLP: (residual stream, the layer's routing statistics)."""
+    x = llama.attention_residual(p, x, cfg)
+    y, stats = moe_layer(p, tensor.enter_tensor_region(llama.rms_norm(x, p["mlp_norm"], cfg.norm_eps)), cfg.moe)
+    return constrain(x + y, llama.RESIDUAL), stats
+
+
+def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
+               moe_layer: MoeLayer = experts.moe_ffn):
+    """Scan the block groups over the leading axis of `stacked`: (x, statistics stacked per MoE layer).
+
+    Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
+    each MoE block's parameters gathered just before it runs.
+    """
+    remat = active_remat() if remat is None else remat
+    moe = remat(lambda p, h: moe_block(zero.gather_layer({"moe": p})["moe"], h, cfg, moe_layer))
+
+    def group(h, p):
+        if "dense" in p:
+            h = llama.run_layers(p["dense"], h, cfg, remat)
+        return moe(p["moe"], h)
+
+    return jax.lax.scan(group, x, stacked)
+
+
+class MoeLlama(llama.Llama):
+    blocks_type = MoeBlocks
+
+    def __call__(self, batch, remat: Callable | None = None, moe_layer: MoeLayer = experts.moe_ffn):
+        """(cross-entropy + the routers' auxiliary losses, metrics).
+
+        Metrics: ce_loss, load_balance_loss (and router_z_loss) summed over the
+        MoE layers; dropped_fraction and expert_share [E] averaged over them.
+        """
+        plan = active_plan()
+        if plan is not None and plan.shape["pipe"] > 1:
+            raise ValueError(
+                f"the MoE model does not run under pipe={plan.shape['pipe']} yet: pipeline stages would have to "
+                "return the routers' auxiliary losses and metrics; use pipe=1"
+            )
+        x = self.embed(batch["inputs"])
+        x, per_layer = run_groups(self.blocks.stacked(), x, self.cfg, remat, moe_layer)
+        ce = self.loss(x, batch["targets"])
+        aux_loss, metrics = experts.summarize(per_layer)
+        return ce + aux_loss, {"ce_loss": ce, **metrics}

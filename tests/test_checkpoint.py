@@ -1,0 +1,297 @@
+"""Checkpoints: restore onto other plans, exact resume, the non-finite guard, export, bad input.
+
+One checkpoint saved under a 3D plan with ZeRO (data=2,tensor=2,pipe=2) is
+restored under other meshes, ZeRO stages, pipeline splits and device counts:
+values must come back bit for bit, in each target's sharding, and training
+must continue with the source plan's losses. Crash and preemption safety with
+real processes are in test_checkpoint_crash.py.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpar.checkpoint import Checkpoints
+from jaxpar.cli import main
+from jaxpar.export import export, load_model, load_params
+from jaxpar.models.llama import Llama, rms_norm, run_layers
+from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
+from jaxpar.models.moe import MoeLlama
+from jaxpar.plan import Plan
+from jaxpar.state import describe, init_state, place_state, state_specs
+from jaxpar.step import make_train_step
+from jaxpar.train import TrainConfig, iterate, open_checkpoints, prepare, resume
+
+from helpers import TINY, batches, copy_state, reference_state, single_device_plan
+
+CONFIG = dataclasses.replace(TINY, d_model=32, head_dim=8, d_ff=64, n_layers=4, seq_len=16)
+OPTIMIZER = optax.adamw(1e-2)
+SOURCE = ("data=2,tensor=2,pipe=2", {"zero": 1}, 8)
+TARGETS = {
+    "data8-zero3": ("data=8", {"zero": 3}, 8),
+    "data4-tensor2": ("data=4,tensor=2", {}, 8),
+    "pipe4-zero2": ("data=2,pipe=4", {"zero": 2}, 8),
+    "4-devices": ("data=2,tensor=2", {"zero": 1}, 4),
+}
+SAVED_STEP, CONTINUE = 2, 2
+SMALL = {"d_model": 32, "head_dim": 8, "n_layers": 2}  # the `jaxpar train` runs' model overrides
+
+
+def make_plan(mesh, options, devices) -> Plan:
+    return Plan.create(mesh, devices=jax.devices()[:devices], **options)
+
+
+def loss_fn(module, batch):
+    return module(batch)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Train SAVED_STEP steps under SOURCE, save, then CONTINUE more steps: the losses a restore must match."""
+    model, state, _ = reference_state(CONFIG, OPTIMIZER)
+    data = batches(batch_size=8, seq_len=16)
+    plan = make_plan(*SOURCE)
+    state = place_state(copy_state(state), model, OPTIMIZER, plan)
+    step = make_train_step(model, loss_fn, OPTIMIZER, plan)
+    for i in range(SAVED_STEP):
+        state, _ = step(state, data[i])
+    directory = tmp_path_factory.mktemp("source") / "checkpoints"
+    with Checkpoints(directory) as checkpoints:
+        checkpoints.save(SAVED_STEP, state)
+        host = copy_state(state)
+        losses = []
+        for i in range(SAVED_STEP, SAVED_STEP + CONTINUE):
+            state, metrics = step(state, data[i])
+            losses.append(float(metrics["loss"]))
+    return model, directory, host, np.array(losses), data
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_restore_onto_another_plan_continues_the_same_run(saved, target):
+    model, directory, host, source_losses, data = saved
+    plan = make_plan(*TARGETS[target])
+    with Checkpoints(directory, read_only=True) as checkpoints:
+        state, meta = checkpoints.restore(model, OPTIMIZER, plan)
+    assert meta["step"] == SAVED_STEP and int(state.step) == SAVED_STEP
+
+    expected = plan.shardings(state_specs(model, OPTIMIZER, plan))
+    laid_out = jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), state, expected)
+    assert all(jax.tree.leaves(laid_out)), f"restored arrays not in {target}'s shardings: {laid_out}"
+    equal = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), state, host)
+    assert all(jax.tree.leaves(equal)), f"restored values differ from the saved ones: {equal}"
+
+    step = make_train_step(model, loss_fn, OPTIMIZER, plan)
+    losses = []
+    for i in range(SAVED_STEP, SAVED_STEP + CONTINUE):
+        state, metrics = step(state, data[i])
+        losses.append(float(metrics["loss"]))
+    error = np.max(np.abs(np.array(losses) / source_losses - 1))
+    print(f"{target}: continued losses {losses}, relative error vs source plan {error:.2e}")
+    assert error <= 1e-5
+
+
+def test_moe_checkpoint_restores_onto_another_expert_split(tmp_path):
+    config = dataclasses.replace(MOE_CONFIGS["moe-tiny"], d_model=32, head_dim=8, n_layers=2, n_experts=4,
+                                 expert_d_ff=32, seq_len=16)
+    source = make_plan("data=2,expert=4", {"zero": 1}, 8)
+    model, state = init_state(lambda: MoeLlama(config, nnx.Rngs(0)), OPTIMIZER, source)
+    with Checkpoints(tmp_path) as checkpoints:
+        checkpoints.save(0, state)
+    target = make_plan("data=4,expert=2", {"zero": 3}, 8)
+    with Checkpoints(tmp_path, read_only=True) as checkpoints:
+        restored, _ = checkpoints.restore(model, OPTIMIZER, target)
+    expected = target.shardings(state_specs(model, OPTIMIZER, target))
+    assert restored.params["blocks"]["moe"]["expert_up"].sharding.spec[1] == "expert"
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), restored, expected)))
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(a, b), restored, jax.device_get(state))))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A prepared 20-step run of the tiny model (SMALL), shared so its step compiles once, and its initial state."""
+    train = TrainConfig(model="tiny", model_overrides=SMALL, steps=20, batch_size=8, seq_len=16)
+    run = prepare(train, Plan.create("data=4,tensor=2"))
+    return run, copy_state(run.init())
+
+
+def start(run, initial):
+    return place_state(initial, run.model, run.optimizer, run.plan)
+
+
+def saving(run, directory, **options):
+    """The same run (and compiled step), writing checkpoints to `directory`."""
+    return dataclasses.replace(run, config=dataclasses.replace(run.config, checkpoint_dir=str(directory), **options))
+
+
+def test_resume_after_stop_gives_the_uninterrupted_losses_bitwise(tiny, tmp_path):
+    run, initial = tiny
+    uninterrupted = [row["loss"] for _, row in iterate(run, start(run, initial))]
+
+    run = saving(run, tmp_path, save_every=5, keep=2)
+    checkpoints = open_checkpoints(run)
+    first = []
+    for _, row in iterate(run, start(run, initial), 0, checkpoints):
+        first.append(row["loss"])
+        if row["step"] == 10:
+            break
+    checkpoints.close()
+    with Checkpoints(tmp_path, read_only=True) as saved:
+        assert saved.steps() == [5, 10]
+
+    checkpoints = open_checkpoints(run)
+    state, position = resume(run, checkpoints)
+    assert position["step"] == 10 and position["data"]["position"] == 10
+    second = [row["loss"] for _, row in iterate(run, state, position["step"], checkpoints)]
+    checkpoints.close()
+    assert first + second == uninterrupted
+    with Checkpoints(tmp_path, read_only=True) as saved:
+        assert saved.steps() == [15, 20]
+
+    meta = json.loads((tmp_path / "20" / "meta" / "metadata").read_text())
+    assert meta["step"] == 20 and meta["config"]["model"]["config"]["d_model"] == 32
+    assert meta["config"]["mesh"] == {"data": 4, "pipe": 1, "expert": 1, "tensor": 2}
+    assert meta["config"]["train"]["save_every"] == 5 and meta["rng"]["seed"] == 0
+
+
+def poisoned_loss(module, batch):
+    """The model's loss times the batch's `poison` factor: NaN or Inf there makes the loss and gradients so."""
+    loss, aux = module(batch)
+    return loss * jnp.mean(batch["poison"]), aux
+
+
+def test_nonfinite_steps_keep_the_parameters_and_are_counted_or_stop_the_run(tiny):
+    run, initial = tiny
+    step = make_train_step(run.model, poisoned_loss, run.optimizer, run.plan)
+
+    def poisoned(factors):
+        factors = iter(factors)
+        return lambda state, batch: step(state, {**batch, "poison": np.full(8, next(factors), np.float32)})
+
+    states, rows = [], []
+    for state, row in iterate(dataclasses.replace(run, step_fn=poisoned([1.0, np.nan, np.inf, 1.0])),
+                              start(run, initial)):
+        states.append(copy_state(state))
+        rows.append(row)
+        if row["step"] == 4:
+            break
+    assert [r["nonfinite"] for r in rows] == [0, 1, 1, 0]
+    assert [r["nonfinite_steps"] for r in rows] == [0, 1, 2, 2]
+    assert [int(s.step) for s in states] == [1, 2, 3, 4]
+    for skipped in (1, 2):
+        same = jax.tree.map(np.array_equal, (states[skipped].params, states[skipped].opt_state),
+                            (states[0].params, states[0].opt_state))
+        assert all(jax.tree.leaves(same)), f"step {skipped + 1} changed the state: {same}"
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(states[3].params))
+    assert not np.array_equal(states[3].params["head"], states[0].params["head"])
+
+    stopping = dataclasses.replace(run, config=dataclasses.replace(run.config, on_nonfinite="stop"),
+                                   step_fn=poisoned([1.0, np.nan]))
+    rows = []
+    with pytest.raises(FloatingPointError, match="step 2: loss nan"):
+        for _, row in iterate(stopping, start(run, initial)):
+            rows.append(row)
+    assert [r["step"] for r in rows] == [1]
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tiny, tmp_path_factory):
+    """A checkpoint directory holding steps 2 and 3 of `tiny`, and the optimizer it used."""
+    run, initial = tiny
+    directory = tmp_path_factory.mktemp("trained")
+    run = saving(run, directory, save_every=1, keep=2)
+    checkpoints = open_checkpoints(run)
+    for _, row in iterate(run, start(run, initial), 0, checkpoints):
+        if row["step"] == 3:
+            break
+    checkpoints.close()
+    return directory, run.optimizer
+
+
+def logits(module, tokens):
+    hidden = run_layers(module.blocks.stacked(), module.embed(tokens), module.cfg)
+    return rms_norm(hidden, module.final_norm[...], module.cfg.norm_eps) @ module.output_weights()
+
+
+@pytest.mark.parametrize("name", ["model.npz", "model_dir"])
+def test_export_loads_into_a_plain_flax_model_with_the_same_logits(trained_dir, tmp_path, name, capsys):
+    directory, optimizer = trained_dir
+    out = tmp_path / name
+    assert main(["export", "--checkpoint-dir", str(directory), "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 3 and summary["bytes"] == summary["params"] * 4
+
+    config = dataclasses.replace(TINY, **SMALL, seq_len=16)
+    exported = load_model(out, lambda: Llama(config, nnx.Rngs(7)))
+    tokens = jnp.asarray(batches(batch_size=4, seq_len=16)[0]["inputs"])
+    got = logits(exported, tokens)
+
+    model = describe(lambda: Llama(config, nnx.Rngs(0)))
+    with Checkpoints(directory, read_only=True) as checkpoints:
+        one, _ = checkpoints.restore(model, optimizer, single_device_plan())
+    assert np.array_equal(got, logits(model.merge(one.params), tokens))
+    assert load_params(out)[1]["model"]["config"]["d_model"] == 32
+
+
+def test_export_of_a_bf16_run_holds_the_fp32_master_weights(tmp_path):
+    config = dataclasses.replace(TINY, **SMALL, seq_len=16)
+    plan = Plan.create("data=4,tensor=2", zero=1, precision="bf16")
+    model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), OPTIMIZER, plan)
+    assert state.params["head"].dtype == jnp.bfloat16
+    with Checkpoints(tmp_path / "run") as checkpoints:
+        checkpoints.save(1, state)
+    export(tmp_path / "run", tmp_path / "model.npz")
+    params, exported = load_params(tmp_path / "model.npz")
+    assert set(exported["dtypes"].values()) == {"float32"}
+    master = jax.device_get(state.opt_state.master)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, master)))
+
+
+def test_restoring_into_a_model_of_other_shapes_lists_every_mismatch(trained_dir):
+    directory, optimizer = trained_dir
+    wider = describe(lambda: Llama(dataclasses.replace(TINY, **{**SMALL, "d_model": 48}), nnx.Rngs(0)))
+    with Checkpoints(directory, read_only=True) as checkpoints:
+        with pytest.raises(ValueError, match="does not fit the model") as error:
+            checkpoints.restore(wider, optimizer, single_device_plan())
+    message = str(error.value)
+    assert "params/blocks/wq: saved float32[2, 32, 8, 8], model float32[2, 48, 8, 8]" in message
+    assert "params/embedding: saved float32[256, 32], model float32[256, 48]" in message
+    assert "opt_state/1/0/nu/head: saved float32[32, 256], model float32[48, 256]" in message
+    assert "... 13 more ..." in message  # 12 parameters, their two Adam moments: 36 lines, the middle elided
+
+
+def test_another_models_directory_is_never_overwritten(trained_dir, capsys):
+    directory, _ = trained_dir
+    before = sorted(p.name for p in directory.iterdir())
+    flags = ["--mesh", "data=8", "--steps", "6", "--batch-size", "8", "--seq-len", "16"]
+    assert main(["train", *flags, "--checkpoint-dir", str(directory)]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "holds checkpoints of another model" in out and "d_model: 32 -> 64" in out
+    assert sorted(p.name for p in directory.iterdir()) == before
+
+
+def test_missing_and_corrupt_directories_fail_clearly(trained_dir, tmp_path, capsys):
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.npz")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        Checkpoints(empty, read_only=True)
+
+    directory, optimizer = trained_dir
+    broken = tmp_path / "broken"
+    shutil.copytree(directory, broken)
+    (broken / "3" / "meta" / "metadata").write_text("{not json")
+    with Checkpoints(broken, read_only=True) as checkpoints, pytest.raises(ValueError, match="step 3 .* is unreadable"):
+        checkpoints.metadata()
+    for chunk in (broken / "2" / "params").rglob("d/*"):
+        chunk.write_bytes(b"\0" * 16)
+    model = describe(lambda: Llama(dataclasses.replace(TINY, **SMALL), nnx.Rngs(0)))
+    with Checkpoints(broken, read_only=True) as checkpoints, pytest.raises(ValueError, match="step 2 .* is unreadable"):
+        checkpoints.restore(model, optimizer, single_device_plan(), step=2)

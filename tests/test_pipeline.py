@@ -1,0 +1,196 @@
+"""Pipeline schedules against single-device training: same loss and gradients, bounded memory, known collectives.
+
+Bubble slots are filled with NaN, so a value read from an empty slot poisons
+the loss or a gradient.
+"""
+
+import dataclasses
+import json
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from helpers import TINY, copy_state, gradients, max_relative_error, reference_state, single_device_plan
+from jaxpar import inspect, pipeline, schedule
+from jaxpar.cli import build_parser, main, resolve
+from jaxpar.models.llama import Llama
+from jaxpar.plan import Plan
+from jaxpar.state import abstract_state, describe
+from jaxpar.step import make_train_step
+
+NAN = float("nan")
+CONFIG = dataclasses.replace(TINY, seq_len=16)
+DEEP = dataclasses.replace(CONFIG, n_layers=8)  # pipe=4 x virtual_stages=2 chunks for the interleaved schedule
+BATCH = 32
+MESHES = {2: "pipe=2,data=4", 4: "pipe=4,data=2"}
+loss_fn = lambda model, batch: model(batch)  # noqa: E731
+
+
+def token_batch(size, seq, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (size, seq)
+    return {"inputs": rng.integers(0, CONFIG.vocab, shape, dtype=np.int32),
+            "targets": rng.integers(0, CONFIG.vocab, shape, dtype=np.int32)}
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Per config: the model, its initial state, a batch, and loss and gradients on one device."""
+    cache = {}
+
+    def get(config):
+        if config not in cache:
+            model, state, optimizer = reference_state(config)
+            batch = token_batch(BATCH, config.seq_len)
+            loss, grads = gradients(model, state.params, batch, single_device_plan())
+            cache[config] = (model, state, optimizer, batch, loss, grads)
+        return cache[config]
+
+    return get
+
+
+def relative(a, b) -> float:
+    return abs(float(a) - float(b)) / abs(float(b))
+
+
+@pytest.mark.parametrize("per_stage", [1, 4], ids=["m=p", "m=4p"])
+@pytest.mark.parametrize("pipe", [2, 4])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_schedule_matches_single_device(references, name, pipe, per_stage):
+    v = 2 if name == "interleaved" else 1
+    model, state, _, batch, ref_loss, ref_grads = references(DEEP if v > 1 else CONFIG)
+    plan = Plan.create(MESHES[pipe], schedule=name, microbatches=per_stage * pipe, virtual_stages=v)
+    with pipeline.bubble_fill(NAN):
+        loss, grads = gradients(model, state.params, batch, plan)
+    assert relative(loss, ref_loss) <= 1e-5
+    assert max_relative_error(grads, ref_grads) <= 1e-5
+
+
+def test_forward_only_loss_matches_and_a_bubble_read_shows_as_nan(references, monkeypatch):
+    """Without differentiation the schedule runs its forward ticks; reading one tick early hits the NaN fill."""
+    model, state, _, batch, ref_loss, _ = references(CONFIG)
+    plan = Plan.create("pipe=2,data=4", schedule="1f1b", microbatches=4)
+    params = jax.device_put(copy_state(state.params), plan.shardings(plan.param_specs(model.logical)))
+
+    def evaluate():
+        with plan.activate(), pipeline.bubble_fill(NAN):
+            return float(jax.jit(lambda p, b: loss_fn(model.merge(p), b)[0])(params, batch))
+
+    assert relative(evaluate(), ref_loss) <= 1e-5
+    early = schedule.Schedule.output_ticks.func
+    monkeypatch.setattr(schedule.Schedule, "output_ticks", property(lambda s: early(s) - 1))
+    assert math.isnan(evaluate())
+
+
+def cli_losses(tmp_path, name, *flags):
+    metrics = tmp_path / f"{name}.jsonl"
+    flags = ["--steps", "4", "--batch-size", "8", "--seq-len", "32", "--metrics", str(metrics), *flags]
+    assert main(["train", *flags]) == 0
+    return np.array([json.loads(line)["loss"] for line in metrics.read_text().splitlines()])
+
+
+def test_jaxpar_train_defaults_to_3d_with_zero1_and_matches_data_parallel(tmp_path):
+    """Without --mesh, 8 devices train as data=2 x tensor=2 x pipe=2 with ZeRO-1 (1F1B), losses as on data=8."""
+    _, options, mesh = resolve(build_parser().parse_args(["train"]))
+    assert (mesh.data, mesh.tensor, mesh.pipe, mesh.expert) == (2, 2, 2, 1) and options == {"zero": 1}
+    with pipeline.bubble_fill(NAN):
+        three_d = cli_losses(tmp_path, "3d")
+    data_parallel = cli_losses(tmp_path, "dp", "--mesh", "data=8")
+    assert np.max(np.abs(three_d - data_parallel) / data_parallel) <= 1e-5
+
+
+# -- memory and communication of the compiled step (p = 4, one sequence per device per microbatch) ------
+
+MEMORY_CONFIG = dataclasses.replace(TINY, seq_len=32)
+STAGES, DATA = 4, 2
+
+
+@pytest.fixture(scope="module")
+def compiled_steps():
+    """name, m -> (compiled train step, plan); the global batch grows with m at a fixed microbatch size."""
+    model, optimizer = describe(lambda: Llama(MEMORY_CONFIG, nnx.Rngs(0))), optax.adamw(1e-3)
+    cache = {}
+
+    def get(name, m):
+        if (name, m) not in cache:
+            plan = Plan.create(f"pipe={STAGES},data={DATA}", schedule=name, microbatches=m)
+            spec = jax.ShapeDtypeStruct((DATA * m, MEMORY_CONFIG.seq_len), np.int32)
+            step = make_train_step(model, loss_fn, optimizer, plan)
+            compiled = step.lower(abstract_state(model, optimizer, plan), {"inputs": spec, "targets": spec}).compile()
+            cache[name, m] = (compiled, plan, model)
+        return cache[name, m]
+
+    return get
+
+
+def temp_bytes(compiled) -> int:
+    return inspect.memory(compiled)["temp"]
+
+
+def test_1f1b_memory_stays_flat_while_gpipe_grows_with_microbatches(compiled_steps):
+    """1F1B keeps at most min(m, 2p - 1) microbatches' residuals; GPipe keeps all m + p - 1 ticks'."""
+    one_f_one_b = {m: temp_bytes(compiled_steps("1f1b", m)[0]) for m in (8, 32)}
+    gpipe = {m: temp_bytes(compiled_steps("gpipe", m)[0]) for m in (8, 32)}
+    assert one_f_one_b[32] <= 1.15 * one_f_one_b[8]
+    assert gpipe[32] >= 2 * gpipe[8]
+    assert one_f_one_b[8] < gpipe[8]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_collectives_over_pipe_match_the_schedule(compiled_steps, name):
+    """Per tick one activation forward and one cotangent backward; the head's share moves once per microbatch."""
+    m = 8
+    compiled, plan, model = compiled_steps(name, m)
+    activation = MEMORY_CONFIG.seq_len * MEMORY_CONFIG.d_model * 4  # one sequence per device per microbatch
+    ops = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.axes == ("pipe",)]
+    moved = {}
+    for op in ops:
+        moved[op.kind] = moved.get(op.kind, 0) + op.count * op.bytes
+
+    permutes = [op for op in ops if op.kind == "collective-permute"]
+    assert sum(op.count for op in permutes) == 2 * (m + STAGES - 1)
+    assert {op.bytes for op in permutes} == {activation}
+    # The loss head's share of positions: an all-to-all of the last stage's outputs, and back for the
+    # cotangents (autodiff transposes the all-to-all; 1F1B all-gathers its own).
+    head = {"gpipe": {"all-to-all": 2 * m * activation},
+            "1f1b": {"all-to-all": m * activation, "all-gather": m * activation}}
+    assert {k: v for k, v in moved.items() if k not in ("collective-permute", "all-reduce")} == head[name]
+
+    # The only arrays summed over pipe are the gradients of the parameters every stage holds: embedding and head.
+    replicated = sum(math.prod(leaf.shape) * 4 for key, leaf in model.logical.items() if key != "blocks")
+    reduced = [op for op in ops if op.kind == "all-reduce"]
+    summed = sum(op.count * math.prod(shape) * 4 for op in reduced for shape in op.shapes if shape)
+    assert summed == replicated
+
+
+# -- bad input fails before compiling ----------------------------------------------------------------------
+
+
+def lower(config, mesh, batch_shape, **options):
+    model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
+    plan = Plan.create(mesh, **options)
+    spec = jax.ShapeDtypeStruct(batch_shape, np.int32)
+    make_train_step(model, loss_fn, optimizer, plan).lower(
+        abstract_state(model, optimizer, plan), {"inputs": spec, "targets": spec}
+    )
+
+
+def test_layers_that_do_not_divide_into_chunks_fail():
+    with pytest.raises(ValueError, match=r"4 stacked layers do not divide into pipe=4 x virtual_stages=2 = 8"):
+        lower(CONFIG, "pipe=4,data=2", (16, 16), schedule="interleaved", virtual_stages=2, microbatches=4)
+    with pytest.raises(ValueError, match=r"'layers'\) of size 3 does not divide by mesh axes pipe=2"):
+        lower(dataclasses.replace(CONFIG, n_layers=3), "pipe=2,data=4", (16, 16))
+
+
+def test_batch_that_does_not_split_into_microbatches_fails():
+    with pytest.raises(ValueError, match=r"global batch 12 does not divide .* microbatches=4 \(product 8\)"):
+        lower(CONFIG, "pipe=4,data=2", (12, 16), microbatches=4)
+
+
+def test_sequence_that_does_not_split_over_stages_fails():
+    with pytest.raises(ValueError, match="sequence length 18 does not divide by pipe=4"):
+        lower(CONFIG, "pipe=4,data=2", (8, 18), microbatches=4)

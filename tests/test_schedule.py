@@ -1,0 +1,126 @@
+"""Pipeline schedules as tick tables: every slot is legal, the bubble is the textbook one, bad setups fail early."""
+
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.plan import Plan
+from jaxpar.schedule import EMPTY, Schedule, render, save_png
+
+CASES = [("gpipe", 2, 2, 1), ("gpipe", 4, 16, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
+         ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 16, 3)]
+
+
+def forward_ticks(s: Schedule) -> dict[tuple[int, int], int]:
+    """(microbatch, ring position) -> tick of its forward slot; each must occur exactly once."""
+    seen = {}
+    for t in range(s.ticks):
+        for stage in range(s.stages):
+            j = int(s.forward[t, stage])
+            if j != EMPTY:
+                key = (j, int(s.chunk[t, stage]) * s.stages + stage)
+                assert key not in seen, f"{key} scheduled twice"
+                seen[key] = t
+    return seen
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_forward_visits_every_position_in_order_one_hop_per_tick(name, p, m, v):
+    s = Schedule(name, p, m, v)
+    ticks = forward_ticks(s)
+    assert len(ticks) == m * p * v
+    for j in range(m):
+        for position in range(1, p * v):
+            assert ticks[(j, position)] == ticks[(j, position - 1)] + 1
+    assert [ticks[(j, p * v - 1)] for j in range(m)] == list(s.output_ticks)
+
+
+@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[0] == "1f1b"])
+def test_1f1b_backward_follows_its_forward_and_the_next_stage(name, p, m, v):
+    s = Schedule(name, p, m, v)
+    fwd, bwd = {}, {}
+    for t in range(s.ticks):
+        for stage in range(p):
+            if s.forward[t, stage] != EMPTY:
+                fwd[int(s.forward[t, stage]), stage] = t
+            if s.backward[t, stage] != EMPTY:
+                bwd[int(s.backward[t, stage]), stage] = t
+    for j in range(m):
+        assert bwd[j, p - 1] == fwd[j, p - 1]  # the head's cotangent is ready in the same tick
+        for stage in range(p - 1):
+            assert bwd[j, stage] == bwd[j, stage + 1] + 1
+    slots = s.in_flight  # the ring buffer: a forward overwrites slot j % slots in the tick it runs
+    assert slots == min(m, 2 * p - 1)
+    for stage in range(p):
+        for j in range(m - slots):
+            assert fwd[j + slots, stage] > bwd[j, stage], "a forward would overwrite residuals still needed"
+    warm, steady, cool = s.phases
+    assert (warm, steady, cool) == (p - 1, m, p - 1) and warm + steady + cool == s.ticks
+    assert (s.backward[:warm] == EMPTY).all() and (s.forward[warm + steady:] == EMPTY).all()
+    assert (s.forward[warm:warm + steady, p - 1] != EMPTY).all()
+
+
+@pytest.mark.parametrize("name,p,m,v", CASES)
+def test_bubble_is_the_textbook_fraction(name, p, m, v):
+    s = Schedule(name, p, m, v)
+    assert s.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    assert s.bubble == pytest.approx(s.bubble_formula, abs=1e-12)
+
+
+def test_interleaving_shrinks_the_bubble():
+    bubbles = [Schedule("interleaved", 4, 8, 4).bubble, Schedule("interleaved", 4, 8, 2).bubble,
+               Schedule("1f1b", 4, 8).bubble]
+    assert bubbles == sorted(bubbles) and len(set(bubbles)) == 3
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(schedule="zigzag"), "schedule must be one of"),
+    (dict(microbatches=2), "needs at least 4 microbatches"),
+    (dict(schedule="interleaved"), "needs virtual_stages >= 2"),
+    (dict(schedule="interleaved", virtual_stages=2, microbatches=6), "microbatches=6 does not divide by 4"),
+    (dict(virtual_stages=2), "needs schedule 'interleaved'"),
+    (dict(microbatches=-1), "microbatches must be >= 1"),
+])
+def test_bad_pipeline_options_fail_when_the_plan_is_made(options, message):
+    with pytest.raises(ValueError, match=message):
+        Plan.create("pipe=4,data=2", **options)
+
+
+def test_pipeline_options_without_a_pipeline_fail():
+    with pytest.raises(ValueError, match="microbatches=4 splits the batch for a pipeline, but mesh axis pipe=1"):
+        Plan.create("data=8", microbatches=4)
+
+
+def test_microbatches_default_to_one_per_stage_and_count_in_the_batch_check():
+    plan = Plan.create("pipe=4,data=2")
+    assert plan.microbatches == 4 and Plan.create("data=8").microbatches == 1
+    plan.check_batch(8)
+    with pytest.raises(ValueError, match="microbatches=4"):
+        plan.check_batch(12)
+
+
+def test_render_draws_every_stage_and_the_bubble():
+    s = Schedule("1f1b", 4, 8)
+    text = render(s).plain
+    rows = [line for line in text.splitlines() if line.startswith("stage ")]
+    assert len(rows) == 4
+    cells = [row.split()[2:] for row in rows]
+    assert all(len(c) == len(s.timeline()) for c in cells)
+    assert sum(c.count("·") for c in cells) == round(s.bubble * 4 * len(s.timeline()))
+    assert "bubble 27.3%" in text
+
+
+def test_png_is_written(tmp_path):
+    path = tmp_path / "schedule.png"
+    save_png(Schedule("interleaved", 4, 8, 2), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_jaxpar_inspect_draws_a_schedule(tmp_path, capsys):
+    path = tmp_path / "timeline.png"
+    assert main(["inspect", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--png", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b: p=4, m=8; bubble 27.3%" in out and out.count("stage ") >= 4
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    flags = ["--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--virtual-stages", "2"]
+    assert main(["inspect", *flags]) == 2
+    assert "microbatches=6 does not divide by 4" in capsys.readouterr().out.replace("\n", " ")

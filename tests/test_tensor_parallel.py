@@ -1,0 +1,248 @@
+"""Megatron tensor and sequence parallelism: both layer forms train like one device and communicate as Megatron says."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from helpers import copy_state, max_relative_error, single_device_plan
+from jaxpar import inspect, tensor
+from jaxpar.models.llama import Llama, LlamaConfig, rms_norm, run_layers
+from jaxpar.plan import Plan
+from jaxpar.state import abstract_state, describe, init_state, place_state
+from jaxpar.step import make_train_step
+
+# 16 query / 8 kv heads split 8 ways; vocab 200 is padded to 256, so at tensor=8
+# the last shard holds only padding and the one before it is partly padding.
+CONFIG = LlamaConfig(vocab=200, d_model=32, n_layers=3, n_heads=16, n_kv_heads=8, head_dim=4, d_ff=64, seq_len=16)
+BATCH, STEPS = 8, 3
+
+
+def keep_gradients() -> optax.GradientTransformation:
+    """An optax stage whose state is the latest gradients, so a compiled step reports them."""
+    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), lambda g, s, p=None: (g, g))
+
+
+# SGD, not Adam: Adam's normalisation turns roundoff in near-zero gradient
+# entries into full-size steps, so later steps would compare noise.
+OPTIMIZER = optax.chain(keep_gradients(), optax.sgd(0.5))
+
+
+def token_batches(config=CONFIG, seed=0):
+    rng = np.random.default_rng(seed)
+    draw = lambda: jnp.asarray(rng.integers(0, config.vocab, (BATCH, config.seq_len)), jnp.int32)  # noqa: E731
+    return [{"inputs": draw(), "targets": draw()} for _ in range(STEPS)]
+
+
+@functools.cache
+def reference():
+    model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), OPTIMIZER, single_device_plan())
+    state = copy_state(state)
+    return model, state, run(model, state, single_device_plan())[1:]
+
+
+def run(model, state, plan):
+    """Compile one step for `plan` and run STEPS steps: (compiled, losses, gradients per step)."""
+    placed = place_state(copy_state(state), model, OPTIMIZER, plan)
+    step = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan)
+    batches = token_batches()
+    compiled = step.lower(placed, batches[0]).compile()
+    losses, grads = [], []
+    for batch in batches:
+        placed, metrics = compiled(placed, batch)
+        losses.append(float(metrics["loss"]))
+        grads.append(jax.device_get(placed.opt_state[0]))
+    return compiled, np.array(losses), grads
+
+
+def make_plan(mesh: str, **options) -> Plan:
+    """A plan on the first devices its mesh needs (`tensor=2` uses two of the eight)."""
+    size = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    return Plan.create(mesh, devices=jax.devices()[:size], **options)
+
+
+@functools.cache
+def tensor_run(mesh: str, form: str, sequence_parallel: bool):
+    plan = make_plan(mesh, tensor_form=form, sequence_parallel=sequence_parallel)
+    model, state, _ = reference()
+    return plan, *run(model, state, plan)
+
+
+# Every mesh runs both forms, with and without sequence parallelism; data x tensor
+# runs all four combinations (the full product would double the compile time).
+CASES = [
+    ("tensor=2", "annotation", False), ("tensor=2", "explicit", True),
+    ("tensor=4", "explicit", False), ("tensor=4", "annotation", True),
+    ("tensor=8", "annotation", False), ("tensor=8", "explicit", True),
+    *(("data=2,tensor=4", form, sp) for form in tensor.FORMS for sp in (False, True)),
+]
+IDS = [f"{mesh}-{form}{'-sp' if sp else ''}" for mesh, form, sp in CASES]
+
+
+@pytest.mark.parametrize("mesh, form, sequence_parallel", CASES, ids=IDS)
+def test_training_matches_single_device(mesh, form, sequence_parallel):
+    ref_losses, ref_grads = reference()[2]
+    _, _, losses, grads = tensor_run(mesh, form, sequence_parallel)
+    assert np.max(np.abs(losses / ref_losses - 1)) <= 1e-5
+    for got, want in zip(grads, ref_grads):
+        assert max_relative_error(got, want) <= 1e-5
+    assert ref_losses[-1] < ref_losses[0]
+
+
+def activation_shape(plan) -> tuple[int, int, int]:
+    """One device's [batch, seq, embed] residual stream, the buffer Megatron's collectives move."""
+    return (BATCH // plan.shape["data"], CONFIG.seq_len, CONFIG.d_model)
+
+
+def activation_bytes(plan) -> int:
+    return math.prod(activation_shape(plan)) * 4
+
+
+def per_layer(ops):
+    """Collectives inside the layer scans (forward and backward), i.e. run once per layer."""
+    return [op for op in ops if op.count == CONFIG.n_layers]
+
+
+def megatron_traffic(plan) -> float:
+    """Megatron's 8·b·s·h·(t−1)/t elements per layer per device (forward and backward), in bytes."""
+    t = plan.shape["tensor"]
+    return 8 * activation_bytes(plan) * (t - 1) / t
+
+
+@pytest.mark.parametrize("mesh, form", [(mesh, form) for mesh, form, sp in CASES if not sp])
+def test_two_all_reduces_per_block_forward_and_two_backward(mesh, form):
+    plan, compiled, _, _ = tensor_run(mesh, form, False)
+    ops = [op for op in inspect.collective_ops(compiled, plan.mesh) if "tensor" in op.axes]
+    layers = per_layer(ops)
+    assert {(op.kind, op.shapes) for op in layers} == {("all-reduce", (activation_shape(plan),))}
+    by_loop = sorted(sum(1 for op in layers if op.computation == c) for c in {op.computation for op in layers})
+    assert by_loop == [2, 2]
+    assert sum(op.traffic for op in layers) == pytest.approx(megatron_traffic(plan))
+    outside = [op.kind for op in ops if op.count == 1 and activation_shape(plan) in op.shapes]
+    assert outside == ["all-reduce", "all-reduce"]  # embedding forward, loss input backward
+
+
+@pytest.mark.parametrize("mesh", [mesh for mesh, form, sp in CASES if sp and form == "explicit"])
+def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing(mesh):
+    plan, compiled, _, _ = tensor_run(mesh, "explicit", True)
+    t = plan.shape["tensor"]
+    ops = [op for op in inspect.collective_ops(compiled, plan.mesh) if "tensor" in op.axes]
+    layers = per_layer(ops)
+    kinds = sorted(op.kind for op in layers if op.kind != "all-reduce")
+    assert kinds == ["all-gather"] * 4 + ["reduce-scatter"] * 4
+    b, s, d = activation_shape(plan)
+    assert {op.shapes for op in layers if op.kind == "all-gather"} == {((b, s, d),)}
+    assert {op.shapes for op in layers if op.kind == "reduce-scatter"} == {((b, s // t, d),)}
+    # What remains all-reduced per layer is the norm weights' gradients, never an activation.
+    assert {shape for op in layers if op.kind == "all-reduce" for shape in op.shapes} == {(d,)}
+    moved = sum(op.traffic for op in layers if op.kind != "all-reduce")
+    assert moved == pytest.approx(megatron_traffic(plan))
+    outside = sorted(op.kind for op in ops if op.count == 1 and op.bytes == activation_bytes(plan))
+    assert outside == ["all-gather", "all-gather", "reduce-scatter", "reduce-scatter"]  # embedding, loss input
+
+
+def test_annotated_sequence_parallelism_gathers_entering_each_region():
+    """XLA places the collectives: all-gathers entering; leaving, a reduce-scatter (CPU: all-reduce + slice)."""
+    plan, compiled, _, _ = tensor_run("data=2,tensor=4", "annotation", True)
+    layers = per_layer(op for op in inspect.collective_ops(compiled, plan.mesh) if "tensor" in op.axes)
+    leaving = [op for op in layers if op.kind == "reduce-scatter" or op.bytes == activation_bytes(plan)]
+    assert sum(op.kind == "all-gather" for op in layers) == 4
+    assert sum(op.kind != "all-gather" for op in leaving) == 4
+
+
+@pytest.mark.parametrize("mesh, form, sequence_parallel", CASES, ids=IDS)
+def test_logits_are_never_gathered(mesh, form, sequence_parallel):
+    plan, compiled, _, _ = tensor_run(mesh, form, sequence_parallel)
+    shapes = [s for op in inspect.collective_ops(compiled, plan.mesh) for s in op.shapes]
+    assert not [s for s in shapes if CONFIG.padded_vocab in s]  # gathered or replicated logits are vocab-wide
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_layer_forms_match_the_unsharded_layers_and_each_other(sequence_parallel):
+    """Embedding, fused column-parallel Q/K, row-parallel output and vocab-parallel loss, forward and backward."""
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    normal = lambda *shape: jax.random.normal(next(keys), shape) * 0.3  # noqa: E731
+    params = {"table": normal(256, 32), "wq": normal(32, 8, 4), "wk": normal(32, 4, 4), "wo": normal(8, 4, 32),
+              "head": normal(32, 256)}
+    tokens = jax.random.randint(next(keys), (8, 16), 0, 200)
+    targets = jax.random.randint(next(keys), (8, 16), 0, 200)
+    heads, kv_heads = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+
+    def loss(p):
+        x = tensor.embedding_lookup(tokens, p["table"])
+        q, k = tensor.column_parallel(tensor.enter_tensor_region(x), (p["wq"], p["wk"]), "bsd,dhk->bshk", (heads, kv_heads))
+        mixed = q * jnp.repeat(k, 2, axis=2)
+        x = x + tensor.row_parallel(mixed, p["wo"], "bshk,hkd->bsd", heads)
+        return tensor.vocab_parallel_cross_entropy(tensor.enter_tensor_region(x), p["head"], targets, 200)
+
+    want = jax.jit(jax.value_and_grad(loss))(params)
+    got = {}
+    for form in tensor.FORMS:
+        plan = Plan.create("data=2,tensor=4", tensor_form=form, sequence_parallel=sequence_parallel)
+        with plan.activate():
+            got[form] = jax.device_get(jax.jit(jax.value_and_grad(loss))(params))
+        assert abs(got[form][0] / want[0] - 1) <= 1e-6
+        assert max_relative_error(got[form][1], want[1]) <= 1e-5
+    assert max_relative_error(got["explicit"], got["annotation"]) <= 1e-5
+    assert not np.any(np.asarray(want[1]["head"])[:, 200:])  # padding columns never learn
+
+
+def test_padded_vocabulary_is_masked_out_of_the_softmax():
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(Llama(CONFIG, nnx.Rngs(0)))
+    batch = token_batches()[0]
+
+    @jax.jit
+    def losses(params):
+        model = nnx.merge(graphdef, params)
+        x = run_layers(model.blocks.stacked(), model.embed(batch["inputs"]), CONFIG)
+        logits = rms_norm(x, model.final_norm[...], CONFIG.norm_eps) @ model.head[...][:, : CONFIG.vocab]
+        return model(batch)[0], optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    got, want = losses(params)
+    assert params["head"][...].shape[-1] == CONFIG.padded_vocab == 256
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, mesh, message",
+    [
+        ({"n_heads": 8, "n_kv_heads": 2}, "data=2,tensor=4", r"\('kv_heads'\) of size 2 does not divide by mesh axes tensor=4"),
+        ({"d_ff": 100}, "tensor=8", r"\('mlp'\) of size 100 does not divide by mesh axes tensor=8"),
+    ],
+)
+def test_indivisible_split_dimension_fails_before_compiling(overrides, mesh, message):
+    config = LlamaConfig(**{**CONFIG.__dict__, **overrides})
+    model = describe(lambda: Llama(config, nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=message):
+        make_train_step(model, lambda m, b: m(b), OPTIMIZER, make_plan(mesh))
+
+
+@pytest.mark.parametrize("form", tensor.FORMS)
+def test_indivisible_heads_fail_while_tracing(form):
+    """Query heads divide by the kv heads, so a model hits the kv check first; the layer names heads itself."""
+    x, w = jax.ShapeDtypeStruct((8, 16, 32), jnp.float32), jax.ShapeDtypeStruct((32, 6, 4), jnp.float32)
+    with make_plan("tensor=4", tensor_form=form).activate():
+        with pytest.raises(ValueError, match=r"\('heads'\) of size 6 does not divide by mesh axes tensor=4"):
+            jax.eval_shape(lambda x, w: tensor.column_parallel(x, w, "bsd,dhk->bshk", ("batch", "seq", "heads", None)), x, w)
+
+
+def test_sequence_not_divisible_under_sequence_parallelism_fails_before_compiling():
+    config = LlamaConfig(**{**CONFIG.__dict__, "seq_len": 18})
+    model = describe(lambda: Llama(config, nnx.Rngs(0)))
+    plan = make_plan("tensor=4", sequence_parallel=True, tensor_form="explicit")
+    step = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan)
+    with pytest.raises(ValueError, match=r"\('seq_residual'\) of size 18 does not divide by mesh axes tensor=4"):
+        step.lower(abstract_state(model, OPTIMIZER, plan), token_batches(config)[0])
+
+
+def test_plan_rejects_unknown_tensor_form_and_unsupported_remat():
+    with pytest.raises(ValueError, match="tensor_form must be one of"):
+        Plan.create("tensor=8", tensor_form="gspmd")
+    with pytest.raises(ValueError, match="remat='selective' needs tensor to be the only mesh axis > 1, got data=2"):
+        Plan.create("data=2,tensor=4", tensor_form="explicit", remat="selective")
