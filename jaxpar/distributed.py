@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
@@ -53,6 +54,8 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) 
     """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine.
 
     Only process 0's output is shown; the exit code is the first non-zero one.
+    `-P` keeps the working directory off sys.path, so a source checkout there
+    cannot shadow the installed package.
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {num_processes}, {devices_per_process}")
@@ -65,8 +68,21 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) 
             "JAX_NUM_PROCESSES": str(num_processes),
             "JAX_PROCESS_ID": str(rank),
         }
-        command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
+        command = [sys.executable, "-P", "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
         quiet = subprocess.DEVNULL if rank else None
         children.append(subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet))
-    codes = [child.wait() for child in children]
-    return next((code for code in codes if code), 0)
+    return _wait_all(children)
+
+
+def _wait_all(children: list[subprocess.Popen]) -> int:
+    """Wait for every process; when one fails, stop the others (they would wait for it forever)."""
+    while True:
+        codes = [child.poll() for child in children]
+        failed = next((code for code in codes if code), 0)
+        if failed or all(code is not None for code in codes):
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            return failed
+        time.sleep(0.2)

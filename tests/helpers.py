@@ -42,6 +42,17 @@ def train(model, state, optimizer, plan: Plan, batches, steps: int, loss_fn=lamb
     return np.array(losses), jax.device_get(state)
 
 
+def compile_and_train(model, state, optimizer, plan: Plan, data, steps: int):
+    """Compile the step once, run `steps` steps from a copy of `state`: (losses, final state, compiled step)."""
+    state = place_state(copy_state(state), model, optimizer, plan)
+    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(state, data[0]).compile()
+    losses = []
+    for i in range(steps):
+        state, metrics = compiled(state, data[i])
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), jax.device_get(state), compiled
+
+
 def batches(batch_size=16, seq_len=32, seed=0) -> Batches:
     return Batches(default_corpus(), batch_size, seq_len, seed)
 

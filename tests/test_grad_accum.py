@@ -1,17 +1,15 @@
 """Gradient accumulation: K microbatches in a scan equal one step on the whole batch, reduced once per step."""
 
-import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
-from helpers import batches, copy_state, max_relative_error, single_device_plan
+from helpers import batches, compile_and_train, max_relative_error, single_device_plan
 from jaxpar import inspect
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.plan import Plan
-from jaxpar.state import init_state, place_state
-from jaxpar.step import make_train_step
+from jaxpar.state import init_state
 
 CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=32)
 STEPS = 3
@@ -19,13 +17,7 @@ STEPS = 3
 
 def run(model, state, optimizer, plan, data):
     """(losses, final state, compiled step) of STEPS steps of `plan` from a copy of `state`."""
-    state = place_state(copy_state(state), model, optimizer, plan)
-    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(state, data[0]).compile()
-    losses = []
-    for i in range(STEPS):
-        state, metrics = compiled(state, data[i])
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state), compiled
+    return compile_and_train(model, state, optimizer, plan, data, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -6,26 +6,15 @@ import optax
 import pytest
 from flax import nnx
 
-from helpers import batches, copy_state, max_relative_error, single_device_plan
+from helpers import batches, compile_and_train, max_relative_error, single_device_plan
 from jaxpar import inspect, zero
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.plan import Plan
-from jaxpar.state import LogicalArray, abstract_state, describe, init_state, place_state
+from jaxpar.state import LogicalArray, abstract_state, describe, init_state
 from jaxpar.step import make_train_step
 
 CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16)
 STEPS = 10
-
-
-def compile_and_train(model, state, optimizer, plan, data, steps):
-    """Compile the step once, run `steps` steps from a copy of `state`: (losses, final state, compiled step)."""
-    state = place_state(copy_state(state), model, optimizer, plan)
-    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(state, data[0]).compile()
-    losses = []
-    for i in range(steps):
-        state, metrics = compiled(state, data[i])
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state), compiled
 
 
 @pytest.fixture(scope="module")
