@@ -8,6 +8,7 @@ module is merged back only inside the traced loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -27,6 +28,10 @@ class LogicalArray:
     shape: tuple[int, ...]
     dtype: Any
     names: tuple[str | None, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
 
 
 @jax.tree_util.register_dataclass
@@ -48,11 +53,10 @@ class ModelDef:
         return nnx.merge(self.graphdef, params)
 
     def param_count(self) -> int:
-        return sum(int(jnp.prod(jnp.array(a.shape))) for a in jax.tree.leaves(self.logical, is_leaf=_is_logical))
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.logical, is_leaf=_is_logical))
 
     def param_bytes(self) -> int:
-        leaves = jax.tree.leaves(self.logical, is_leaf=_is_logical)
-        return sum(int(jnp.prod(jnp.array(a.shape))) * jnp.dtype(a.dtype).itemsize for a in leaves)
+        return sum(a.nbytes for a in jax.tree.leaves(self.logical, is_leaf=_is_logical))
 
 
 def _is_logical(x) -> bool:

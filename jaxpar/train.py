@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -205,19 +204,14 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
 def param_table(run: Run) -> list[dict]:
     """One row per parameter: path, shape, logical names, PartitionSpec, bytes per device."""
     specs = run.plan.param_specs(run.model.logical)
-    shape = run.plan.shape
     rows = []
     for (path, leaf), spec in zip(
         jax.tree_util.tree_flatten_with_path(run.model.logical, is_leaf=lambda x: hasattr(x, "names"))[0],
         jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
     ):
-        ways = 1
-        for entry in spec:
-            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
-                ways *= shape[axis]
-        nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
         rows.append({
             "path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "logical": list(leaf.names),
-            "spec": str(spec), "bytes_per_device": nbytes // ways,
+            "spec": str(spec), "bytes_per_device": leaf.nbytes // run.plan.axis_size(*axes),
         })
     return rows
