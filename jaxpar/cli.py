@@ -76,7 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
+    _add_plan_command(sub)
     return parser
+
+
+def _add_plan_command(sub) -> None:
+    """`jaxpar plan`: rank layouts for a model on N devices by the analytic model (jaxpar.planner), no compile."""
+    plan = sub.add_parser("plan", help="choose the layout for a model and a cluster: memory, traffic, bubble, "
+                                       "step time and MFU predicted per layout (nothing is compiled)")
+    plan.add_argument("--model", default="7b", help="model name (tiny, small, 1b, 7b, 70b, 405b, moe-tiny, ...)")
+    plan.add_argument("--devices", type=int, default=8, help="number of accelerators in the cluster")
+    plan.add_argument("--device", default="h100", help="h100, h200, a100, tpu-v5p, cpu, or a device .toml file")
+    plan.add_argument("--hosts", type=int, default=None, help="hosts the devices sit on (default: the device's node size)")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    plan.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: ~4M tokens)")
+    plan.add_argument("--precision", default="bf16", help="fp32, bf16, fp16 or bf16-params")
+    plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    plan.add_argument("--explain", default=None, help='one layout\'s breakdown, e.g. "data=8,tensor=8,pipe=16 zero=1"')
+    plan.add_argument("--json", action="store_true", help="also print everything as one JSON object on stdout")
+    plan.add_argument("--png", default=None, help="write PREFIX_memory.png and PREFIX_scaling.png")
+    plan.add_argument("--write-config", default=None, help="write the top layout as a `jaxpar train --config` TOML file")
 
 
 def read_config(path: str | None) -> dict:
@@ -170,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxpar.distributed import launch_local
 
         return launch_local(args.processes, args.devices_per_process, args.rest)
+    if args.command == "plan":
+        from jaxpar.planner import main as plan_main
+
+        return plan_main(args)
     if args.command == "export":
         return _export(args)
     _set_host_devices(args.devices)

@@ -1,0 +1,171 @@
+"""The analytic planner: published figures reproduced, its model checked against compiled steps, the CLI.
+
+The grid test compiles a representative set of layouts of the tiny models on 8
+CPU devices (ZeRO 0-3, tensor with and without sequence parallelism, each
+pipeline schedule, experts, remat, precision) and compares the planner's
+per-device argument bytes and traffic per mesh axis (within 10%) and temp
+bytes (within 25%) with what XLA reports. benchmarks/planner.py sweeps more.
+"""
+
+import json
+import math
+
+import pytest
+
+from jaxpar import planner
+from jaxpar.devices import DEVICES, load_device
+from jaxpar.schedule import Schedule
+
+TINY = {"seq_len": 32}
+WORK = planner.Workload(batch_size=16, seq_len=32)
+
+
+# -- published figures ----------------------------------------------------------------------------
+
+
+def _one_leaf_model(psi: int, layers: int = 100) -> planner.Model:
+    """A model of psi parameters in `layers` stacked [embed, mlp] matrices (ZeRO splits each over data)."""
+    width = psi // (layers * 4096)
+    leaf = planner.Leaf("w", (layers, 4096, width), ("layers", "embed", "mlp"))
+    return planner.Model("zero-table", (leaf,), 4096, layers, 32, 32, 128, 4 * 4096, 32000)
+
+
+def test_zero_table_1_reproduced():
+    """ZeRO (Rajbhandari et al. 2020) Table 1: 7.5B parameters, K = 12, N = 64 -> 120 / 31.4 / 16.6 / 1.88 GB."""
+    paper = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
+    formula = planner.zero_table(7.5e9, 64, k=12)
+    assert [formula[k] for k in ("baseline", "os", "os+g", "os+g+p")] == pytest.approx(list(paper.values()), rel=0.02)
+    model = _one_leaf_model(7_500_000_000 // (100 * 4096) * 100 * 4096)
+    device = load_device("h100")
+    for stage, expected in paper.items():
+        layout = planner.Layout(data=64, zero=stage, precision="bf16")
+        memory = planner.memory_breakdown(model, layout, planner.Workload(64, 1024), device)
+        model_state = memory["params"] + memory["grads"] + memory["optimizer"]
+        assert model_state == pytest.approx(expected, rel=0.02), stage
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 1), (4, 8, 1), (4, 4, 1), (8, 32, 1), (2, 4, 2), (4, 8, 2), (4, 16, 4)])
+def test_megatron_bubble(p, m, v):
+    """Narayanan et al. 2021: bubble time over ideal time is (p-1)/m, (p-1)/(v m) interleaved; as a share of
+    the step (p-1)/(v m + p-1); and the tick tables of jaxpar.schedule idle exactly that share."""
+    schedule = "interleaved" if v > 1 else "1f1b"
+    layout = planner.Layout(pipe=p, schedule=schedule, microbatches=m, virtual_stages=v)
+    ratio = planner.megatron_bubble(p, m, v)
+    assert planner.bubble(layout) == pytest.approx(ratio / (1 + ratio))
+    assert planner.bubble(layout) == pytest.approx(Schedule(schedule, p, m, v).bubble_formula)
+    if v == 1:
+        for name in ("gpipe", "1f1b"):
+            assert Schedule(name, p, m).bubble == pytest.approx(planner.bubble(layout))
+            assert planner.schedule_ticks(planner.Layout(pipe=p, schedule=name, microbatches=m)) == \
+                Schedule(name, p, m).ticks - (p - 1 if name == "1f1b" else 0)
+    else:
+        assert planner.schedule_ticks(layout) == Schedule(schedule, p, m, v).ticks
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_tensor_traffic_per_layer(t):
+    """Megatron: 4 all-reduces of b s h per layer (2 forward, 2 backward), ring traffic 8 b s h (t-1)/t."""
+    b, s = 4, 2048
+    small, large = (planner.Model.named("7b", {"n_layers": n, "seq_len": s}) for n in (4, 8))
+    work = planner.Workload(b, s)
+    layout = planner.Layout(tensor=t, precision="bf16")
+    per_layer = (planner.estimate(large, layout, work).traffic["tensor"]
+                 - planner.estimate(small, layout, work).traffic["tensor"]) / 4
+    h = small.d_model
+    assert per_layer == pytest.approx(8 * b * s * h * (t - 1) / t * 2)  # bf16 activations: 2 bytes
+    sp = planner.estimate(large, planner.Layout(tensor=t, sequence_parallel=True), work)
+    assert sp.traffic["tensor"] == pytest.approx(planner.estimate(large, layout, work).traffic["tensor"])
+
+
+def test_inventory_matches_the_models():
+    """The planner counts parameters from the config exactly as the models build them."""
+    from jaxpar.models import model_config, model_factory
+    from jaxpar.state import describe
+
+    for name in ("tiny", "moe-tiny"):
+        config = model_config(name)
+        counted = planner.llama_leaves(config)
+        traced = planner.leaves_of(describe(model_factory(name, config, 0)).logical)
+        assert sorted((a.shape, a.names) for a in counted) == sorted((a.shape, a.names) for a in traced)
+        assert sum(a.size for a in counted) == config.param_count()
+
+
+def test_devices_and_toml(tmp_path):
+    assert set(DEVICES) >= {"h100", "h200", "a100", "tpu-v5p", "cpu"}
+    path = tmp_path / "mi300x.toml"
+    path.write_text('[device]\nname = "MI300X"\nhbm_gb = 192\npeak_tflops = 1307\nhbm_bandwidth_gb = 5300\n'
+                    'intra_bandwidth_gb = 448\ninter_bandwidth_gb = 50\ndevices_per_node = 8\n')
+    device = load_device(str(path))
+    assert device.hbm == 192e9 and device.peak_flops == pytest.approx(1307e12)
+    with pytest.raises(ValueError, match="unknown device"):
+        load_device("h1000")
+
+
+def test_layout_text_round_trip():
+    layout = planner.Layout.parse("data=8,tensor=8,pipe=16 zero=1 schedule=interleaved microbatches=32 "
+                                  "virtual_stages=2 remat=full sequence_parallel=true")
+    assert (layout.data, layout.tensor, layout.pipe, layout.zero, layout.virtual_stages) == (8, 8, 16, 1, 2)
+    assert planner.Layout.parse(str(layout)) == layout
+    with pytest.raises(ValueError, match="name=value"):
+        planner.Layout.parse("data=8 turbo")
+
+
+# -- plans for the big shapes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,devices", [("7b", 8), ("70b", 64), ("70b", 1024), ("405b", 16384)])
+def test_top_plans_fit(name, devices):
+    model = planner.Model.named(name)
+    work = planner.Workload(planner.default_batch(model, devices, model.d_model and planner.model_seq(name)),
+                            planner.model_seq(name))
+    ranking = planner.plan(model, devices, work, "h100")
+    best = ranking.best
+    assert best is not None and best.layout.devices == devices
+    assert best.peak <= 80e9 and best.fits
+    assert 0 < best.mfu < 1
+    assert all(a.step_time <= b.step_time for a, b in zip(ranking.ranked, ranking.ranked[1:]))
+    assert all(not e.fits for e in ranking.dropped) and ranking.dropped
+    assert all(e.reason for e in ranking.dropped)
+
+
+def test_plan_command(tmp_path, capsys):
+    """`jaxpar plan` prints the ranked table, explains it, writes JSON, pictures and a runnable config."""
+    from jaxpar import cli
+
+    config = tmp_path / "top.toml"
+    png = tmp_path / "plan"
+    assert cli.main(["plan", "--model", "70b", "--devices", "1024", "--device", "h100", "--json",
+                     "--write-config", str(config), "--png", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["devices"] == 1024 and len(out["top"]) == 10 and out["fitting"] > 10
+    top = out["top"][0]
+    assert top["memory"]["total"] <= 80e9 and top["fits"]
+    assert math.prod(top["mesh"].values()) == 1024
+    assert out["explanation"] and out["command"].startswith("jaxpar train --model 70b --mesh ")
+    assert (tmp_path / "plan_memory.png").stat().st_size > 0 and (tmp_path / "plan_scaling.png").stat().st_size > 0
+    args = cli.build_parser().parse_args(["train", "--config", str(config)])
+    train, options, mesh = cli.resolve(args)
+    assert train.model == "70b" and math.prod(mesh.shape.values()) == 1024
+    assert options == planner.Layout(**mesh.shape, **options).options()
+
+    assert cli.main(["plan", "--model", "70b", "--devices", "64", "--explain",
+                     "data=2,tensor=8,pipe=4 zero=1 microbatches=8 remat=full", "--json"]) == 0
+    explained = json.loads(capsys.readouterr().out)
+    assert explained["mesh"] == {"data": 2, "pipe": 4, "expert": 1, "tensor": 8} and explained["bubble"] > 0
+    assert {c["axis"] for c in explained["collectives"]} == {"data", "tensor", "pipe"}
+    assert cli.main(["plan", "--model", "70b", "--devices", "64", "--explain", "data=8"]) == 2
+
+
+def test_plan_from_file_runs_on_cpu(tmp_path):
+    """The planner's config for the tiny model on 8 CPU devices is a valid `jaxpar train --config` plan."""
+    from jaxpar import cli
+    from jaxpar.plan import Plan
+    from jaxpar.train import prepare
+
+    model = planner.Model.named("tiny", TINY)
+    ranking = planner.plan(model, 8, WORK, "cpu", precision="fp32")
+    path = tmp_path / "tiny.toml"
+    path.write_text(planner.config_toml("tiny", ranking.best, WORK))
+    train, options, mesh = cli.resolve(cli.build_parser().parse_args(["train", "--config", str(path)]))
+    run = prepare(train, Plan.create(mesh, **options))
+    assert run.plan.shape == ranking.best.layout.shape
