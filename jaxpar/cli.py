@@ -27,6 +27,8 @@ TRAIN_FLAGS = {
     "save_every": (int, "save a checkpoint every N steps (async; also at the end and on SIGTERM)"),
     "keep": (int, "keep the newest K checkpoints"),
     "on_nonfinite": (str, "a step with a NaN/Inf loss or gradient: skip its update, or stop the run"),
+    "init_from": (str, "start from these weights: `jaxpar import-hf` output, an export, or a Hugging Face directory"),
+    "eval_every": (int, "every N steps, loss and perplexity on a held-out 5% tail of the data (then not trained on)"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint-dir", required=True, help="a directory `jaxpar train --checkpoint-dir` wrote")
     export.add_argument("--out", required=True, help="a .npz file, or a directory for an Orbax checkpoint")
     export.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
+    export.add_argument("--format", choices=("jaxpar", "hf"), default="jaxpar",
+                        help="jaxpar (.npz or Orbax, default) or hf: a Hugging Face Llama directory (safetensors)")
+    export.add_argument("--dtype", default="float32", help="--format hf: float32, bfloat16 or float16")
+    _add_hf_commands(sub)
     launch = sub.add_parser("launch", help="run a jaxpar command as several cooperating processes on this machine")
     launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
@@ -164,6 +170,76 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+HF_COMMANDS = ("import-hf", "eval", "generate")
+
+
+def _add_hf_commands(sub) -> None:
+    """`import-hf`, `eval` and `generate` (jaxpar.hf, jaxpar.evaluate, jaxpar.generate)."""
+    imp = sub.add_parser("import-hf", help="convert a Hugging Face Llama (config.json + safetensors) to a jaxpar checkpoint")
+    imp.add_argument("source", help="a local Hugging Face model directory, or a Hub repo id")
+    imp.add_argument("--out", required=True, help="the directory to write (what --init-from, eval and generate read)")
+    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out 5% tail of the data")
+    generate = sub.add_parser("generate", help="continue prompts: greedy or temperature/top-p sampling, KV cache")
+    for command in (evaluate, generate):
+        command.add_argument("--checkpoint-dir", required=True,
+                             help="a training checkpoint directory, an export or import-hf directory, or a Hugging Face one")
+        command.add_argument("--step", type=int, default=None, help="the training checkpoint step (default: the newest)")
+        command.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,tensor=2 (default: one device)")
+    evaluate.add_argument("--data", default=None, help="the text or token data whose held-out tail is evaluated")
+    evaluate.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the model's, at most 256)")
+    evaluate.add_argument("--batch-size", type=int, default=8, help="windows per batch")
+    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    generate.add_argument("--eos", type=int, default=None, help="token id that ends a sequence")
+    generate.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
+    generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (reference)")
+    for command in (imp, evaluate, generate):
+        command.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose (default 8)")
+        command.add_argument("--json", action="store_true", help="print one JSON object only")
+
+
+def _hf_command(args: argparse.Namespace) -> int:
+    """Run import-hf, export --format hf, eval or generate; errors a person can act on exit with 2."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    try:
+        if args.command == "import-hf":
+            from jaxpar.hf import import_hf
+
+            result = import_hf(args.source, args.out)
+        elif args.command == "export":
+            from jaxpar.hf import export_hf
+
+            result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype)
+        elif args.command == "eval":
+            from jaxpar.evaluate import evaluate_checkpoint
+            from jaxpar.generate import generation_plan
+
+            result = evaluate_checkpoint(args.checkpoint_dir, generation_plan(args.mesh), args.data, args.seq_len,
+                                         args.batch_size, args.step)
+        else:
+            from jaxpar.generate import generate_from_checkpoint
+
+            result = generate_from_checkpoint(
+                args.checkpoint_dir, args.prompt, args.mesh, args.max_new_tokens, args.temperature, args.top_p,
+                args.seed, args.eos, args.tokenizer, args.step, use_cache=not args.no_cache)
+    except ValueError as error:
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return 2
+    if args.command == "generate" and not args.json:
+        for prompt, text in zip(result["prompts"], result["completions"]):
+            print(f"{prompt}{text}")
+        print(f"{result['new_tokens']} tokens in {result['generate_s']:.3f} s: {result['tokens_per_s']:.1f} tokens/s "
+              f"(compile {result['compile_s']:.1f} s)", file=sys.stderr)
+    else:
+        print(json.dumps(result))
+    return 0
+
+
 def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
     """Draw a pipeline timeline: from --stages and the schedule flags, or from the plan being inspected."""
     from jaxpar.schedule import Schedule, render, save_png
@@ -193,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         from jaxpar.planner import main as plan_main
 
         return plan_main(args)
+    if args.command in HF_COMMANDS or (args.command == "export" and args.format == "hf"):
+        _set_host_devices(getattr(args, "devices", None))
+        return _hf_command(args)
     if args.command == "export":
         return _export(args)
     _set_host_devices(args.devices)

@@ -51,6 +51,8 @@ class TrainConfig:
     save_every: int = 100
     keep: int = 3
     on_nonfinite: str = "skip"
+    init_from: str | None = None  # initial parameters: import-hf output, an export or a Hugging Face directory
+    eval_every: int = 0  # held-out loss every N steps (0: never); the held-out tail is then not trained on
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
@@ -93,6 +95,10 @@ class Run:
         return self.plan.sharding(self.plan.batch_spec(2))
 
     def init(self) -> TrainState:
+        if self.config.init_from:
+            from jaxpar.hf import initial_state
+
+            return initial_state(self.config.init_from, self.model, self.optimizer, self.plan)
         return init_state(self.make_model, self.optimizer, self.plan)[1]
 
     def batch(self, step: int) -> dict[str, jax.Array]:
@@ -101,13 +107,24 @@ class Run:
 
 def prepare(config: TrainConfig, plan: Plan) -> Run:
     """Build and check everything a run needs; raises ValueError on any bad input."""
-    mcfg = model_config(config.model, {"seq_len": config.seq_len, **config.model_overrides})
+    name, saved = config.model, {}
+    if config.init_from:  # the model is the one the weights belong to; [model] fields may still override
+        from jaxpar.hf import saved_model_config
+
+        name, saved_config = saved_model_config(config.init_from)
+        saved = dataclasses.asdict(saved_config)
+    mcfg = model_config(name, {**saved, "seq_len": config.seq_len, **config.model_overrides})
     plan.check_batch(config.batch_size)
-    make_model = model_factory(config.model, mcfg, config.seed)
+    make_model = model_factory(name, mcfg, config.seed)
     model = describe(make_model)
     optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
-    batches = data_lib.Batches(data_lib.load_tokens(config.data), config.batch_size, config.seq_len, config.seed)
+    tokens = data_lib.load_tokens(config.data)
+    if config.eval_every:
+        from jaxpar.evaluate import split_tokens
+
+        tokens = split_tokens(tokens)[0]
+    batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed)
     batches.check_vocab(mcfg.vocab)
     step_fn = make_train_step(model, reference_loss(plan), optimizer, plan)
     return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn)
@@ -163,6 +180,10 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     config = run.config
     tokens = config.batch_size * config.seq_len
     metrics_file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
+    if config.eval_every:
+        from jaxpar.evaluate import run_evaluator
+
+        evaluator = run_evaluator(run)
     try:
         with Preemption() as preemption:
             for step in range(start, config.steps):
@@ -188,6 +209,8 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                                                     metadata=position)
                 if preempted:
                     row["preempted"] = True
+                if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
+                    row.update(evaluator(state.params))
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()

@@ -15,11 +15,15 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.rules import constrain
 from jaxpar import pipeline, tensor, zero
 from jaxpar.step import active_remat
+
+
+ROPE_TYPES = ("default", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +41,20 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     param_dtype: str = "float32"
     vocab_multiple: int = 128  # embedding rows padded to a multiple (Megatron's make-vocab-size-divisible-by)
+    # Rotary scaling: "default" (none) or "llama3" (Llama 3.1's wavelength-dependent frequency scaling).
+    rope_type: str = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.vocab_multiple < 1:
             raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
 
     @property
     def padded_vocab(self) -> int:
@@ -89,12 +101,39 @@ def rms_norm(x, weight, eps):
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x, positions, theta):
-    """Rotary position embedding on the last dimension of [batch, seq, heads, head_dim]."""
+def rope_frequencies(cfg: LlamaConfig, head_dim: int | None = None) -> np.ndarray:
+    """The rotary inverse frequencies (float32, head_dim / 2 of them), Llama-3.1-scaled under rope_type="llama3".
+
+    llama3 divides the low frequencies (wavelength beyond original/low_freq_factor)
+    by `rope_factor`, keeps the high ones (below original/high_freq_factor) and
+    interpolates smoothly between, as Meta's and Hugging Face's reference code do.
+    """
+    dim = cfg.head_dim if head_dim is None else head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    inv = inv.astype(np.float32)
+    if cfg.rope_type == "default":
+        return inv
+    factor, low, high = np.float32(cfg.rope_factor), np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
+    original = np.float32(cfg.rope_original_max_position)
+    wavelen = np.float32(2 * np.pi) / inv
+    scaled = np.where(wavelen > original / low, inv / factor, inv)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rotary(x, positions, theta, inv_freq=None):
+    """Rotary position embedding on the last dimension of [batch, seq, heads, head_dim].
+
+    `positions` is [seq] (shared by the batch) or [batch, seq]; `inv_freq`
+    (see `rope_frequencies`) overrides the plain theta ** (-i / half) frequencies.
+    """
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half) if inv_freq is None else jnp.asarray(inv_freq)
+    positions = positions if positions.ndim == 2 else positions[None, :]
+    angles = positions[..., None].astype(jnp.float32) * freqs
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -104,13 +143,13 @@ RESIDUAL = ("batch", "seq_residual", "embed")
 
 def attention(p, x, cfg: LlamaConfig):
     """Causal grouped-query attention; heads split over the plan's `heads` axes."""
-    b, s, _ = x.shape
     q_names, kv_names = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
     q, k, v = tensor.column_parallel(
         x, (p["wq"], p["wk"], p["wv"]), "bsd,dhk->bshk", (q_names, kv_names, kv_names)
     )
-    positions = jnp.arange(s)
-    q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+    b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
+    positions, inv_freq = jnp.arange(s), rope_frequencies(cfg, q.shape[-1])
+    q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
     kv_heads = k.shape[2]
     q = q.reshape(b, s, kv_heads, q.shape[2] // kv_heads, q.shape[3])
     scores = jnp.einsum("bqngk,bsnk->bngqs", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
@@ -212,6 +251,14 @@ class Llama(nnx.Module):
     def loss(self, x, targets):
         return head_loss(self.head_params(), x, targets, self.cfg)
 
+    def logits(self, tokens, positions=None, mask=None):
+        """Logits [batch, seq, vocab] with positions and a padding mask (see `llama_logits`)."""
+        return llama_logits(self, tokens, positions, mask)
+
+    def decode(self, tokens, cache: dict, mask=None, positions=None):
+        """(logits, cache) for tokens appended to a KV cache (see `init_cache`, `llama_decode`)."""
+        return llama_decode(self, tokens, cache, mask, positions)
+
     def __call__(self, batch, remat: Callable | None = None):
         """(mean loss, {}); under a plan with pipe > 1 the blocks run as a pipeline (jaxpar.pipeline)."""
         stages = pipeline.Stages(
@@ -223,3 +270,118 @@ class Llama(nnx.Module):
             stages, self.embedding[...], self.blocks.stacked(), self.head_params(), batch["inputs"], batch["targets"]
         )
         return loss, {}
+
+
+# -- inference: logits with positions and a padding mask, and a KV cache -------------------------------------------
+# Separate from the training path (which runs through jaxpar.pipeline): one forward over the stacked layers that
+# takes explicit positions, a key padding mask and, while generating, a key/value cache it updates in place.
+
+CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
+def init_cache(cfg: LlamaConfig, batch: int, slots: int, dtype=jnp.float32) -> dict[str, jax.Array]:
+    """An empty KV cache for `batch` sequences of up to `slots` tokens.
+
+    k, v: [layers, batch, slots, kv_heads, head_dim]; mask: which slots hold a
+    real token; length: real tokens per sequence (the next position); index: the
+    next slot to write (the same for every sequence: prompts are left-padded).
+    """
+    shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
+    return {
+        "k": constrain(jnp.zeros(shape, dtype), CACHE), "v": constrain(jnp.zeros(shape, dtype), CACHE),
+        "mask": jnp.zeros((batch, slots), bool), "length": jnp.zeros((batch,), jnp.int32),
+        "index": jnp.zeros((), jnp.int32),
+    }
+
+
+def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None):
+    """Causal GQA attention of x's tokens at `positions` ([batch, seq]); keys where `key_mask` is False are ignored.
+
+    Without `kv` the keys are x's own tokens (key_mask [batch, seq]). With
+    kv = (k, v) [batch, slots, kv_heads, head_dim] the new keys and values are
+    written at slots index..index+seq and the queries attend to every earlier
+    slot (key_mask [batch, slots]). Returns (output, (k, v)).
+    """
+    q_names, kv_names = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+    q, k, v = tensor.column_parallel(
+        x, (p["wq"], p["wk"], p["wv"]), "bsd,dhk->bshk", (q_names, kv_names, kv_names)
+    )
+    b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
+    inv_freq = rope_frequencies(cfg, q.shape[-1])
+    q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
+    query_slots = jnp.arange(s)
+    if kv is not None:
+        k = constrain(jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0)), kv_names)
+        v = constrain(jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0)), kv_names)
+        query_slots = query_slots + index
+    allowed = (jnp.arange(k.shape[1])[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]
+    kv_heads = k.shape[2]
+    q = q.reshape(b, s, kv_heads, q.shape[2] // kv_heads, q.shape[3])
+    scores = jnp.einsum("bqngk,bsnk->bngqs", q, k.astype(q.dtype)).astype(jnp.float32)
+    scores = scores / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(b, s, -1, q.shape[-1]).astype(x.dtype)
+    out = constrain(out, q_names)
+    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", q_names), (k, v)
+
+
+def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None):
+    """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer)."""
+
+    def body(h, layer):
+        p, kv = layer
+        attn, kv = cached_attention(p, tensor.enter_tensor_region(rms_norm(h, p["attn_norm"], cfg.norm_eps)),
+                                    cfg, positions, key_mask, kv, index)
+        h = constrain(h + attn, RESIDUAL)
+        h = h + mlp(p, tensor.enter_tensor_region(rms_norm(h, p["mlp_norm"], cfg.norm_eps)))
+        return constrain(h, RESIDUAL), kv
+
+    return jax.lax.scan(body, x, (stacked, cache))
+
+
+def padded_positions(mask):
+    """Positions of left- (or right-) padded rows: 0, 1, ... counting real tokens only; padding gets 0 or the last."""
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def _logits_of(model: "Llama", x):
+    x = rms_norm(x, model.final_norm[...], model.cfg.norm_eps)
+    logits = jnp.einsum("bsd,dv->bsv", x, model.output_weights()).astype(jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))[..., : model.cfg.vocab]
+
+
+def _check_dense(model: "Llama") -> None:
+    if type(model.blocks) is not Blocks:
+        raise NotImplementedError(f"inference supports the dense Llama blocks, not {type(model.blocks).__name__}")
+
+
+def llama_logits(model: "Llama", tokens, positions=None, mask=None):
+    """Logits [batch, seq, vocab] (float32, padding columns dropped) of tokens [batch, seq].
+
+    `mask` [batch, seq] marks real tokens (False: padding, which no token
+    attends to); `positions` default to the count of real tokens before each one,
+    so left-padded prompts get the positions they would have alone.
+    """
+    _check_dense(model)
+    mask = jnp.ones(tokens.shape, bool) if mask is None else mask.astype(bool)
+    positions = padded_positions(mask) if positions is None else positions
+    positions = jnp.broadcast_to(positions, tokens.shape)
+    x, _ = inference_layers(model.blocks.stacked(), model.embed(tokens), model.cfg, positions, mask)
+    return _logits_of(model, x)
+
+
+def llama_decode(model: "Llama", tokens, cache: dict, mask=None, positions=None):
+    """(logits [batch, seq, vocab], updated cache) for tokens [batch, seq] appended to the cache (see init_cache)."""
+    _check_dense(model)
+    mask = jnp.ones(tokens.shape, bool) if mask is None else mask.astype(bool)
+    if positions is None:
+        positions = cache["length"][:, None] + padded_positions(mask)
+    index = cache["index"]
+    key_mask = jax.lax.dynamic_update_slice(cache["mask"], mask, (0, index))
+    x, (k, v) = inference_layers(model.blocks.stacked(), model.embed(tokens), model.cfg, positions, key_mask,
+                                 (cache["k"], cache["v"]), index)
+    cache = {"k": constrain(k, CACHE), "v": constrain(v, CACHE), "mask": key_mask,
+             "length": cache["length"] + mask.sum(axis=1).astype(jnp.int32), "index": index + tokens.shape[1]}
+    return _logits_of(model, x), cache
+

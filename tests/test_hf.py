@@ -1,0 +1,184 @@
+"""Hugging Face Llama interop: logits equal `transformers.LlamaForCausalLM` both ways, sharded loading, refusals, round trip."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from jaxpar import hf  # noqa: E402
+from jaxpar.cli import main  # noqa: E402
+from jaxpar.models.llama import Llama  # noqa: E402
+from jaxpar.plan import Plan  # noqa: E402
+
+CASES = {
+    "untied-gqa": dict(vocab_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=8),
+    "tied": dict(vocab_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=8, tie_word_embeddings=True),
+    "mha": dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=16),
+    "padded-vocab": dict(vocab_size=250, num_attention_heads=8, num_key_value_heads=2, head_dim=8),
+    "llama3-rope": dict(vocab_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+}
+
+
+def hf_model(seed=0, **overrides) -> "transformers.LlamaForCausalLM":
+    """A random float32 LlamaForCausalLM, norms perturbed away from 1 so their mapping is tested."""
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  max_position_embeddings=128)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides})).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    return model
+
+
+def torch_logits(model, tokens, mask=None, positions=None):
+    with torch.no_grad():
+        kwargs = {}
+        if mask is not None:
+            kwargs = {"attention_mask": torch.tensor(mask, dtype=torch.long), "position_ids": torch.tensor(positions)}
+        return model(torch.tensor(tokens), **kwargs).logits.numpy()
+
+
+def jaxpar_model(cfg, params) -> Llama:
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(Llama(cfg, nnx.Rngs(1)))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    return nnx.merge(graphdef, state)
+
+
+def relative(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+TOKENS = np.random.default_rng(0).integers(0, 250, size=(2, 24))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_both_ways(case, tmp_path):
+    reference = hf_model(**CASES[case])
+    reference.save_pretrained(tmp_path / "hf")
+    cfg, params = hf.load_hf_params(tmp_path / "hf")
+    assert cfg.norm_eps == 1e-6 and cfg.tie_embeddings == CASES[case].get("tie_word_embeddings", False)
+    model = jaxpar_model(cfg, params)
+    imported = relative(np.asarray(model.logits(jnp.asarray(TOKENS))), torch_logits(reference, TOKENS))
+    assert imported <= 1e-5, imported
+    if case == "llama3-rope":  # the scaling is mapped and matters at these positions
+        assert cfg.rope_type == "llama3"
+        plain = jaxpar_model(dataclasses.replace(cfg, rope_type="default"), params)
+        assert relative(np.asarray(plain.logits(jnp.asarray(TOKENS))), torch_logits(reference, TOKENS)) > 1e-4
+
+    # the other way: jaxpar's own random weights (norms perturbed) written as Hugging Face safetensors
+    with nnx.use_eager_sharding(False):
+        ours = Llama(cfg, nnx.Rngs(7))
+    ours.final_norm[...] = ours.final_norm[...] * 1.3
+    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    back = relative(torch_logits(exported, TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))
+    assert back <= 1e-5, back
+    print(f"{case}: import {imported:.2e}, export {back:.2e}")
+
+
+def test_padding_mask_and_positions_match_transformers(tmp_path):
+    reference = hf_model()
+    reference.save_pretrained(tmp_path / "hf")
+    cfg, params = hf.load_hf_params(tmp_path / "hf")
+    model = jaxpar_model(cfg, params)
+    mask = np.ones(TOKENS.shape, bool)
+    mask[0, :5] = False  # left padding
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    ours = np.asarray(model.logits(jnp.asarray(TOKENS), mask=jnp.asarray(mask)))
+    theirs = torch_logits(reference, TOKENS, mask, positions)
+    assert relative(ours[mask], theirs[mask]) <= 1e-5
+    alone = np.asarray(model.logits(jnp.asarray(TOKENS[:1, 5:])))  # the padded row equals its unpadded self
+    assert relative(ours[0, 5:], alone[0]) <= 1e-5
+
+
+def test_loading_reads_each_shard_onto_the_plan(tmp_path, monkeypatch):
+    hf_model(vocab_size=250).save_pretrained(tmp_path / "hf")
+    cfg, whole = hf.load_hf_params(tmp_path / "hf")
+    plan = Plan.create("data=4,tensor=2", zero=3)
+    from jaxpar.models import model_factory
+    from jaxpar.state import describe
+
+    model = describe(model_factory("tiny", cfg, 0))
+    shardings = plan.shardings(plan.param_specs(model.logical))
+    reads = []
+    original = hf.SafetensorsReader.read
+    monkeypatch.setattr(hf.SafetensorsReader, "read",
+                        lambda self, name, *index: reads.append((name, original(self, name, *index))) or reads[-1][1])
+    _, sharded = hf.load_hf_params(tmp_path / "hf", cfg, shardings)
+    for path, array, target, expected in zip(hf._flat_paths(sharded), jax.tree.leaves(sharded),
+                                             jax.tree.leaves(shardings), jax.tree.leaves(whole)):
+        assert array.sharding == target, path
+        np.testing.assert_array_equal(np.asarray(array), expected)
+    q_reads = [a.size for name, a in reads if name == "model.layers.0.self_attn.q_proj.weight"]
+    assert q_reads and max(q_reads) * 8 == 64 * 64  # each device read only its eighth of the tensor
+    embed_reads = [a.size for name, a in reads if name == "model.embed_tokens.weight"]
+    assert max(embed_reads) < 250 * 64
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("attention_bias", True, "attention_bias=true"),
+        ("mlp_bias", True, "mlp_bias=true"),
+        ("hidden_act", "gelu", "hidden_act='gelu'"),
+        ("pretraining_tp", 2, "pretraining_tp=2"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type='yarn'"),
+        ("model_type", "mistral", "model_type='mistral'"),
+    ],
+)
+def test_refuses_what_the_model_cannot_represent(field, value, message):
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "intermediate_size": 96, field: value}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        hf.config_from_hf(config)
+
+
+def test_import_train_export_round_trip(tmp_path, capsys):
+    """import-hf -> train 20 steps from it -> export --format hf -> transformers strict load, same logits."""
+    from jaxpar.checkpoint import Checkpoints
+    from jaxpar.data import Batches, default_corpus
+    from jaxpar.evaluate import split_tokens
+
+    reference = hf_model(vocab_size=300, num_key_value_heads=2)
+    reference.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "imported")]) == 0
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", "--init-from", str(tmp_path / "imported"), "--mesh", "data=4,tensor=2", "--steps", "20",
+                 "--batch-size", "8", "--seq-len", "32", "--checkpoint-dir", str(tmp_path / "run"),
+                 "--save-every", "20", "--eval-every", "10", "--metrics", str(metrics)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 20 and "eval_loss" in rows[9] and "eval_loss" in rows[19] and "eval_loss" not in rows[0]
+
+    # step 1's loss is the imported model's loss on batch 0: training started from the Hugging Face weights
+    batch = Batches(split_tokens(default_corpus())[0], 8, 32, 0)[0]
+    logits = torch.tensor(torch_logits(reference, batch["inputs"]))
+    first = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), torch.tensor(batch["targets"], dtype=torch.long).reshape(-1))
+    assert abs(rows[0]["loss"] / float(first) - 1) <= 1e-5
+
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                 "--format", "hf"]) == 0
+    from safetensors.torch import load_file
+
+    config = transformers.LlamaConfig.from_pretrained(tmp_path / "out")
+    exported = transformers.LlamaForCausalLM(config).float().eval()
+    exported.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    with Checkpoints(tmp_path / "run", read_only=True) as checkpoints:
+        trained = checkpoints.read_params(20)
+    cfg = hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text()))
+    ours = np.asarray(jaxpar_model(cfg, trained).logits(jnp.asarray(TOKENS)))
+    assert relative(torch_logits(exported, TOKENS), ours) <= 1e-5
+    assert relative(torch_logits(reference, TOKENS), ours) > 1e-3  # the 20 steps changed the weights
