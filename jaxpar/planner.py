@@ -86,7 +86,7 @@ class Model:
     dropless: bool = False
     group_size: int | None = None
 
-    @property
+    @functools.cached_property
     def params(self) -> int:
         return sum(leaf.size for leaf in self.leaves)
 
@@ -99,7 +99,7 @@ class Model:
         """The stacked leading dimension: layers (dense) or groups of moe_every blocks (MoE)."""
         return self.n_layers // self.moe_every if self.n_experts else self.n_layers
 
-    @property
+    @functools.cached_property
     def flop_params(self) -> int:
         """Parameters a token's forward multiplies with (2 FLOPs each): all but the embedding table and
         the experts a token does not visit."""
@@ -200,7 +200,7 @@ class Layout:
         if self.pipe == 1:
             object.__setattr__(self, "schedule", "1f1b")
 
-    @property
+    @functools.cached_property
     def shape(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}
 
@@ -322,34 +322,53 @@ def inventory(model: Model, data: int, tensor: int, pipe: int, expert: int) -> I
     return Inventory(local, sharded, st_local, st_sharded, rep_pipe, rep_expert)
 
 
+def remat_policy(layout: Layout) -> str:
+    """The checkpoint policy a block really runs under (jaxpar.step.remat_wrapper): ZeRO-3 turns `none`
+    into saving every matmul output (`dots`), so the gathered weights themselves are never kept."""
+    if layout.zero == 3 and layout.data > 1 and layout.remat == "none":
+        return "dots"
+    return layout.remat
+
+
 def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float:
     """Values one block keeps per token for its backward pass (Korthikanti et al. 2022, Table 2 adapted).
 
-    A Llama block without dropout keeps: the two norm inputs and outputs (4 d),
-    Q, K, V (h hd + 2 kv hd), the softmax probabilities (h s), the attention
-    output entering the projection (h hd), and the MLP's gate, up and their
-    product (3 f). Tensor parallelism splits everything but the norms' d-sized
-    values by t; sequence parallelism splits those too. Selective remat keeps
-    only the matmul outputs (drops the h s probabilities); full remat keeps
-    the block input (d). A MoE block replaces 3 f by the expert slots (k cf 3 fe).
+    none: a Llama block without dropout keeps the two norms' inputs and outputs
+    (4 d), Q, K, V (h hd + 2 kv hd), the softmax probabilities (h s), the
+    attention output entering the projection (h hd) and the MLP's gate, up and
+    their product (3 f). dots (ZeRO-3's policy): every matmul output: Q, K, V,
+    the scores, the attention output, both projections' outputs (2 d) and gate
+    and up. selective: the weight matmuls' outputs: Q, K, V, gate, up and the
+    two row-parallel outputs (2 d). full: the block input (d). Tensor
+    parallelism splits all but the d-sized values by t; sequence parallelism
+    those too.
     """
     t = layout.tensor
-    d, hd = model.d_model, model.head_dim
-    residual = 4 * d / (t if layout.sequence_parallel else 1)
-    if layout.remat == "full":
-        return d / (t if layout.sequence_parallel else 1)
-    attention = (model.n_heads * hd + 2 * model.n_kv_heads * hd + model.n_heads * hd) / t
-    scores = model.n_heads * seq / t if layout.remat == "none" else 0.0
-    mlp = 3 * model.d_ff / t
-    return residual + attention + scores + mlp
+    d, hd, h, kv, f = model.d_model, model.head_dim, model.n_heads, model.n_kv_heads, model.d_ff
+    d_split = t if layout.sequence_parallel else 1
+    qkv = (h + 2 * kv) * hd / t
+    policy = remat_policy(layout)
+    if policy == "full":
+        return d / d_split
+    if policy == "selective":
+        return qkv + 2 * f / t + 2 * d / d_split
+    if policy == "dots":
+        return qkv + h * seq / t + h * hd / t + 2 * f / t + 2 * d / d_split
+    if t > 1:
+        # Tensor parallelism's sharding constraints and collectives cut XLA's fusions, so the block also
+        # keeps the intermediates a fused block recomputes: the scores twice (before and after the
+        # softmax), 6 d-sized and 8 f-sized values (fused gate|up, silu, its product, ...).
+        return 2 * h * seq / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t
+    return 4 * d / d_split + qkv + h * seq / t + h * hd / t + 3 * f / t
 
 
 def moe_mlp_values_per_token(model: Model, layout: Layout, seq: int) -> float:
-    """What a MoE layer keeps per token instead of the dense MLP: the dispatched slots in and out and the
-    experts' gate, up and product (capacity slots per routed token)."""
+    """What a MoE layer keeps per token in place of the dense MLP: the router's logits (E), and per
+    capacity slot (E C / group of them per token) the dispatched input and the combined output (2 d)
+    and the expert's gate, up and product (3 fe, split by t)."""
     group = model.group_size or seq
-    slots = model.n_experts * capacity(model, group) / group  # slots per token
-    return slots * (2 * model.d_model + 3 * model.expert_d_ff / layout.tensor) / layout.expert * layout.expert
+    slots = model.n_experts * capacity(model, group) / group
+    return model.n_experts + slots * (2 * model.d_model + 3 * model.expert_d_ff / layout.tensor)
 
 
 def capacity(model: Model, group: int) -> int:
@@ -426,10 +445,6 @@ class Collective:
     calls: float
     why: str
 
-    @property
-    def group(self) -> int:
-        return 0
-
     def traffic(self, n: int) -> float:
         return self.calls * ring_traffic(self.kind, self.bytes, n)
 
@@ -447,20 +462,23 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
     n, t, p, e = layout.data, layout.tensor, layout.pipe, layout.expert
     passes = layout.grad_accum * schedule_ticks(layout)  # stage programs run per step (bubble ticks too)
     if n > 1:
-        unsharded = inv.local - (inv.sharded * n - inv.local) / (n - 1) if layout.zero else inv.local
-        # parameters ZeRO cannot split over data (no dimension divides) keep an all-reduce
-        split = inv.local - unsharded
+        # local = split + whole and sharded = split / n + whole, where `whole` are the parameters ZeRO
+        # cannot split over data (no dimension divides): their gradients keep an all-reduce
+        split = (inv.local - inv.sharded) * n / (n - 1) if layout.zero else 0.0
+        unsharded = inv.local - split
         if layout.zero == 0:
             out.append(Collective("data", "all-reduce", inv.local * g_comm, 1, "gradients summed over data"))
         else:
-            regathers = 1
-            if layout.zero >= 2 and p > 1:
-                regathers = schedule_ticks(layout)  # each tick's stage program gathers its layers again
+            # ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated parameters once per
+            # step. ZeRO-2/3 gather inside the loss, so once per microbatch, and the layers once per stage
+            # program run (every pipeline tick); autodiff reduce-scatters each gather's gradient. ZeRO-3
+            # gathers the layers again for the backward pass.
             stacked_split = inv.stacked_local * split / inv.local if inv.local else 0.0
-            gathered = (split - stacked_split) + stacked_split * regathers
-            if layout.zero == 3:
-                gathered += stacked_split * regathers  # gathered again for the backward pass
-            out.append(Collective("data", "reduce-scatter", split * g_comm, 1, "gradients into ZeRO shards"))
+            once, layers = split - stacked_split, stacked_split
+            if layout.zero >= 2:
+                once, layers = once * layout.grad_accum, layers * layout.grad_accum * schedule_ticks(layout)
+            gathered = once + layers * (2 if layout.zero == 3 else 1)
+            out.append(Collective("data", "reduce-scatter", (once + layers) * g_comm, 1, "gradients into ZeRO shards"))
             out.append(Collective("data", "all-gather", gathered * p_comm, 1,
                                   "ZeRO parameters gathered" + (" per layer" if layout.zero >= 2 else " after the update")))
             if unsharded > 0.5:
@@ -509,8 +527,15 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
         buffer = slots * d * act_comm / t
         calls = 4 * model.moe_layers / p * layout.grad_accum
         out.append(Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back"))
-        out.append(Collective("expert", "all-reduce", inv.dense_replicated_over_expert * g_comm, 1,
+        # Parameters every expert rank holds sum their gradients over expert, except the embedding table
+        # when gathering its cotangents and token ids over expert is cheaper than summing the table.
+        rows = e * b * s * layout.grad_accum
+        table = model.vocab * d / t if rows <= model.vocab / t else 0.0
+        out.append(Collective("expert", "all-reduce", (inv.dense_replicated_over_expert - table) * g_comm, 1,
                               "gradients of parameters every expert rank holds"))
+        if table:
+            out.append(Collective("expert", "all-gather", rows * (d * act_comm + 4), 1,
+                                  "the embedding's cotangents and token ids"))
     return out
 
 
@@ -636,6 +661,8 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     """
     inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
     P, G, K = state_bytes_per_param(layout.precision)
+    if device.widens_low_precision:
+        G = 4  # XLA:CPU differentiates low-precision matmuls in fp32: gradients (and activations) are fp32
     n = layout.data
     z = layout.zero if n > 1 else 0
     # ZeRO-2 keeps parameters sharded between steps but gathers every layer's for the whole step (held, as in
@@ -648,21 +675,42 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     grads = G * (inv.sharded if z >= 2 else inv.local)
     per_layer = inv.stacked_local / max(model.scan_depth / layout.pipe, 1)
     transient = G * (per_layer + inv.local - inv.stacked_local) if z >= 2 else 0.0  # one layer's whole gradient
-    if layout.grad_accum > 1 or layout.pipe > 1:
-        transient += 4 * (inv.sharded if z >= 2 else inv.local)  # fp32 accumulators (jaxpar.step, pipeline)
-    act_bytes = 2 if layout.precision != "fp32" else 4
+    if (layout.grad_accum > 1 or layout.pipe > 1) and G < 4:
+        transient += 4 * (inv.sharded if z >= 2 else inv.local)  # fp32 accumulators of low-precision gradients
+    act_bytes = 4 if layout.precision == "fp32" or device.widens_low_precision else 2
     b, s = microbatch_sequences(layout, work), work.seq_len
     per_token = activation_values_per_token(model, layout, s)
     if model.n_experts:
         dense_mlp = 3 * model.d_ff / layout.tensor
         moe_share = model.moe_layers / model.n_layers
-        per_token += moe_share * (moe_mlp_values_per_token(model, layout, s) - (0 if layout.remat == "full" else dense_mlp))
+        if remat_policy(layout) != "full":
+            per_token += moe_share * (moe_mlp_values_per_token(model, layout, s) - dense_mlp)
     layers_per_chunk = model.n_layers / (layout.pipe * layout.virtual_stages)
     activations = act_bytes * b * s * per_token * layers_per_chunk * in_flight(layout)
+    if layout.pipe > 1 and layout.schedule == "1f1b" and remat_policy(layout) == "none":
+        # 1F1B stores each in-flight microbatch's VJP residuals in a ring (plus one scratch row); a VJP
+        # keeps every intermediate JAX linearises through, unfused: per token 3 h s + 8 f +
+        # (2 (h + 2 kv) + kv) hd split by t, and 6 d.
+        t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
+        residuals = (3 * model.n_heads * s + 8 * model.d_ff + (2 * (model.n_heads + 2 * model.n_kv_heads)
+                     + model.n_kv_heads) * model.head_dim) / t + 6 * model.d_model / d_split
+        activations = act_bytes * b * s * residuals * layers_per_chunk * (in_flight(layout) + 1)
+    elif layout.pipe > 1 and layout.schedule == "1f1b":
+        activations = act_bytes * b * s * per_token * layers_per_chunk * (in_flight(layout) + 1)
+    if layout.pipe > 1 and layout.schedule != "1f1b":
+        # Differentiating the tick scan keeps, per tick, the chunk's weights (indexed by the traced chunk
+        # number, they are a per-tick value to autodiff) and, without remat, the block's values masked by
+        # the tick's validity: per token 2 h s + 6 f + 2 (h + kv) hd split by t, and 6 d.
+        if remat_policy(layout) == "none":
+            t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
+            masked = (2 * model.n_heads * s + 6 * model.d_ff + 2 * (model.n_heads + model.n_kv_heads)
+                      * model.head_dim) / t + 6 * model.d_model / d_split
+            activations = act_bytes * b * s * masked * layers_per_chunk * in_flight(layout)
+        activations += P * inv.stacked_local / layout.virtual_stages * schedule_ticks(layout)
     gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
     if z == 3:
         gathered = P * (per_layer + (inv.local - inv.stacked_local) - (inv.sharded - inv.stacked_sharded))
-    workspace = transient + layer_workspace(model, layout, work, act_bytes) + update_workspace(inv, layout, z)
+    workspace = transient + layer_workspace(model, layout, work) + update_workspace(inv, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
     arguments = at_rest + optimizer + batch
     temp = (params - at_rest) + grads + activations + gathered + workspace
@@ -673,20 +721,24 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     }
 
 
-def layer_workspace(model: Model, layout: Layout, work: Workload, act_bytes: int) -> float:
-    """The largest transient of one microbatch: fp32 logits and their gradient over the vocabulary shard,
-    or one layer's recomputed activations and attention scores during the backward pass."""
+def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
+    """The largest transients of one microbatch: the fp32 logits and their gradient over the vocabulary
+    shard (on each stage's share of positions under a pipeline), and one layer's attention scores when
+    the backward pass recomputes them."""
     b, s = microbatch_sequences(layout, work), work.seq_len
-    logits = 2 * 4 * b * s * model.vocab / layout.tensor / max(layout.pipe, 1)
-    scores = 2 * 4 * b * model.n_heads / layout.tensor * s * s
-    return logits + scores
+    logits = 2 * 4 * b * s * model.vocab / layout.tensor / layout.pipe
+    recomputed = remat_policy(layout) in ("full", "selective")
+    return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0)
 
 
-def update_workspace(inv: Inventory, layout: Layout, z: int) -> float:
-    """The optimizer update's transients: the clipped gradient and the new moments in fp32 for the
-    shard the update runs on (ZeRO-1+: the data shard)."""
-    shard = inv.sharded if z >= 1 else inv.local
-    return 4 * shard
+def update_workspace(inv: Inventory, layout: Layout, z: int, grad_bytes: int) -> float:
+    """Parameter-sized transients besides ZeRO's own gradient (Table 1's G) that XLA keeps alive at once.
+
+    ZeRO-0/1 reduce the whole local gradient once per step, so its summed copy
+    and the update's output are two more whole buffers. ZeRO-2/3 reduce-scatter
+    each layer inside the backward scan and update only their shards in place.
+    """
+    return 2 * grad_bytes * inv.local if z <= 1 else 0.0
 
 
 def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[str, float]:
@@ -705,15 +757,14 @@ def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[st
             "update": update, "step": total}
 
 
+# Where each axis lies physically, outermost first: jaxpar.mesh places `tensor` on the fastest links
+# (innermost) and `data` across hosts (outermost), whatever order the mesh's axis names take.
+PHYSICAL_ORDER = ("data", "pipe", "expert", "tensor")
+
+
 def axis_bandwidth(axis: str, layout: Layout, device: Device) -> float:
-    """Bytes/s one device sends over `axis`: NVLink/ICI if the axis's groups stay inside a node, else the NIC.
-
-    Axes later in jaxpar.mesh.AXES lie inside earlier ones (the innermost gets the fastest links).
-    """
-    from jaxpar.mesh import AXES as MESH_AXES
-
-    order = list(MESH_AXES)
-    inner = math.prod(layout.shape[a] for a in order[order.index(axis) + 1:]) if axis in order else 1
+    """Bytes/s one device sends over `axis`: NVLink/ICI if the axis's groups stay inside a node, else the NIC."""
+    inner = math.prod(layout.shape[a] for a in PHYSICAL_ORDER[PHYSICAL_ORDER.index(axis) + 1:])
     span = inner * layout.shape[axis]
     return device.intra_bandwidth if span <= device.devices_per_node else device.inter_bandwidth
 
@@ -813,13 +864,10 @@ def explain_choice(ranking: Ranking) -> list[str]:
     lay, t = best.layout, best.time
     lines = [f"{lay}: {t['step']:.3g} s/step, MFU {best.mfu:.0%}, {best.peak / 1e9:.1f} GB per device "
              f"of {ranking.device.capacity / 1e9:.0f} GB usable."]
-    parts = sorted(((k, v) for k, v in t.items() if k not in ("step", "compute") and not k.startswith("comm_")),
-                   key=lambda kv: -kv[1])
     exposed = t["comm_tensor"] + t["comm_pipe"] + t["comm_expert"] + t["exposed_data"]
     lines.append(f"compute {t['compute']:.3g} s (bubble {best.bubble:.1%}), exposed communication "
                  f"{exposed:.3g} s (tensor {t['comm_tensor']:.3g}, pipe {t['comm_pipe']:.3g}, data "
                  f"{t['exposed_data']:.3g} of {t['comm_data']:.3g} not hidden by the backward pass).")
-    del parts
     if lay.tensor > 1:
         lines.append(f"tensor={lay.tensor} stays inside a node ({ranking.device.devices_per_node} devices) on "
                      f"{ranking.device.intra_bandwidth / 1e9:.0f} GB/s links; it splits the weights and activations "
@@ -989,12 +1037,10 @@ def save_pictures(ranking: Ranking, prefix: str, top: int = 6) -> list[str]:
     a1.set_ylabel("step time (s)")
     a1.set_title(f"strong scaling: {ranking.model.name}, batch {ranking.work.batch_size}", fontsize=9)
     a1.legend(fontsize=7)
-    names = [name for name, _, _ in weak]
     a2.plot(range(len(weak)), [e.step_time if e else float("nan") for _, _, e in weak], "o-")
     a2.set_xticks(range(len(weak)), [f"{name}\n{n} dev" for name, n, _ in weak], fontsize=7)
     a2.set_ylabel("step time (s)")
     a2.set_title("weak scaling: model size at fixed tokens per device", fontsize=9)
-    del names
     fig.tight_layout()
     paths.append(f"{prefix}_scaling.png")
     fig.savefig(paths[-1], dpi=110)

@@ -169,3 +169,49 @@ def test_plan_from_file_runs_on_cpu(tmp_path):
     train, options, mesh = cli.resolve(cli.build_parser().parse_args(["train", "--config", str(path)]))
     run = prepare(train, Plan.create(mesh, **options))
     assert run.plan.shape == ranking.best.layout.shape
+
+
+# -- against the compiler -------------------------------------------------------------------------
+
+# (mesh, plan options, model): ZeRO 0-3, tensor (annotation and explicit with SP), every pipeline schedule,
+# experts, each remat policy and mixed precision, each at least once.
+GRID = [
+    ("data=8", {}, "tiny"),
+    ("data=8", {"zero": 1, "precision": "bf16"}, "tiny"),
+    ("data=8", {"zero": 2, "remat": "full"}, "tiny"),
+    ("data=8", {"zero": 3}, "tiny"),
+    ("data=4,tensor=2", {"zero": 1, "remat": "selective"}, "tiny"),
+    ("data=4,tensor=2", {"sequence_parallel": True, "tensor_form": "explicit"}, "tiny"),
+    ("data=4,pipe=2", {"schedule": "gpipe", "microbatches": 4}, "tiny"),
+    ("data=2,tensor=2,pipe=2", {"zero": 1, "microbatches": 4}, "tiny"),
+    ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}, "tiny"),
+    ("data=2,expert=4", {}, "moe-tiny"),
+]
+TOLERANCE = {"arguments": 0.10, "temp": 0.25}  # traffic per mesh axis: 0.10
+
+
+def compiled_cell(mesh: str, options: dict, model: str) -> dict:
+    """`jaxpar inspect --json` of one layout: an abstract compile, nothing trained."""
+    from jaxpar.plan import Plan
+    from jaxpar.report import inspection
+    from jaxpar.train import TrainConfig, prepare
+
+    run = prepare(TrainConfig(model=model, batch_size=WORK.batch_size, seq_len=WORK.seq_len), Plan.create(mesh, **options))
+    return inspection(run)
+
+
+def predicted_cell(mesh: str, options: dict, model: str) -> planner.Estimate:
+    sizes = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
+    layout = planner.Layout(**sizes, **{"precision": "fp32", **options})
+    return planner.estimate(planner.Model.named(model, TINY), layout, WORK, "cpu")
+
+
+@pytest.mark.parametrize("mesh,options,model", GRID, ids=[f"{m} {o}".strip() for m, o, _ in GRID])
+def test_prediction_matches_compiled_step(mesh, options, model):
+    est = predicted_cell(mesh, options, model)
+    assert not est.reason, est.reason
+    ratios = planner.ratios(est, compiled_cell(mesh, options, model))
+    assert set(ratios) >= {"arguments", "temp"}
+    for key, ratio in ratios.items():
+        tolerance = TOLERANCE.get(key, 0.10)
+        assert abs(ratio - 1) <= tolerance, f"{key}: prediction / compiled = {ratio:.3f} (tolerance {tolerance:.0%})"
