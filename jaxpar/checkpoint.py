@@ -11,16 +11,25 @@ half-written directory is removed the next time the directory is opened.
 
 Restoring reads every shard straight into the devices that hold it under the
 target plan (its `abstract_state`), whatever mesh and ZeRO stage wrote it.
+
+Orbax's files carry no checksum of the array values (a flipped byte in a data
+file restores silently), so `meta` also holds a 32-bit checksum of every array,
+computed on the devices at save time and again after each restore; a step that
+fails it, or whose files cannot be read, raises `CorruptCheckpoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import logging
 import shutil
 import signal
+import sys
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from jax import lax
 
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, abstract_state
@@ -37,6 +47,17 @@ FORMAT = "jaxpar-checkpoint/1"
 ARRAY_ITEMS = ("params", "opt_state")
 TEMPORARY = ".orbax-checkpoint-tmp"  # how Orbax marks a step directory still being written
 MASTER = "master"  # the fp32 copy of the parameters in the optimizer state under bf16/fp16 (jaxpar.precision)
+CHECKSUMS = "checksums"  # meta key: `item/path` -> checksum of each saved array (see `checksums`)
+SET_ASIDE = ".corrupted"  # suffix of a damaged step directory that a training run moved out of its way
+READ_ERRORS = (ValueError, OSError, KeyError, RuntimeError, TypeError, EOFError)  # what damaged files raise
+
+
+class CorruptCheckpoint(ValueError):
+    """A saved step whose files cannot be read or whose arrays differ from the checksums saved with them."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
 
 
 def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
@@ -80,10 +101,51 @@ def _key_name(key) -> str:
     return str(key)
 
 
-def _leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
-    """path -> (shape, dtype) of every array leaf, as `opt_state/0/mu/blocks/wq` for saved and live trees alike."""
+def _leaves(tree) -> dict[str, Any]:
+    """path -> array leaf, paths as `opt_state/0/mu/blocks/wq` for saved and live trees alike."""
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
-    return {"/".join(_key_name(k) for k in path): (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in flat}
+    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in flat}
+
+
+def _leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """path -> (shape, dtype) of every array leaf."""
+    return {path: (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in _leaves(tree).items()}
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: each input bit flips about half of the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _array_checksum(x: jax.Array) -> jax.Array:
+    """32 bits from an array's values and positions, equal under every sharding of it.
+
+    Each element's bits are mixed with its flat index and the results summed
+    modulo 2**32, an exactly associative reduction: the shards' partial sums
+    combine to the same value whatever plan holds the array, so a checkpoint
+    saved under one plan is verified under another without gathering anything.
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+    index, stride = jnp.zeros(x.shape, jnp.uint32), 1
+    for axis in reversed(range(x.ndim)):
+        index = index + lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[axis]
+    return jnp.sum(_mix(bits ^ _mix(index + jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+
+
+_checksum_tree = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
+
+
+def checksums(arrays: dict) -> dict[str, int]:
+    """`item/path` -> checksum of every array in `{item: tree}` (what `save` writes and restores verify)."""
+    return {path: int(value) for path, value in _leaves(jax.device_get(_checksum_tree(arrays))).items()}
 
 
 def mismatches(saved, target, dtypes: bool = True) -> list[str]:
@@ -151,19 +213,29 @@ class Checkpoints:
             self.directory, options=options,
             item_handlers={"params": handler(), "opt_state": handler(), "meta": ocp.JsonCheckpointHandler()},
         )
+        self.read_only = read_only
         try:
-            latest = self.latest_step()
-            if read_only and latest is None:
+            if read_only and self.latest_step() is None:
                 raise ValueError(f"checkpoint directory {str(self.directory)!r} holds no complete checkpoint")
-            if config is not None and latest is not None:
-                self._check_same_model(latest, config)
+            if config is not None:
+                self._check_same_model(config)
         except ValueError:
             self.close()
             raise
 
-    def _check_same_model(self, step: int, config: dict) -> None:
-        """Refuse a directory whose checkpoints hold another model (without a saved config, restore checks shapes)."""
-        saved = self.metadata(step)["config"]
+    def _check_same_model(self, config: dict) -> None:
+        """Refuse a directory whose checkpoints hold another model, judged by the newest readable step.
+
+        Without a saved config, restore checks shapes; a damaged step is left to restore to report.
+        """
+        for step in reversed(self.steps()):
+            try:
+                saved = self.metadata(step)["config"]
+            except CorruptCheckpoint:
+                continue
+            break
+        else:
+            return
         if saved is None:
             return
         changed = differences(saved["model"]["config"], config["model"]["config"])
@@ -216,15 +288,54 @@ class Checkpoints:
 
     @contextlib.contextmanager
     def _reading(self, step: int):
-        """Turn Orbax's and TensorStore's many errors on damaged files into one ValueError naming the step."""
+        """Turn Orbax's and TensorStore's many errors on damaged files into one CorruptCheckpoint naming the step."""
+        _quiet_abandoned_reads()
         try:
             yield
-        except (ValueError, OSError, KeyError, RuntimeError, TypeError) as error:
-            cause = str(error).split(" [tensorstore_spec=")[0]
-            raise ValueError(
-                f"checkpoint step {step} in {self.directory} is unreadable ({type(error).__name__}: {cause}); "
-                f"delete {self.directory / str(step)} to fall back to an earlier step"
+        except CorruptCheckpoint:
+            raise
+        except Exception as error:
+            if not isinstance(error, READ_ERRORS) and type(error) is not Exception:  # Orbax raises bare Exception
+                raise
+            root = error
+            while root.__cause__ is not None:
+                root = root.__cause__
+            cause = str(root).split(" [tensorstore_spec=")[0]
+            raise CorruptCheckpoint(
+                step, f"checkpoint step {step} in {self.directory} is unreadable ({type(root).__name__}: {cause})"
             ) from error
+
+    def _verify(self, step: int, meta: dict, arrays: dict) -> None:
+        """Raise CorruptCheckpoint naming every restored array whose checksum differs from the saved one.
+
+        Checkpoints written before checksums existed carry none and pass unverified.
+        """
+        saved = meta.get(CHECKSUMS) or {}
+        restored = checksums(arrays) if saved else {}
+        wrong = [path for path, value in restored.items() if path in saved and saved[path] != value]
+        if wrong:
+            raise CorruptCheckpoint(
+                step, f"checkpoint step {step} in {self.directory} is corrupted: {len(wrong)} of {len(restored)} "
+                f"arrays differ from the checksums written when it was saved:{listing(wrong)}"
+            )
+
+    def set_aside(self, step: int) -> Path:
+        """Rename a damaged step's directory to `<step>.corrupted`: kept for inspection, no longer a step.
+
+        So the run that falls back past it can save that step number again.
+        """
+        if self.read_only:
+            raise ValueError(f"{self.directory} is opened read-only; not moving step {step}")
+        source = self.directory / str(step)
+        target, n = source.with_name(f"{step}{SET_ASIDE}"), 1
+        while target.exists():
+            target, n = source.with_name(f"{step}{SET_ASIDE}.{n}"), n + 1
+        if jax.process_index() == 0:
+            source.rename(target)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"jaxpar-set-aside-{step}")
+        self._manager.reload()
+        return target
 
     def _read(self, step: int, args: ocp.args.Composite):
         with self._reading(step):
@@ -247,8 +358,9 @@ class Checkpoints:
         """
         if not force and step % self.save_every:
             return False
-        meta = {"format": FORMAT, "step": step, "config": self.config, **(metadata or {})}
-        arrays = {item: ocp.args.PyTreeSave(getattr(state, item)) for item in _filled(state)}
+        trees = {item: getattr(state, item) for item in _filled(state)}
+        meta = {"format": FORMAT, "step": step, "config": self.config, CHECKSUMS: checksums(trees), **(metadata or {})}
+        arrays = {item: ocp.args.PyTreeSave(tree) for item, tree in trees.items()}
         return self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **arrays), force=True)
 
     def check_fits(self, target: TrainState, step: int | None = None) -> None:
@@ -274,6 +386,7 @@ class Checkpoints:
             for item, tree in ((item, getattr(target, item)) for item in _filled(target))
         }
         restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
         counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
         items = {item: restored[item] if item in arrays else getattr(target, item) for item in ARRAY_ITEMS}
         return TrainState(**items, step=counter), restored.meta
@@ -294,8 +407,9 @@ class Checkpoints:
             raise ValueError(f"checkpoint step {step} in {self.directory} is unreadable: it holds no parameters")
         restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         read = ocp.args.PyTreeRestore(tree, restore_args=restore_args, partial_restore=True)
-        restored = self._read(step, ocp.args.Composite(**{item: read}))[item]
-        return restored[MASTER] if item == "opt_state" else restored
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **{item: read}))
+        self._verify(step, restored.meta, {item: restored[item]})
+        return restored[item][MASTER] if item == "opt_state" else restored[item]
 
     def wait(self) -> None:
         """Block until every save in flight is committed."""
@@ -309,6 +423,39 @@ class Checkpoints:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _orbax_echo(error: BaseException | None, origin: object = None) -> bool:
+    """Whether an error reported after the fact is the echo of a failed Orbax read (see `_quiet_abandoned_reads`)."""
+    if isinstance(origin, types.CoroutineType):
+        return "orbax" in origin.cr_code.co_filename
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    frames = error.__traceback__ if error is not None else None
+    while frames is not None:
+        if "orbax" in frames.tb_frame.f_code.co_filename:
+            return True
+        frames = frames.tb_next
+    return False
+
+
+@functools.cache
+def _quiet_abandoned_reads() -> None:
+    """Keep the echoes of a failed checkpoint read off the screen; the failure itself is raised once.
+
+    When one array of a damaged checkpoint fails to read, Orbax closes its event
+    loop while TensorStore still finishes the other reads. Those then report
+    "Event loop is closed", a never-awaited coroutine or a never-retrieved task
+    error, from other threads and as late as interpreter exit.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _orbax_echo(unraisable.exc_value, unraisable.object):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(lambda record: not (record.exc_info and _orbax_echo(record.exc_info[1])))
 
 
 class Preemption:

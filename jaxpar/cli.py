@@ -105,24 +105,41 @@ def _add_plan_command(sub) -> None:
 
 
 def read_config(path: str | None) -> dict:
+    """The --config file's tables, every table, [train] key and value type checked."""
     if not path:
         return {}
     if not os.path.exists(path):
         raise ValueError(f"--config {path!r} does not exist")
-    with open(path, "rb") as f:
-        table = tomllib.load(f)
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--config {path!r} is not valid TOML: {error}") from None
     unknown = set(table) - set(CONFIG_TABLES)
     if unknown:
         raise ValueError(f"{path}: unknown tables {sorted(unknown)}; allowed: {', '.join(CONFIG_TABLES)}")
-    unknown_train = set(table.get("train", {})) - set(TRAIN_FLAGS) - {"weight_decay", "clip"}
+    for name, value in table.items():
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: {name} must be a table ([{name}]), got {value!r}")
+    kinds = {**{name: kind for name, (kind, _) in TRAIN_FLAGS.items()}, "weight_decay": float, "clip": float}
+    unknown_train = set(table.get("train", {})) - set(kinds)
     if unknown_train:
         raise ValueError(f"{path}: unknown [train] keys {sorted(unknown_train)}")
+    for name, value in table.get("train", {}).items():
+        _check_type(value, kinds[name], f"{path}: [train] {name}")
     return table
+
+
+def _check_type(value, kind: type, where: str) -> None:
+    """Refuse a TOML value of the wrong type (an int may stand for a float, a bool for nothing else)."""
+    fits = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+    if not (fits or (kind is float and isinstance(value, int) and not isinstance(value, bool))):
+        raise ValueError(f"{where} must be {'a' if kind is not int else 'an'} {kind.__name__}, got {value!r}")
 
 
 def resolve(args: argparse.Namespace):
     """Merge built-in defaults, the --config file and flags into (TrainConfig, Plan options, mesh)."""
-    from jaxpar.mesh import MeshSpec, parse_mesh
+    from jaxpar.mesh import mesh_from_table, parse_mesh
     from jaxpar.train import TrainConfig
 
     table = read_config(args.config)
@@ -138,13 +155,15 @@ def resolve(args: argparse.Namespace):
     if args.mesh is not None:
         mesh, options = parse_mesh(args.mesh)
     elif "mesh" in table:
-        mesh, options = MeshSpec(**table["mesh"]), {}
+        mesh, options = mesh_from_table(table["mesh"], f"--config {args.config!r}"), {}
     else:
         import jax
 
         mesh, options = parse_mesh(DEFAULT_MESH if jax.device_count() == 8 else None)
     options = {**options, **table.get("plan", {})}
     for field in _plan_fields():
+        if field.name in table.get("plan", {}) and field.default is not None:
+            _check_type(table["plan"][field.name], type(field.default), f"{args.config}: [plan] {field.name}")
         if getattr(args, field.name) is not None:
             options[field.name] = getattr(args, field.name)
     return config, options, mesh
@@ -295,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)
     except ValueError as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        Console(stderr=True, quiet=console.quiet).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
     if args.command == "train":
         from jaxpar.report import train_with_progress

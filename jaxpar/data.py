@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+BIN_DTYPE = "<u2"
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text", ".py", ".json", ".csv", ".html", ".tex"}
 
 
@@ -37,11 +38,9 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
     if not path.exists():
         raise ValueError(f"--data {str(path)!r} does not exist")
     if path.suffix == ".npy":
-        tokens = np.load(path, allow_pickle=False)
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"--data {str(path)!r}: expected a 1-D integer token array, got {tokens.dtype}{list(tokens.shape)}")
+        tokens = _load_npy(path)
     elif path.suffix == ".bin":
-        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        tokens = _load_bin(path)
     else:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
         data = b"\n\n".join(p.read_bytes() for p in files)
@@ -51,6 +50,45 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
     if tokens.size == 0:
         raise ValueError(f"--data {str(path)!r} holds no text or tokens")
     return tokens
+
+
+def _load_npy(path: Path) -> np.ndarray:
+    """A `.npy` token array, memory-mapped; anything else named `.npy` is refused by name, never unpickled."""
+    with path.open("rb") as f:
+        if f.read(len(np.lib.format.MAGIC_PREFIX)) != np.lib.format.MAGIC_PREFIX:
+            raise ValueError(f"--data {str(path)!r} is not a .npy file (no numpy header); write token ids with numpy.save")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as error:
+        raise ValueError(f"--data {str(path)!r} is not a readable .npy token array ({error})") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"--data {str(path)!r}: expected a 1-D integer token array, got {tokens.dtype}{list(tokens.shape)}")
+    return tokens
+
+
+def _load_bin(path: Path) -> np.ndarray:
+    """A `.bin` file of little-endian uint16 token ids (the nanoGPT layout), memory-mapped."""
+    size, width = path.stat().st_size, np.dtype(BIN_DTYPE).itemsize
+    if size % width:
+        raise ValueError(
+            f"--data {str(path)!r}: a .bin file holds {np.dtype(BIN_DTYPE).name} token ids of {width} bytes each, "
+            f"but its size, {size} bytes, is not a multiple of {width}; the file is truncated or not a token file"
+        )
+    return np.memmap(path, dtype=BIN_DTYPE, mode="r") if size else np.zeros(0, BIN_DTYPE)
+
+
+def check_vocab(tokens: np.ndarray, vocab: int, source: str | Path | None) -> None:
+    """Refuse token ids outside [0, vocab): an embedding lookup would silently wrap or clip them."""
+    low, high = int(tokens.min()), int(tokens.max())
+    if low >= 0 and high < vocab:
+        return
+    bad = np.unique(np.asarray(tokens[(tokens < 0) | (tokens >= vocab)]))
+    shown = ", ".join(map(str, bad[:5])) + (f", ... ({bad.size} distinct values)" if bad.size > 5 else "")
+    name = "the built-in corpus" if source is None else f"--data {str(source)!r}"
+    raise ValueError(
+        f"{name} holds token ids outside the model's vocabulary [0, {vocab}): {shown} "
+        f"(smallest {low}, largest {high}); re-tokenize for this vocabulary or choose a model whose vocab covers them"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +103,6 @@ class Batches:
     def __post_init__(self):
         if self.tokens.size < self.seq_len + 2:
             raise ValueError(f"data has {self.tokens.size} tokens, fewer than one window of seq_len+1={self.seq_len + 1}")
-
-    def check_vocab(self, vocab: int) -> None:
-        largest = int(self.tokens.max())
-        if largest >= vocab:
-            raise ValueError(f"data holds token id {largest} but the model's vocabulary has only {vocab} entries")
 
     def starts(self, step: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, step])

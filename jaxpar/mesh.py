@@ -125,16 +125,34 @@ def _parse_inline(text: str) -> MeshSpec:
 
 
 def _parse_toml(text: str, source: str) -> tuple[MeshSpec, dict]:
-    table = tomllib.loads(text)
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{source} is not valid TOML: {error}") from None
     unknown = set(table) - {"mesh", "plan", "description"}
     if unknown:
         raise ValueError(f"{source}: unknown top-level keys {sorted(unknown)}; allowed: mesh, plan, description")
-    mesh = dict(table.get("mesh", {}))
+    plan = table.get("plan", {})
+    if not isinstance(plan, dict):
+        raise ValueError(f"{source}: plan must be a table ([plan]), got {plan!r}")
+    return mesh_from_table(table.get("mesh", {}), source), dict(plan)
+
+
+def mesh_from_table(table: dict, source: str) -> MeshSpec:
+    """A MeshSpec from a TOML `[mesh]` table (a mesh file's or a `--config` file's), every key and size checked."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{source}: mesh must be a table ([mesh] with axis sizes), got {table!r}")
+    mesh = dict(table)
     dcn = mesh.pop("dcn", {})
     bad = set(mesh) - set(AXES)
     if bad:
-        raise ValueError(f"{source}: unknown mesh axes {sorted(bad)}; axes are {', '.join(AXES)}")
-    return MeshSpec(**mesh, dcn=dcn), dict(table.get("plan", {}))
+        raise ValueError(f"{source}: unknown mesh axes {sorted(bad)} in [mesh]; axes are {', '.join(AXES)}")
+    if not isinstance(dcn, dict):
+        raise ValueError(f"{source}: [mesh] dcn must be a table of axis sizes, got {dcn!r}")
+    for name, size in [*mesh.items(), *((f"dcn.{a}", n) for a, n in dcn.items())]:
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise ValueError(f"{source}: mesh axis {name!r} needs an integer size, got {size!r}")
+    return MeshSpec(**mesh, dcn=dcn)
 
 
 def make_mesh(spec: MeshSpec, devices=None) -> Mesh:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -18,7 +19,7 @@ import numpy as np
 import optax
 
 from jaxpar import data as data_lib
-from jaxpar.checkpoint import Checkpoints, Preemption, differences, run_config
+from jaxpar.checkpoint import Checkpoints, CorruptCheckpoint, Preemption, differences, run_config
 from jaxpar.distributed import is_leader
 from jaxpar.models import model_config, model_factory
 from jaxpar.plan import Plan
@@ -120,12 +121,12 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     tokens = data_lib.load_tokens(config.data)
+    data_lib.check_vocab(tokens, mcfg.vocab, config.data)
     if config.eval_every:
         from jaxpar.evaluate import split_tokens
 
         tokens = split_tokens(tokens)[0]
     batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed)
-    batches.check_vocab(mcfg.vocab)
     step_fn = make_train_step(model, reference_loss(plan), optimizer, plan)
     return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn)
 
@@ -149,14 +150,31 @@ def open_checkpoints(run: Run) -> Checkpoints | None:
 
 
 def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]:
-    """The newest checkpoint's state laid out for this run's plan (or a fresh state), and where it stands.
+    """The newest intact checkpoint's state laid out for this run's plan (or a fresh state), and where it stands.
 
     The position is the saved metadata (`step`, `nonfinite_steps`, `config`, ...),
-    or step 0 for a fresh start.
+    or step 0 for a fresh start. Newer steps that are damaged are said so on
+    stderr and renamed out of the way (`Checkpoints.set_aside`), never deleted;
+    if every step is damaged, ValueError lists them and nothing is moved.
     """
     if checkpoints is None or checkpoints.latest_step() is None:
         return run.init(), {"step": 0, "nonfinite_steps": 0}
-    return checkpoints.restore(run.model, run.optimizer, run.plan)
+    damaged = []
+    for step in reversed(checkpoints.steps()):
+        try:
+            restored = checkpoints.restore(run.model, run.optimizer, run.plan, step)
+        except CorruptCheckpoint as error:
+            damaged.append(error)
+            continue
+        for error in damaged:
+            kept = checkpoints.set_aside(error.step)
+            if is_leader():
+                print(f"warning: {error}\n  kept it as {kept}; resuming from step {step}, the newest intact checkpoint",
+                      file=sys.stderr, flush=True)
+        return restored
+    steps = ", ".join(str(error.step) for error in damaged)
+    raise ValueError("\n".join([f"no intact checkpoint in {checkpoints.directory} (damaged steps: {steps}); nothing was "
+                                f"moved or deleted. Use another --checkpoint-dir to start afresh.", *map(str, damaged)]))
 
 
 def changed_settings(position: dict, run: Run) -> list[str]:

@@ -54,11 +54,11 @@ def test_inspect_json(capsys):
 )
 def test_bad_input_fails_before_compiling(flags, message, capsys):
     assert main(["train", "--steps", "1", *flags]) == 2
-    assert message in capsys.readouterr().out.replace("\n", " ")
+    assert message in capsys.readouterr().err.replace("\n", " ")
 
 
 def test_unknown_keys_in_config(tmp_path, capsys):
     config = tmp_path / "bad.toml"
     config.write_text("[train]\nstepz = 3\n")
     assert main(["train", "--config", str(config)]) == 2
-    assert "unknown [train] keys ['stepz']" in capsys.readouterr().out
+    assert "unknown [train] keys ['stepz']" in capsys.readouterr().err

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.data import Batches, default_corpus, global_batch, load_tokens
+from jaxpar.data import Batches, check_vocab, default_corpus, global_batch, load_tokens
 from jaxpar.plan import Plan
 
 
@@ -49,5 +49,5 @@ def test_bad_data_is_named(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ValueError, match="holds no text"):
         load_tokens(tmp_path / "empty_dir")
-    with pytest.raises(ValueError, match="token id 999 but the model's vocabulary has only 256"):
-        Batches(np.arange(1000), 2, 8).check_vocab(256)
+    with pytest.raises(ValueError, match=r"'t.npy' holds token ids outside the model's vocabulary \[0, 256\): 256,"):
+        check_vocab(np.arange(1000), 256, "t.npy")
