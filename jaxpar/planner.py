@@ -437,7 +437,8 @@ def microbatch_sequences(layout: Layout, work: Workload) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """Calls of one collective kind over one mesh axis per step: `bytes` is the whole buffer of one call."""
+    """Calls of one collective kind over one mesh axis per step: `bytes` is the whole buffer of one call
+    (buffers XLA reduces in one go, e.g. all gradients, are counted as one call)."""
 
     axis: str
     kind: str
@@ -460,7 +461,6 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
     b, s, d = microbatch_sequences(layout, work), work.seq_len, model.d_model
     out: list[Collective] = []
     n, t, p, e = layout.data, layout.tensor, layout.pipe, layout.expert
-    passes = layout.grad_accum * schedule_ticks(layout)  # stage programs run per step (bubble ticks too)
     if n > 1:
         # local = split + whole and sharded = split / n + whole, where `whole` are the parameters ZeRO
         # cannot split over data (no dimension divides): their gradients keep an all-reduce
@@ -679,34 +679,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
         transient += 4 * (inv.sharded if z >= 2 else inv.local)  # fp32 accumulators of low-precision gradients
     act_bytes = 4 if layout.precision == "fp32" or device.widens_low_precision else 2
     b, s = microbatch_sequences(layout, work), work.seq_len
-    per_token = activation_values_per_token(model, layout, s)
-    if model.n_experts:
-        dense_mlp = 3 * model.d_ff / layout.tensor
-        moe_share = model.moe_layers / model.n_layers
-        if remat_policy(layout) != "full":
-            per_token += moe_share * (moe_mlp_values_per_token(model, layout, s) - dense_mlp)
-    layers_per_chunk = model.n_layers / (layout.pipe * layout.virtual_stages)
-    activations = act_bytes * b * s * per_token * layers_per_chunk * in_flight(layout)
-    if layout.pipe > 1 and layout.schedule == "1f1b" and remat_policy(layout) == "none":
-        # 1F1B stores each in-flight microbatch's VJP residuals in a ring (plus one scratch row); a VJP
-        # keeps every intermediate JAX linearises through, unfused: per token 3 h s + 8 f +
-        # (2 (h + 2 kv) + kv) hd split by t, and 6 d.
-        t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
-        residuals = (3 * model.n_heads * s + 8 * model.d_ff + (2 * (model.n_heads + 2 * model.n_kv_heads)
-                     + model.n_kv_heads) * model.head_dim) / t + 6 * model.d_model / d_split
-        activations = act_bytes * b * s * residuals * layers_per_chunk * (in_flight(layout) + 1)
-    elif layout.pipe > 1 and layout.schedule == "1f1b":
-        activations = act_bytes * b * s * per_token * layers_per_chunk * (in_flight(layout) + 1)
-    if layout.pipe > 1 and layout.schedule != "1f1b":
-        # Differentiating the tick scan keeps, per tick, the chunk's weights (indexed by the traced chunk
-        # number, they are a per-tick value to autodiff) and, without remat, the block's values masked by
-        # the tick's validity: per token 2 h s + 6 f + 2 (h + kv) hd split by t, and 6 d.
-        if remat_policy(layout) == "none":
-            t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
-            masked = (2 * model.n_heads * s + 6 * model.d_ff + 2 * (model.n_heads + model.n_kv_heads)
-                      * model.head_dim) / t + 6 * model.d_model / d_split
-            activations = act_bytes * b * s * masked * layers_per_chunk * in_flight(layout)
-        activations += P * inv.stacked_local / layout.virtual_stages * schedule_ticks(layout)
+    activations = activation_bytes(model, layout, work, act_bytes, P * inv.stacked_local)
     gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
     if z == 3:
         gathered = P * (per_layer + (inv.local - inv.stacked_local) - (inv.sharded - inv.stacked_sharded))
@@ -719,6 +692,47 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
         "temp": gathered + workspace, "batch": batch, "arguments": arguments, "temp_total": temp,
         "total": arguments + temp,
     }
+
+
+def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
+    """Values one block keeps per token for the backward pass, by where it runs.
+
+    A plain layer scan keeps what its remat policy saves (`activation_values_per_token`;
+    a MoE block its experts' slots in place of the MLP). Without remat, a pipeline
+    keeps more: the GPipe/interleaved tick scan, differentiated as a whole, keeps
+    the block's values masked by each tick's validity (per token 2 h s + 6 f +
+    2 (h + kv) hd split by t, and 6 d); 1F1B stores each microbatch's VJP
+    residuals, every intermediate JAX linearises through and none fused
+    (3 h s + 8 f + (2 (h + 2 kv) + kv) hd split by t, and 6 d).
+    """
+    t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
+    h, kv, hd, f, d = model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.d_model
+    if layout.pipe > 1 and remat_policy(layout) == "none":
+        if layout.schedule == "1f1b":
+            return (3 * h * seq + 8 * f + (2 * (h + 2 * kv) + kv) * hd) / t + 6 * d / d_split
+        return (2 * h * seq + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split
+    values = activation_values_per_token(model, layout, seq)
+    if model.n_experts and remat_policy(layout) != "full":
+        share = model.moe_layers / model.n_layers
+        values += share * (moe_mlp_values_per_token(model, layout, seq) - 3 * f / t)
+    return values
+
+
+def activation_bytes(model: Model, layout: Layout, work: Workload, value_bytes: int, stage_weights: float) -> float:
+    """Activations kept per device: values per token x tokens of a microbatch x layers of a chunk x the
+    chunk-sized sets alive at once (one; every tick's under GPipe; the 1F1B ring's rows and its scratch
+    row). The tick scan of GPipe/interleaved also keeps each tick's chunk weights: indexed by the traced
+    chunk number, they are a per-tick value to autodiff; the 1F1B ring keeps ZeRO-2's gathered weights
+    with each microbatch's residuals."""
+    b, s = microbatch_sequences(layout, work), work.seq_len
+    layers = model.n_layers / (layout.pipe * layout.virtual_stages)
+    sets = in_flight(layout) + (1 if layout.pipe > 1 and layout.schedule == "1f1b" else 0)
+    kept = value_bytes * b * s * block_values_per_token(model, layout, s) * layers * sets
+    if layout.pipe > 1 and layout.schedule != "1f1b":
+        kept += stage_weights / layout.virtual_stages * schedule_ticks(layout)
+    elif layout.pipe > 1 and layout.zero == 2 and layout.data > 1:
+        kept += stage_weights * sets  # ZeRO-2's gathered weights are residuals of each microbatch's VJP
+    return kept
 
 
 def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
@@ -836,6 +850,9 @@ class Ranking:
             "considered": len(self.ranked) + len(self.dropped), "fitting": len(self.ranked),
             "dropped_reasons": reasons, "top": [e.to_dict() for e in self.ranked[:top]],
             "explanation": explain_choice(self),
+            "ranked": [{"layout": str(e.layout), "step_time": e.step_time, "mfu": e.mfu, "memory": e.peak}
+                       for e in self.ranked],
+            "dropped": [{"layout": str(e.layout), "reason": e.reason} for e in self.dropped],
         }
 
 
@@ -888,9 +905,11 @@ def explain_choice(ranking: Ranking) -> list[str]:
     for est in others.values():
         lines.append(f"runner-up {est.layout.mesh}: {est.step_time / t['step']:.2f}x the step time "
                      f"({_bottleneck(est)}).")
-    oom = sum("needs" in e.reason for e in ranking.dropped)
+    oom = [e for e in ranking.dropped if "needs" in e.reason]
     if oom:
-        lines.append(f"{oom} layouts were dropped for memory, {len(ranking.dropped) - oom} as invalid.")
+        fastest = min(oom, key=lambda e: e.step_time)
+        lines.append(f"{len(oom)} layouts do not fit (the fastest of them, {fastest.layout}, "
+                     f"{fastest.reason}); {len(ranking.dropped) - len(oom)} cannot run the model.")
     return lines
 
 
