@@ -37,19 +37,28 @@ def load_tokens(path: str | Path | None) -> np.ndarray:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"--data {str(path)!r} does not exist")
-    if path.suffix == ".npy":
-        tokens = _load_npy(path)
-    elif path.suffix == ".bin":
-        tokens = _load_bin(path)
-    else:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
-        data = b"\n\n".join(p.read_bytes() for p in files)
-        if path.is_file() and b"\x00" in data[:4096]:
-            raise ValueError(f"--data {str(path)!r} is not a text file (it holds NUL bytes); use .npy or .bin for tokens")
-        tokens = np.frombuffer(data, dtype=np.uint8)
+    try:
+        tokens = _read(path)
+    except OSError as error:
+        raise ValueError(f"--data {str(path)!r} cannot be read: {error.strerror or error}") from None
     if tokens.size == 0:
         raise ValueError(f"--data {str(path)!r} holds no text or tokens")
     return tokens
+
+
+def _read(path: Path) -> np.ndarray:
+    """The tokens of an existing path, read as its suffix says."""
+    if path.suffix in (".npy", ".bin") and not path.is_file():
+        raise ValueError(f"--data {str(path)!r} is a directory, not a {path.suffix} token file")
+    if path.suffix == ".npy":
+        return _load_npy(path)
+    if path.suffix == ".bin":
+        return _load_bin(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
+    data = b"\n\n".join(p.read_bytes() for p in files)
+    if path.is_file() and b"\x00" in data[:4096]:
+        raise ValueError(f"--data {str(path)!r} is not a text file (it holds NUL bytes); use .npy or .bin for tokens")
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def _load_npy(path: Path) -> np.ndarray:

@@ -69,6 +69,7 @@ def test_token_ids_below_zero_are_refused_before_training(tmp_path):
      ["is not a readable .npy token array"]),
     ("floats.npy", lambda p: np.save(p, np.ones(100, np.float32)), ["expected a 1-D integer token array, got float32"]),
     ("empty.bin", lambda p: p.write_bytes(b""), ["holds no text or tokens"]),
+    ("folder.npy", lambda p: p.mkdir(), ["is a directory, not a .npy token file"]),
 ])
 def test_bad_token_files_are_named(tmp_path, capsys, name, write, fragments):
     path = tmp_path / name
