@@ -1,0 +1,243 @@
+"""An independent single-device reference: the Llama and MoE models' math in plain JAX + optax.
+
+It reads the same parameter tree jaxpar's train state holds (`embedding`,
+`blocks`, `final_norm`, `head`; the MoE model's `blocks` split into `dense` and
+`moe`) and re-derives everything else: RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU, the masked padded-vocabulary loss, top-k routing with
+capacity and dropping and the routers' auxiliary losses, the precision policies
+(fp32 master copy, fp16 loss scaling) and the optimizer step. It imports
+nothing from jaxpar or the models, so a bug in jaxpar's shared path (step, zero,
+tensor, pipeline, experts, precision) cannot hide in it. Layers run in a Python
+loop on whole arrays; microbatches are not split (accumulation only reorders sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """The dtype the model computes in, whether an fp32 master copy is kept, and dynamic loss scaling."""
+
+    dtype: Any
+    master: bool
+    loss_scaling: bool
+    initial_scale: float = 2.0**15
+    growth_interval: int = 2000
+
+
+PRECISIONS = {
+    "fp32": Precision(jnp.float32, master=False, loss_scaling=False),
+    "bf16": Precision(jnp.bfloat16, master=True, loss_scaling=False),
+    "fp16": Precision(jnp.float16, master=True, loss_scaling=True),
+    "bf16-params": Precision(jnp.bfloat16, master=False, loss_scaling=False),
+}
+
+
+# -- the dense model ------------------------------------------------------------------
+
+
+def norm(x, w, eps):
+    """RMSNorm computed in fp32, returned in x's dtype."""
+    h = x.astype(jnp.float32)
+    h = h / jnp.sqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + eps)
+    return (h * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, theta):
+    """Rotary embedding of [b, s, heads, hd]: the first and second halves of hd rotate as pairs (fp32)."""
+    s, hd = x.shape[1], x.shape[-1]
+    half = hd // 2
+    inv = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))
+    ang = jnp.asarray(np.arange(s, dtype=np.float32)[:, None] * inv[None, :])
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+
+
+def self_attention(p, x, cfg):
+    """Causal attention; query head h reads key/value head h // (n_heads / n_kv_heads)."""
+    q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
+    k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
+    v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    repeat = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    s = x.shape[1]
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) / np.float32(np.sqrt(q.shape[-1]))
+    logits = jnp.where(np.tril(np.ones((s, s), bool)), logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+    return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def dense_block(p, x, cfg):
+    x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg)
+    return x + swiglu(norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate"], p["w_up"], p["w_down"])
+
+
+def layer(stacked, i):
+    return {k: v[i] for k, v in stacked.items()}
+
+
+def embed(params, tokens):
+    return params["embedding"][tokens]
+
+
+def cross_entropy(params, x, targets, cfg):
+    """Mean next-token loss; logits of the padded vocabulary columns (>= cfg.vocab) are excluded."""
+    w = params["embedding"].T if cfg.tie_embeddings else params["head"]
+    logits = (norm(x, params["final_norm"], cfg.norm_eps) @ w).astype(jnp.float32)
+    logits = logits[..., : cfg.vocab]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(jax.scipy.special.logsumexp(logits, axis=-1) - picked)
+
+
+def llama_loss(params, batch, cfg):
+    """(loss, metrics) of the dense Llama on a whole batch."""
+    x = embed(params, batch["inputs"])
+    for i in range(cfg.n_layers):
+        x = dense_block(layer(params["blocks"], i), x, cfg)
+    return cross_entropy(params, x, batch["targets"], cfg), {}
+
+
+# -- the MoE model ----------------------------------------------------------------------
+
+
+def experts_ffn(p, x, cfg):
+    """Top-k experts per token in routing groups of a sequence (or cfg.group_size tokens).
+
+    Assignment priority is all first choices in token order, then all second
+    choices, ...; an expert keeps at most `capacity` of a group's assignments and
+    a dropped one contributes nothing. Returns (y, load-balance term, z term),
+    the terms averaged over groups and not yet weighted by their coefficients.
+    """
+    b, s, d = x.shape
+    group = cfg.group_size or s
+    e, k = cfg.n_experts, cfg.top_k
+    if cfg.dropless:
+        capacity = group
+    else:
+        capacity = max(1, min(group, int(np.ceil(k * group * cfg.capacity_factor / e - 1e-9))))
+    tokens = x.reshape(-1, group, d)
+    logits = tokens.astype(jnp.float32) @ p["router"].astype(jnp.float32)  # [g, t, e]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, choice = jax.lax.top_k(probs, k)  # [g, t, k]
+    gates = top if k == 1 else top / jnp.sum(top, axis=-1, keepdims=True)
+    onehot = choice[..., None] == jnp.arange(e)  # [g, t, k, e]
+    order = jnp.swapaxes(onehot, 1, 2).reshape(onehot.shape[0], k * group, e)  # choice-major
+    before = jnp.cumsum(order, axis=1) - order  # assignments to the same expert ahead in priority
+    kept = jnp.swapaxes((order & (before < capacity)).reshape(-1, k, group, e), 1, 2)  # [g, t, k, e]
+    weight = jnp.sum(jnp.where(kept, gates[..., None], 0.0), axis=2)  # [g, t, e]
+    y = jnp.zeros(tokens.shape, jnp.float32)
+    for j in range(e):
+        out = swiglu(tokens, p["expert_gate"][j], p["expert_up"][j], p["expert_down"][j])
+        y = y + weight[..., j, None] * out.astype(jnp.float32)
+    share = jnp.mean(onehot, axis=(1, 2))  # [g, e]: each expert's share of the group's assignments
+    balance = jnp.mean(e * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1))
+    z = jnp.mean(jax.scipy.special.logsumexp(logits, axis=-1) ** 2)
+    return y.astype(x.dtype).reshape(b, s, d), balance, z
+
+
+def moe_loss(params, batch, cfg):
+    """(loss, metrics) of the MoE Llama: `moe_every - 1` dense blocks then one MoE block, per group."""
+    blocks = params["blocks"]
+    per = cfg.moe_every - 1
+    x = embed(params, batch["inputs"])
+    aux = jnp.zeros((), jnp.float32)
+    for g in range(cfg.n_layers // cfg.moe_every):
+        for i in range(per):
+            x = dense_block(layer(blocks["dense"], g * per + i), x, cfg)
+        p = layer(blocks["moe"], g)
+        x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg)
+        y, balance, z = experts_ffn(p, norm(x, p["mlp_norm"], cfg.norm_eps), cfg)
+        x = x + y
+        aux = aux + cfg.load_balance_coef * balance + (cfg.router_z_coef * z if cfg.router_z_coef else 0.0)
+    ce = cross_entropy(params, x, batch["targets"], cfg)
+    return ce + aux, {"ce_loss": ce}
+
+
+def loss_fn(cfg) -> Callable:
+    """The reference loss for a model config (MoE when it has experts)."""
+    fn = moe_loss if hasattr(cfg, "n_experts") else llama_loss
+    return lambda params, batch: fn(params, batch, cfg)
+
+
+# -- training ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Result:
+    losses: np.ndarray  # the loss of each step, before its update
+    params: Any  # final parameters (the compute copy, as the train state holds them)
+    master: Any  # final fp32 master copy (None without one)
+
+
+def train(loss, params0, batches, optimizer: optax.GradientTransformation, precision: str = "fp32") -> Result:
+    """Train from fp32 `params0` on each batch in turn: value_and_grad, the precision policy, optax.
+
+    Mirrors what a training step promises: a step whose loss or gradient norm is
+    not finite leaves parameters and optimizer state unchanged; under fp16 the
+    loss is scaled before differentiation, the gradients unscaled in fp32, and the
+    scale halves (not below 1) on overflow and doubles after `growth_interval`
+    finite steps.
+    """
+    pol = PRECISIONS[precision]
+    to_compute = lambda tree: jax.tree.map(lambda a: jnp.asarray(a).astype(pol.dtype), tree)  # noqa: E731
+    params = to_compute(params0)
+    master = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params0) if pol.master else None
+    opt_state = optimizer.init(master if pol.master else params)
+    scale = jnp.float32(pol.initial_scale if pol.loss_scaling else 1.0)
+    good = jnp.int32(0)
+
+    @jax.jit
+    def step(params, master, opt_state, scale, good, batch):
+        def objective(p):
+            value, _ = loss(p, batch)
+            return (value * scale if pol.loss_scaling else value), value
+
+        grads, value = jax.grad(objective, has_aux=True)(params)
+        if not pol.master:
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            new_params, new_master = optax.apply_updates(params, updates), None
+        else:
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            if pol.loss_scaling:
+                grads = jax.tree.map(lambda g: g / scale, grads)
+            updates, new_opt = optimizer.update(grads, opt_state, master)
+            new_master = optax.apply_updates(master, updates)
+            new_params = jax.tree.map(lambda m: m.astype(pol.dtype), new_master)
+        norm_ = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)))
+        if pol.loss_scaling:
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+            grown = jnp.where(finite, good + 1, 0)
+            new_scale = jnp.where(finite, jnp.where(grown >= pol.growth_interval, scale * 2, scale),
+                                  jnp.maximum(scale / 2, 1.0))
+            new_good = jnp.where(grown >= pol.growth_interval, 0, grown).astype(jnp.int32)
+            new_params = jax.tree.map(lambda m: m.astype(pol.dtype), _pick(finite, new_master, master))
+            new_master, new_opt = _pick(finite, (new_master, new_opt), (master, opt_state))
+            return value, new_params, new_master, new_opt, new_scale, new_good
+        finite = jnp.isfinite(value) & jnp.isfinite(norm_)
+        new_params, new_master, new_opt = _pick(finite, (new_params, new_master, new_opt), (params, master, opt_state))
+        return value, new_params, new_master, new_opt, scale, good
+
+    losses = []
+    for batch in batches:
+        value, params, master, opt_state, scale, good = step(params, master, opt_state, scale, good, batch)
+        losses.append(float(value))
+    return Result(np.array(losses), jax.device_get(params), jax.device_get(master))
+
+
+def _pick(cond, new, old):
+    return jax.tree.map(lambda n, o: jnp.where(cond, n, o), new, old)
