@@ -31,7 +31,8 @@ def sweep(quick: bool) -> list[tuple[str, dict, str]]:
         cells.append(("data=8", {"zero": zero, "remat": remat}, "tiny"))
     for zero, precision in itertools.product(range(4), ("bf16", "bf16-params")):
         cells.append(("data=8", {"zero": zero, "precision": precision}, "tiny"))
-    cells.append(("data=8", {"grad_accum": 2}, "tiny"))
+    for zero in range(4):
+        cells.append(("data=8", {"zero": zero, "grad_accum": 2}, "tiny"))
     for mesh in ("tensor=8", "data=4,tensor=2", "data=2,tensor=4"):
         for options in ({}, {"zero": 1, "remat": "selective"}, {"sequence_parallel": True, "tensor_form": "explicit"}):
             cells.append((mesh, options, "tiny"))

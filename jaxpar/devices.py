@@ -28,7 +28,9 @@ class Device:
     matmuls reach; hbm_bandwidth: bytes/s; intra_bandwidth / inter_bandwidth:
     bytes/s one device sends to a peer inside / outside its node;
     devices_per_node: how many devices share the fast links; widens_low_precision:
-    the backend runs bf16/fp16 collectives in fp32 (XLA:CPU does).
+    the backend runs bf16/fp16 collectives in fp32 (XLA:CPU does); scatter_as_all_reduce: the
+    backend lowers a reduce-scatter that sharding annotations ask for to an all-reduce and a slice
+    (XLA:CPU does; jaxpar's explicit forms write true reduce-scatters).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Device:
     usable: float = 0.9
     efficiency: float = 0.75
     widens_low_precision: bool = False
+    scatter_as_all_reduce: bool = False
 
     @property
     def capacity(self) -> float:
@@ -67,7 +70,7 @@ DEVICES: dict[str, Device] = {
     "tpu-v5p": Device("TPU v5p", 95 * GB, 459e12, 459e12 / 2, 2.76e12, 300 * GB, 25 * GB, 8960),
     # The host CPU that the tests force into 8 XLA devices: only memory and traffic are meaningful here.
     "cpu": Device("host CPU (XLA:CPU)", 16 * GiB, 1e11, 1e11, 20 * GB, 10 * GB, 10 * GB, 8, usable=1.0,
-                  efficiency=0.5, widens_low_precision=True),
+                  efficiency=0.5, widens_low_precision=True, scatter_as_all_reduce=True),
 }
 ALIASES = {"tpuv5p": "tpu-v5p", "v5p": "tpu-v5p", "tpu_v5p": "tpu-v5p", "h100-sxm": "h100", "a100-80gb": "a100"}
 

@@ -228,9 +228,15 @@ class Layout:
         return out
 
     def __str__(self) -> str:
+        return self.label()
+
+    def label(self, precision: bool = True) -> str:
+        """`mesh options`, readable back by `Layout.parse` (with the precision)."""
         opts = self.options()
         opts.setdefault("zero", self.zero)
         opts.setdefault("remat", self.remat)
+        if not precision:
+            opts.pop("precision", None)
         return self.mesh + " " + " ".join(f"{k}={_fmt(v)}" for k, v in opts.items())
 
     @classmethod
@@ -496,7 +502,10 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
             edges = ticks * one + layout.microbatches * one / p  # embedding on every forward slot; head per microbatch
         else:
             edges = layout.microbatches * one * (1 + 1 / p)  # all microbatches embedded at once; one head
-        kinds = ("all-gather", "reduce-scatter") if layout.sequence_parallel else ("all-reduce",)
+        kinds = ("all-reduce",)
+        if layout.sequence_parallel:
+            annotated = layout.tensor_form == "annotation" and device.scatter_as_all_reduce
+            kinds = ("all-gather", "all-reduce" if annotated else "reduce-scatter")
         for k in kinds:
             out.append(Collective("tensor", k, one, block * layout.grad_accum, "Megatron f/g, per block half"))
             out.append(Collective("tensor", k, edges, layout.grad_accum, "vocab-parallel embedding and head"))
@@ -525,7 +534,9 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
         groups = b * s // group
         slots = model.n_experts * capacity(model, group) * groups  # per device per MoE layer
         buffer = slots * d * act_comm / t
-        calls = 4 * model.moe_layers / p * layout.grad_accum
+        # to the experts and back, forward and backward; a remat policy re-runs the forward pair (an
+        # all-to-all is no matmul, so no policy saves its output)
+        calls = (4 + 2 * (remat_policy(layout) != "none")) * model.moe_layers / p * layout.grad_accum
         out.append(Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back"))
         # Parameters every expert rank holds sum their gradients over expert, except the embedding table
         # when gathering its cotangents and token ids over expert is cheaper than summing the table.
@@ -982,15 +993,16 @@ def table(ranking: Ranking, top: int = 10):
     """The ranked layouts as a rich table: memory breakdown (GB), traffic per axis (GB), bubble, time, MFU."""
     from rich.table import Table
 
+    precision = ranking.ranked[0].layout.precision if ranking.ranked else ""
     t = Table(title=f"{ranking.model.name} ({ranking.model.params / 1e9:.3g}B parameters) on {ranking.devices} x "
-                    f"{ranking.device.name}: batch {ranking.work.batch_size} x {ranking.work.seq_len} tokens; "
-                    f"memory and traffic in GB per device per step")
+                    f"{ranking.device.name}, {precision}: batch {ranking.work.batch_size} x {ranking.work.seq_len} "
+                    f"tokens; memory and traffic in GB per device per step")
     for col in ("#", "layout", "params", "grads", "optim", "activ", "temp", "total", "data", "tensor", "pipe",
                 "expert", "bubble", "step s", "MFU"):
         t.add_column(col, justify="left" if col == "layout" else "right")
     for i, est in enumerate(ranking.ranked[:top], 1):
         m, tr = est.memory, est.traffic
-        t.add_row(str(i), str(est.layout), _gb(m["params"]), _gb(m["grads"]), _gb(m["optimizer"]),
+        t.add_row(str(i), est.layout.label(precision=False), _gb(m["params"]), _gb(m["grads"]), _gb(m["optimizer"]),
                   _gb(m["activations"]), _gb(m["temp"]), _gb(m["total"]),
                   *(_gb(tr.get(a, 0.0)) for a in ("data", "tensor", "pipe", "expert")),
                   f"{est.bubble:.1%}", f"{est.step_time:.3g}", f"{est.mfu:.0%}")
@@ -1106,6 +1118,8 @@ def main(args) -> int:
     from rich.console import Console
 
     console = Console(stderr=bool(args.json))
+    if not console.is_terminal:
+        console.width = 220
     try:
         device = load_device(args.device)
         if args.hosts:
