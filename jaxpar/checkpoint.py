@@ -189,6 +189,7 @@ class Checkpoints:
 
     def __init__(self, directory, *, save_every: int = 1, keep: int | None = None, config: dict | None = None,
                  async_save: bool = True, read_only: bool = False):
+        _quiet_orbax()
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"checkpoint directory {str(self.directory)!r} is a file")
@@ -289,7 +290,6 @@ class Checkpoints:
     @contextlib.contextmanager
     def _reading(self, step: int):
         """Turn Orbax's and TensorStore's many errors on damaged files into one CorruptCheckpoint naming the step."""
-        _quiet_abandoned_reads()
         try:
             yield
         except CorruptCheckpoint:
@@ -426,7 +426,7 @@ class Checkpoints:
 
 
 def _orbax_echo(error: BaseException | None, origin: object = None) -> bool:
-    """Whether an error reported after the fact is the echo of a failed Orbax read (see `_quiet_abandoned_reads`)."""
+    """Whether an error reported after the fact is the echo of a failed Orbax read (see `_quiet_orbax`)."""
     if isinstance(origin, types.CoroutineType):
         return "orbax" in origin.cr_code.co_filename
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
@@ -440,13 +440,15 @@ def _orbax_echo(error: BaseException | None, origin: object = None) -> bool:
 
 
 @functools.cache
-def _quiet_abandoned_reads() -> None:
-    """Keep the echoes of a failed checkpoint read off the screen; the failure itself is raised once.
+def _quiet_orbax() -> None:
+    """Keep Orbax's echoes of what jaxpar already reports off the screen (installed once per process).
 
     When one array of a damaged checkpoint fails to read, Orbax closes its event
     loop while TensorStore still finishes the other reads. Those then report
     "Event loop is closed", a never-awaited coroutine or a never-retrieved task
-    error, from other threads and as late as interpreter exit.
+    error, from other threads and as late as interpreter exit, after the failure
+    was raised as one CorruptCheckpoint. And every read-only open warns that the
+    directory is read-only, which is what the caller asked for.
     """
     previous = sys.unraisablehook
 
@@ -456,6 +458,7 @@ def _quiet_abandoned_reads() -> None:
 
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(lambda record: not (record.exc_info and _orbax_echo(record.exc_info[1])))
+    logging.getLogger("absl").addFilter(lambda record: not str(record.msg).startswith("Given directory is read only"))
 
 
 class Preemption:

@@ -34,12 +34,13 @@ def jaxpar(*args, devices=2):
 
 
 def assert_refused(code, out, err, *fragments):
-    """Exit code 2, every fragment in one `error:` line on stderr, no traceback anywhere."""
+    """Exit code 2, one message on stderr (an `error:` line, maybe an indented list) holding every fragment."""
     assert code == 2, out + err
     assert "Traceback" not in out + err and "Event loop is closed" not in out + err, err
-    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    first, *rest = err.strip().splitlines()
+    assert first.startswith("error:") and all(line.startswith("  ") for line in rest), err
     for fragment in fragments:
-        assert fragment in line, line
+        assert fragment in first, first
 
 
 def refused_in_process(capsys, *args):
