@@ -121,6 +121,10 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     tokens = data_lib.load_tokens(config.data)
+    if config.eval_every:
+        from jaxpar.evaluate import split_tokens
+
+        tokens = split_tokens(tokens)[0]
     data_lib.check_vocab(tokens, mcfg.vocab, config.data)
     if config.eval_every:
         from jaxpar.evaluate import split_tokens
