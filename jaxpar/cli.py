@@ -28,7 +28,7 @@ TRAIN_FLAGS = {
     "keep": (int, "keep the newest K checkpoints"),
     "on_nonfinite": (str, "a step with a NaN/Inf loss or gradient: skip its update, or stop the run"),
     "init_from": (str, "start from these weights: `jaxpar import-hf` output, an export, or a Hugging Face directory"),
-    "eval_every": (int, "every N steps, loss and perplexity on a held-out 5% tail of the data (then not trained on)"),
+    "eval_every": (int, "every N steps, loss and perplexity on a held-out 5%% tail of the data (then not trained on)"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
@@ -197,7 +197,7 @@ def _add_hf_commands(sub) -> None:
     imp = sub.add_parser("import-hf", help="convert a Hugging Face Llama (config.json + safetensors) to a jaxpar checkpoint")
     imp.add_argument("source", help="a local Hugging Face model directory, or a Hub repo id")
     imp.add_argument("--out", required=True, help="the directory to write (what --init-from, eval and generate read)")
-    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out 5% tail of the data")
+    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out 5%% tail of the data")
     generate = sub.add_parser("generate", help="continue prompts: greedy or temperature/top-p sampling, KV cache")
     for command in (evaluate, generate):
         command.add_argument("--checkpoint-dir", required=True,

@@ -141,6 +141,8 @@ def resolve_source(source: str) -> Path:
     path = Path(source)
     if path.is_dir():
         return path
+    if source.startswith(("/", ".", "~")) or source.count("/") != 1:
+        raise ValueError(f"{source!r}: no such directory (and not a Hub repo id like 'meta-llama/Llama-3.2-1B')")
     try:
         from huggingface_hub import snapshot_download
     except ImportError as error:

@@ -88,3 +88,10 @@ def test_generate_and_eval_commands(tmp_path, capsys, model_and_params):
     assert main(["eval", "--checkpoint-dir", str(tmp_path / "run"), "--seq-len", "32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["eval_tokens"] > 0 and np.isclose(report["eval_ppl"], np.exp(report["eval_loss"]))
+
+
+@pytest.mark.parametrize("command", ["train", "import-hf", "eval", "generate", "export"])
+def test_help_renders(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0 and "--" in capsys.readouterr().out
