@@ -3,6 +3,15 @@
 Axis order puts `tensor` innermost so that on GPU/TPU hosts it lands on the
 fastest links (NVLink / ICI neighbours); `data` is outermost so that on several
 hosts it is the axis that crosses the slower network (DCN).
+
+The order of the axis names also decides how jaxpar's shard_maps may nest:
+XLA requires the manual axes of a nested shard_map to be sorted by mesh
+position, so a nested one may only add axes that come later in the mesh. The
+step's shard_map is manual over its own axes from the outset (`data`, every
+axis of size 1, `tensor` under the explicit form: `Plan.step_manual_axes`);
+a pipeline inside it adds `pipe`, an MoE layer `expert`, an annotation-form
+collective `tensor`. `nesting_order` puts the axes in that order; it transposes
+the device grid along with the names, so no device changes place.
 """
 
 from __future__ import annotations
@@ -165,7 +174,6 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
     devices = list(jax.devices() if devices is None else devices)
     spec = spec.resolve(len(devices))
     shape = tuple(spec.size(a) for a in AXES)
-    axis_types = (AxisType.Auto,) * len(AXES)
     if spec.dcn and jax.process_count() > 1:
         from jax.experimental import mesh_utils
 
@@ -175,11 +183,31 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
                 raise ValueError(f"mesh axis {axis!r}={size} does not divide into dcn={across} host slices")
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
         grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices)
-        return Mesh(grid, AXES, axis_types=axis_types)
-    if len(devices) == len(jax.devices()):
-        return jax.make_mesh(shape, AXES, axis_types=axis_types)
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=axis_types)
+    elif len(devices) == len(jax.devices()):
+        grid = jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES)).devices
+    else:
+        grid = np.asarray(devices).reshape(shape)
+    return nesting_order(Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES)))
+
+
+def nesting_order(mesh: Mesh, outer: tuple[str, ...] = ()) -> Mesh:
+    """The same devices with `outer` and the axes of size 1 first, the others after in `AXES` order.
+
+    See the module doc. A mesh whose axes jaxpar does not know is returned as
+    it is (rules.resolve_spec names the unknown axis).
+    """
+    if set(mesh.axis_names) != set(AXES):
+        return mesh
+    shape = mesh_shape(mesh)
+    order = sorted(AXES, key=lambda a: (a not in outer and shape[a] > 1, AXES.index(a)))
+    if tuple(order) == tuple(mesh.axis_names):
+        return mesh
+    grid = np.transpose(mesh.devices, [mesh.axis_names.index(a) for a in order])
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    return Mesh(grid, tuple(order), axis_types=tuple(types[a] for a in order))
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+    """Axis sizes by name, in `AXES` order whatever the mesh's own order."""
+    shape = dict(zip(mesh.axis_names, mesh.devices.shape))
+    return {a: shape[a] for a in AXES} if set(shape) == set(AXES) else shape

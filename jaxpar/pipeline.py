@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.plan import active_plan
+from jaxpar.rules import varying_axes
 from jaxpar.schedule import EMPTY, Schedule
 from jaxpar.step import microbatches
 
@@ -126,29 +127,29 @@ def _shard(body: Callable, out_specs) -> Callable:
 
 
 def _varying(tree, axes: set[str]):
-    """Mark values as varying over `axes` (pipe, plus any manual axis the inputs vary over, e.g. data).
+    """Mark values as varying over the manual `axes` (jax's `vma` type).
 
-    Scan carries must start varying; parameters replicated over `pipe` are cast
-    once before use, so their gradients stay per stage until one explicit psum
-    (an implicit cast at each use would psum the gradients on every tick).
+    Scan carries must start as varying as what the ticks put in them;
+    parameters replicated over `pipe` are cast over it once before use, so
+    their gradients stay per stage until one explicit psum (an implicit cast at
+    each use would psum the gradients on every tick). Nothing is cast over
+    axes it does not vary along: autodiff would then sum replicated gradients.
     """
     def cast(x):
-        missing = tuple(sorted(axes - _varying_axes(x)))
+        missing = tuple(sorted(axes - varying_axes(x)))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
 
 
-def _inputs_vary_over(*trees) -> set[str]:
-    """`pipe` and every manual axis along which some input differs between devices."""
-    return {AXIS}.union(*(_varying_axes(x) for x in jax.tree.leaves(trees)))
+def _activation_axes(embedded, targets) -> set[str]:
+    """The manual axes activations between stages vary over: pipe, and those of the embedded batch.
 
-
-def _varying_axes(x) -> set[str]:
-    """Manual axes along which x may differ between devices (`vma` in jax < 0.10)."""
-    aval = jax.typeof(x)
-    manual_type = getattr(aval, "manual_axis_type", None)
-    return set(manual_type.varying) if manual_type is not None else set(getattr(aval, "vma", ()))
+    That is `data`, and `tensor` where sequence parallelism splits the
+    residual stream inside the step's shard_map (explicit tensor form).
+    `embedded` may be an array or its `jax.eval_shape`.
+    """
+    return {AXIS} | varying_axes(embedded) | varying_axes(targets)
 
 
 def _row(x, index):
@@ -162,13 +163,19 @@ def _head_share(outputs, targets, stage, p: int):
     An all-to-all over pipe cuts every stage's outputs into p pieces of s/p
     positions; each stage keeps the piece the last stage sent it, so all of
     them run the loss head on s/p positions. Returned as [-1, s/p, d] and [-1, s/p].
+    Under sequence parallelism inside the step's shard_map (explicit tensor
+    form) `outputs` hold this tensor rank's c-th of the sequence and `targets`
+    all of it; the head gathers the c pieces of a share, so its targets are
+    the same piece of each of the c chunks.
     """
     *lead, seq, d = outputs.shape
     width = seq // p
     pieces = jnp.moveaxis(outputs.reshape(*lead, p, width, d), len(lead), 0)
     share = jax.lax.all_to_all(pieces, AXIS, split_axis=0, concat_axis=0, tiled=True)[p - 1]
-    tgt = jax.lax.dynamic_slice_in_dim(targets, stage * width, width, axis=targets.ndim - 1)
-    return share.reshape(-1, width, d), tgt.reshape(-1, width)
+    chunks = targets.shape[-1] // seq
+    tgt = targets.reshape(*targets.shape[:-1], chunks, p, width)
+    tgt = jax.lax.dynamic_index_in_dim(tgt, stage, axis=tgt.ndim - 2, keepdims=False)
+    return share.reshape(-1, width, d), tgt.reshape(-1, chunks * width)
 
 
 def _sum_over_stages(tree):
@@ -190,7 +197,6 @@ def _circular_loss(stages: Stages, schedule: Schedule, fill: float) -> Callable:
 
     def body(embed_params, chunks, head_params, tokens, targets):
         stage = jax.lax.axis_index(AXIS)
-        varies = _inputs_vary_over(embed_params, chunks, head_params, tokens, targets)
         chunks = jax.tree.map(lambda a: a[0], chunks)
         embedded = jax.vmap(lambda t: stages.embed(embed_params, t))(tokens)
 
@@ -204,7 +210,7 @@ def _circular_loss(stages: Stages, schedule: Schedule, fill: float) -> Callable:
             y = jnp.where(valid, y, jnp.full_like(y, fill))
             return jax.lax.ppermute(y, AXIS, ring), y
 
-        start = _varying(jnp.full(embedded.shape[1:], fill, embedded.dtype), varies)
+        start = _varying(jnp.full(embedded.shape[1:], fill, embedded.dtype), _activation_axes(embedded, targets))
         table = (jnp.asarray(schedule.forward), jnp.asarray(schedule.chunk))
         _, ys = jax.lax.scan(tick, start, table)
         outputs = jnp.swapaxes(ys[schedule.output_ticks], 0, 1)
@@ -236,13 +242,13 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float) -> Callable:
         return forward(embed_params, chunks, head_params, tokens, targets)
 
     def run_fwd(*args):
-        primal_axes["params"] = jax.tree.map(_varying_axes, args[:3])
+        primal_axes["params"] = jax.tree.map(varying_axes, args[:3])
         return with_grads(*args)
 
     def run_bwd(grads, cotangent):
         def scale(g, axes):
             g = (g * cotangent).astype(g.dtype)
-            extra = tuple(sorted(_varying_axes(g) - axes))
+            extra = tuple(sorted(varying_axes(g) - axes))
             return jax.lax.psum(g, extra) if extra else g
 
         is_axes = lambda x: isinstance(x, set)  # noqa: E731
@@ -257,8 +263,7 @@ def _autodiff_body(stages: Stages, schedule: Schedule, fill: float) -> Callable:
     forward = _circular_loss(stages, schedule, fill)
 
     def body(embed_params, chunks, head_params, tokens, targets):
-        varies = _inputs_vary_over(embed_params, chunks, head_params, tokens, targets)
-        embed_params, head_params = _varying((embed_params, head_params), varies)
+        embed_params, head_params = _varying((embed_params, head_params), {AXIS})
         value, vjp = jax.vjp(lambda e, c, h: forward(e, c, h, tokens, targets), embed_params, chunks, head_params)
         d_embed, d_chunks, d_head = vjp(jnp.ones_like(value))
         return value, (_sum_over_stages(d_embed), d_chunks, _sum_over_stages(d_head))
@@ -267,7 +272,8 @@ def _autodiff_body(stages: Stages, schedule: Schedule, fill: float) -> Callable:
 
 
 def _accumulator(x):
-    return jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+    """A zero to sum x's gradients into: at least fp32, varying over the axes x does."""
+    return _varying(jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32)), varying_axes(x))
 
 
 def _add(total, part):
@@ -293,7 +299,7 @@ class _ResidualRing:
 
         def blank(leaf):
             value = fill if jnp.issubdtype(leaf.dtype, jnp.floating) else 0
-            return jnp.full((slots + 1, *leaf.shape), value, leaf.dtype)
+            return _varying(jnp.full((slots + 1, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
 
         self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
 
@@ -324,16 +330,15 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float) -> Callab
 
     def body(embed_params, chunks, head_params, tokens, targets):
         stage = jax.lax.axis_index(AXIS)
-        varies = _inputs_vary_over(embed_params, chunks, head_params, tokens, targets)
-        embed_params, head_params = _varying((embed_params, head_params), varies)
+        embed_params, head_params = _varying((embed_params, head_params), {AXIS})
         params = jax.tree.map(lambda a: a[0, 0], chunks)
         act = jax.eval_shape(stages.embed, embed_params, tokens[0])
-        width = act.shape[1] // p
+        act_axes = _activation_axes(act, targets)
         loss_dtype = jax.eval_shape(
-            stages.head, head_params, jax.ShapeDtypeStruct((act.shape[0], width, act.shape[2]), act.dtype),
-            jax.ShapeDtypeStruct((act.shape[0], width), targets.dtype),
+            stages.head, head_params, jax.ShapeDtypeStruct((act.shape[0], act.shape[1] // p, act.shape[2]), act.dtype),
+            jax.ShapeDtypeStruct((act.shape[0], targets.shape[-1] // p), targets.dtype),
         ).dtype
-        ring = _ResidualRing(stages.layers, params, _varying(jnp.zeros(act.shape, act.dtype), varies),
+        ring = _ResidualRing(stages.layers, params, _varying(jnp.zeros(act.shape, act.dtype), act_axes),
                              schedule.in_flight, fill)
 
         def forward_slot(carry, j):
@@ -345,13 +350,12 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float) -> Callab
             return jnp.where(valid, y, jnp.full_like(y, fill))
 
         def head_slot(carry, y, j):
-            """Loss of microbatch j on each stage's share of positions; the cotangent of the last stage's y."""
+            """Loss of microbatch j on each stage's share of positions: (the cotangent of the last stage's y, the loss)."""
             share, tgt = _head_share(y, _row(targets, j), stage, p)
             value, head_vjp = jax.vjp(lambda h, x: stages.head(h, x, tgt), head_params, share)
             d_head, d_share = head_vjp(jnp.ones_like(value) / (m * p))
-            carry["loss"] = carry["loss"] + value.astype(carry["loss"].dtype)
             carry["d_head"] = _add(carry["d_head"], d_head)
-            return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True)
+            return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True), value
 
         def backward_slot(carry, j, cotangent):
             """Stage backward of microbatch j from its stored residuals; stage 0 also backs into the embedding."""
@@ -371,30 +375,29 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float) -> Callab
             fwd_row, bwd_row, head_j = rows
             carry = dict(carry)
             y = forward_slot(carry, fwd_row[stage])
-            dy = head_slot(carry, y, head_j)
+            dy, value = head_slot(carry, y, head_j)
             dx = backward_slot(carry, bwd_row[stage], jnp.where(stage == p - 1, dy, carry["bwd_in"]))
             carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
             carry["bwd_in"] = jax.lax.ppermute(dx, AXIS, backward_ring)
-            return carry, None
+            return carry, value
 
         def cool_tick(carry, row):
             carry = dict(carry)
             carry["bwd_in"] = jax.lax.ppermute(backward_slot(carry, row[stage], carry["bwd_in"]), AXIS, backward_ring)
             return carry, None
 
-        carry = _varying({
-            "fwd_in": jnp.full(act.shape, fill, act.dtype),
-            "bwd_in": jnp.full(act.shape, fill, act.dtype),
+        carry = {
+            "fwd_in": _varying(jnp.full(act.shape, fill, act.dtype), act_axes),
+            "bwd_in": _varying(jnp.full(act.shape, fill, act.dtype), act_axes),
             "ring": ring.empty,
             "d_stage": jax.tree.map(_accumulator, params),
             "d_embed": jax.tree.map(_accumulator, embed_params),
             "d_head": jax.tree.map(_accumulator, head_params),
-            "loss": jnp.zeros((), jnp.float32),
-        }, varies)
+        }
         fwd, bwd = jnp.asarray(schedule.forward), jnp.asarray(schedule.backward)
         carry, _ = jax.lax.scan(warm_tick, carry, fwd[:warm])
         rows = (fwd[warm:warm + steady], bwd[warm:warm + steady], fwd[warm:warm + steady, p - 1])
-        carry, _ = jax.lax.scan(steady_tick, carry, rows)
+        carry, values = jax.lax.scan(steady_tick, carry, rows)
         carry, _ = jax.lax.scan(cool_tick, carry, bwd[warm + steady:])
 
         def cast(tree, like):
@@ -403,7 +406,7 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float) -> Callab
         d_stage = jax.tree.map(lambda a: a[None, None], cast(carry["d_stage"], params))
         d_embed = cast(_sum_over_stages(carry["d_embed"]), embed_params)
         d_head = cast(_sum_over_stages(carry["d_head"]), head_params)
-        loss = (jax.lax.psum(carry["loss"], AXIS) / (m * p)).astype(loss_dtype)
+        loss = (jax.lax.psum(jnp.sum(values.astype(jnp.float32)), AXIS) / (m * p)).astype(loss_dtype)
         return loss, (d_embed, d_stage, d_head)
 
     return body

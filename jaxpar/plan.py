@@ -25,7 +25,7 @@ from jaxpar import rules as rules_lib
 from jaxpar import schedule as schedule_lib
 from jaxpar import tensor as tensor_lib
 from jaxpar import zero as zero_lib
-from jaxpar.mesh import MeshSpec, make_mesh, mesh_shape
+from jaxpar.mesh import MeshSpec, make_mesh, mesh_shape, nesting_order
 
 PRECISIONS = tuple(precision_lib.POLICIES)
 REMAT_POLICIES = ("none", "full", "selective")
@@ -77,6 +77,7 @@ class Plan:
     )
 
     def __post_init__(self):
+        object.__setattr__(self, "mesh", nesting_order(self.mesh, self.step_manual_axes))  # same devices
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
         if not 0.0 <= self.zero_tolerance <= 1.0:
@@ -89,13 +90,6 @@ class Plan:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.tensor_form not in tensor_lib.FORMS:
             raise ValueError(f"tensor_form must be one of {tensor_lib.FORMS}, got {self.tensor_form!r}")
-        nesting = [f"{a}={self.shape[a]}" for a in ("data", "pipe", "expert") if self.shape[a] > 1]
-        if self.tensor_form == "explicit" and self.remat == "selective" and self.shape["tensor"] > 1 and nesting:
-            raise ValueError(
-                f"tensor_form='explicit' with remat='selective' needs tensor to be the only mesh axis > 1, got "
-                f"{', '.join(nesting)}: jax cannot rematerialise part of a tensor shard_map nested in the "
-                "step's shard_map over those axes; use remat='full' or 'none', or tensor_form='annotation'"
-            )
         if self.sequence_parallel:
             object.__setattr__(self, "rules", {**self.rules, "seq_residual": "tensor"})
         stages = self.shape["pipe"]
@@ -130,10 +124,25 @@ class Plan:
         return math.prod(self.shape[a] for a in axes)
 
     @property
+    def step_manual_axes(self) -> tuple[str, ...]:
+        """The axes the step's shard_map is manual over (see `jaxpar.step.loss_and_grads`).
+
+        `data`, whose collectives ZeRO writes out; every axis of size 1; and
+        `tensor` under the explicit form, whose layers then run their own
+        collectives directly instead of nesting a shard_map of their own (jax
+        cannot rematerialise part of a nested one). Pipeline and MoE shard_maps
+        nest inside and add `pipe` and `expert`; see `jaxpar.mesh`.
+        """
+        shape = mesh_shape(self.mesh)
+        explicit = ("tensor",) if self.tensor_form == "explicit" else ()
+        return tuple(a for a in shape if a == zero_lib.AXIS or a in explicit or shape[a] == 1)
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
         return rules_lib.mesh_axes_of(self.rules["batch"])
 
-    def check_batch(self, global_batch: int) -> None:
+    def check_batch(self, global_batch: int, seq_len: int | None = None) -> None:
+        """Raise ValueError before tracing when a batch of these sizes does not split over the plan."""
         ways = self.axis_size(*self.batch_axes) * self.grad_accum * self.microbatches
         if global_batch % ways:
             raise ValueError(
@@ -141,6 +150,8 @@ class Plan:
                 f"{', '.join(f'{a}={self.shape[a]}' for a in self.batch_axes)} x grad_accum={self.grad_accum} "
                 f"x microbatches={self.microbatches} (product {ways})"
             )
+        if self.sequence_parallel and seq_len is not None:
+            rules_lib.resolve_spec(("seq_residual",), (seq_len,), self.shape, self.rules, path="batch sequence")
 
     # -- specs ---------------------------------------------------------------
 

@@ -56,11 +56,13 @@ def resolve_spec(
     rules: Rules,
     path: str = "array",
     skip_axes: Sequence[str] = (),
+    check: bool = True,
 ) -> P:
     """PartitionSpec for an array whose dimensions carry the given logical names.
 
     Raises ValueError naming the path, dimension, size and mesh axes when a
-    sharded dimension does not divide by the product of its mesh axes.
+    sharded dimension does not divide by the product of its mesh axes
+    (`check=False`: `shape` is a shard inside a shard_map, already checked whole).
     """
     if len(logical) != len(shape):
         raise ValueError(f"{path}: {len(logical)} logical axis names {tuple(logical)} for a rank-{len(shape)} array")
@@ -77,7 +79,7 @@ def resolve_spec(
             if axis not in mesh_shape:
                 raise ValueError(f"rule {name!r} -> {rules[name]!r} names unknown mesh axis {axis!r}")
         ways = math.prod(mesh_shape[a] for a in axes)
-        if size % ways:
+        if check and size % ways:
             sizes = ", ".join(f"{a}={mesh_shape[a]}" for a in axes)
             raise ValueError(
                 f"{path}: dimension {dim} ({name!r}) of size {size} does not divide by mesh axes "
@@ -88,6 +90,21 @@ def resolve_spec(
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)
+
+
+def varying_axes(x) -> set[str]:
+    """The manual axes along which x (an array or a `jax.eval_shape` result) may differ between devices (`vma`)."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+    return set(aval.manual_axis_type.varying)
+
+
+def specs_over(specs, axes: Sequence[str]):
+    """A tree of specs cut down to the mesh `axes`: the in/out specs of a shard_map manual over those alone."""
+    def entry(e):
+        kept = tuple(a for a in mesh_axes_of(e) if a in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return jax.tree.map(lambda spec: P(*map(entry, spec)), specs, is_leaf=lambda x: isinstance(x, P))
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import precision, zero
 from jaxpar.plan import Plan, active_plan
+from jaxpar.rules import specs_over
 from jaxpar.state import ModelDef, TrainState, state_specs
 
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
@@ -87,8 +88,9 @@ def microbatches(batch: dict, k: int) -> dict:
 def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: Plan, loss_scale=None):
     """Mean loss, metrics and gradients over the global batch, summed over `data` as the ZeRO stage asks.
 
-    Each data rank differentiates its own rows inside `jax.shard_map` over
-    `data`. Under ZeRO-0/1 its gradients stay local while microbatches
+    Each data rank differentiates its own rows inside `jax.shard_map`, manual
+    over `plan.step_manual_axes` (`data`; `tensor` too under the explicit
+    form, whose layers then write their collectives directly). Under ZeRO-0/1 its gradients stay local while microbatches
     accumulate and are summed over `data` once per step: all-reduced (ZeRO-0)
     or reduce-scattered into the optimizer's shards (ZeRO-1). Under ZeRO-2/3
     the parameters arrive sharded and each layer's are gathered inside the
@@ -96,15 +98,17 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     backward scan produces them: no full-size gradient ever exists.
     `loss_scale` multiplies the loss before differentiation (fp16).
     """
-    plan.check_batch(jax.tree.leaves(batch)[0].shape[0])
+    shape = jax.tree.leaves(batch)[0].shape
+    plan.check_batch(shape[0], shape[1] if len(shape) > 1 else None)
     extra = () if loss_scale is None else (loss_scale,)
-    if plan.shape[zero.AXIS] == 1 or zero.AXIS not in plan.batch_axes:
+    manual = plan.step_manual_axes
+    if plan.axis_size(*manual) == 1 or zero.AXIS not in plan.batch_axes:
         return _per_rank(model, loss_fn, plan, False, params, batch, *extra)
     return jax.shard_map(
         functools.partial(_per_rank, model, loss_fn, plan, True),
-        in_specs=(zero.manual_specs(plan.param_specs(model.logical)), P(zero.AXIS), *(P(),) * len(extra)),
-        out_specs=(P(), P(), zero.manual_specs(plan.gradient_specs(model.logical))),
-        axis_names=zero.manual_axes(plan),
+        in_specs=(specs_over(plan.param_specs(model.logical), manual), P(zero.AXIS), *(P(),) * len(extra)),
+        out_specs=(P(), P(), specs_over(plan.gradient_specs(model.logical), manual)),
+        axis_names=set(manual),
     )(params, batch, *extra)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.rules import active_rules, constrain, mesh_axes_of, resolve_spec, rule_axes
+from jaxpar.rules import active_rules, constrain, mesh_axes_of, resolve_spec, rule_axes, specs_over, varying_axes
 
 FORMS = ("annotation", "explicit")
 RESIDUAL = ("batch", "seq_residual", "embed")
@@ -58,7 +59,8 @@ def use_form(form: str):
 def whole(x, axes, dim):
     """Every tensor rank gets the whole activation: x as is (identity), or its sequence all-gathered."""
     if dim is None:
-        return jax.lax.pcast(x, axes, to="varying")
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
     return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
 
 
@@ -146,12 +148,13 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     eq = _Einsum.parse("bsd,dv->bsv")
     logits_logical = ("batch", "seq", "vocab")
     w_names = eq.weight_names(in_logical, logits_logical)
-    vocab_size = w.shape[-1] if vocab_size is None else vocab_size
-    if not 0 < vocab_size <= w.shape[-1]:
-        raise ValueError(f"vocab_size {vocab_size} must be in 1..{w.shape[-1]} (the output layer's columns)")
     axes = _region_axes(w_names[-1:])
+    columns = w.shape[-1] * (_ways(axes) if _direct(axes) else 1)
+    vocab_size = columns if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= columns:
+        raise ValueError(f"vocab_size {vocab_size} must be in 1..{columns} (the output layer's columns)")
     if axes and _form.get() == "explicit":
-        return jnp.mean(_explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes))
+        return jnp.mean(_explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns))
     x = constrain(x, _replicated_over(in_logical, axes))
     logits = constrain(jnp.einsum(eq.equation, x, w).astype(jnp.float32), logits_logical)
     logits = _mask_padding(logits, 0, vocab_size, w.shape[-1])
@@ -225,7 +228,7 @@ def _explicit_embedding(tokens, table, table_logical, out_logical, axes):
     dim = _split_dim(out_spec, axes, "the embedding's output")
     tokens_spec = _manual_spec(_replicated_over(out_logical[: tokens.ndim], axes), tokens.shape, manual)
     table_spec = _manual_spec(table_logical, table.shape, manual)
-    shard_rows = table.shape[0] // math.prod(active_rules()[0][a] for a in axes)
+    shard_rows = table.shape[0] if _direct(axes) else table.shape[0] // _ways(axes)
 
     def forward(tokens, table):
         local, hit = _local_index(tokens, shard_rows, axes)
@@ -247,13 +250,12 @@ def _explicit_embedding(tokens, table, table_logical, out_logical, axes):
     )
 
 
-def _explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes):
+def _explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, padded):
     """Per-token loss [batch, seq] with Megatron's vocab-parallel softmax; saves the local probabilities."""
     x_spec, w_spec = _manual_spec(in_logical, x.shape, axes), _manual_spec(w_names, w.shape, axes)
     dim = _split_dim(x_spec, axes, "the output layer's input")
     probs_spec = _manual_spec(("batch", "seq", "vocab"), (*targets.shape, w.shape[-1]), axes)
     saved_spec = P(axes)
-    padded = w.shape[-1]
 
     def logits_of(x_whole, w):
         return jnp.einsum("bsd,dv->bsv", x_whole, w).astype(jnp.float32)
@@ -296,8 +298,27 @@ def _custom_vjp(fwd, bwd, *args):
 
 
 def _shard_map(body, axes, in_specs, out_specs):
-    """shard_map over `axes` only; every other mesh axis stays with the compiler."""
-    return jax.shard_map(body, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes))
+    """`body` manual over `axes`, every other mesh axis staying with the compiler.
+
+    Axes a caller's shard_map (the step's, under the explicit form) made manual
+    already are not mapped again: there the operands are this device's shards
+    and the body's collectives run as written.
+    """
+    todo = [a for a in axes if a not in _manual_axes()]
+    if not todo:
+        return body
+    cut = functools.partial(specs_over, axes=todo)
+    return jax.shard_map(body, in_specs=cut(in_specs), out_specs=cut(out_specs), axis_names=set(todo))
+
+
+def _ways(axes) -> int:
+    """How many shards the mesh `axes` cut a dimension into."""
+    return math.prod(active_rules()[0][a] for a in axes)
+
+
+def _direct(axes) -> bool:
+    """Whether all of `axes` are manual already (see `_shard_map`): operand shapes are then shards."""
+    return set(axes) <= set(_manual_axes())
 
 
 def _local_index(ids, shard_size: int, axes):
@@ -337,7 +358,7 @@ def _fused_column(x, x_names, ws, eq, w_names, axes):
                 f"column_parallel with several weights splits each weight's first output feature; "
                 f"{names[n_contract]!r} of a weight named {names} is not split over {axes}"
             )
-    ways = math.prod(active_rules()[0][a] for a in axes)
+    ways = _ways(axes)
     views = [
         constrain(w.reshape(math.prod(w.shape[:n_contract]), ways, -1), (None, names[n_contract], None))
         for w, names in zip(ws, w_names)
@@ -413,9 +434,15 @@ def _manual_axes() -> tuple[str, ...]:
 
 
 def _manual_spec(names, shape, axes) -> P:
-    """An operand's PartitionSpec over the given axes only: what shard_map's specs name."""
+    """An operand's PartitionSpec over the given axes only: what shard_map's specs name.
+
+    Where `axes` are manual already (`_direct`) the spec still says which
+    dimension is split over them, and `shape` is this device's shard.
+    """
     mesh_shape, rules = active_rules()
-    spec = resolve_spec(names, shape, mesh_shape, rules, path="tensor-parallel operand", skip_axes=_manual_axes())
+    manual = _manual_axes()
+    spec = resolve_spec(names, shape, mesh_shape, rules, path="tensor-parallel operand",
+                        skip_axes=[a for a in manual if a not in axes], check=not set(axes) & set(manual))
     kept = [tuple(a for a in mesh_axes_of(entry) if a in axes) for entry in spec]
     return P(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
 

@@ -145,15 +145,10 @@ def no_effect_message(plan) -> str | None:
 # -- inside jax.shard_map over data ----------------------------------------------
 
 
-def manual_axes(plan) -> set[str]:
-    """The shard_map's manual axes: `data`, and every axis of size 1 so it is partly automatic only where it must be."""
-    return {AXIS} | {a for a, n in plan.shape.items() if n == 1}
-
-
 def _fully_manual(collective, x, entries: tuple = ()):
     """Run a collective over `data` with every other mesh axis manual too.
 
-    Inside the shard_map over `data` the other axes (tensor, expert, ...) are
+    Inside the step's shard_map the other axes (pipe, expert, tensor, ...) are
     left to the compiler, and XLA's partitioner gathers an operand sharded over
     them before a `data` collective (and its CPU compiler crashes on bf16 ones
     there). A nested shard_map over those axes, with the operand's own spec
@@ -170,14 +165,6 @@ def _fully_manual(collective, x, entries: tuple = ()):
 def mean(tree):
     """Mean over `data` of per-rank values (losses, metrics)."""
     return jax.tree.map(lambda x: _fully_manual(lambda v: jax.lax.pmean(v, AXIS), x), tree)
-
-
-def manual_specs(specs):
-    """Specs that name only `data`: the in/out specs of a shard_map that is manual over `data` alone."""
-    def manual(spec):
-        return P(*(AXIS if AXIS in _axes(e) else None for e in spec))
-
-    return jax.tree.map(manual, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def stacked(logical):

@@ -1,6 +1,7 @@
 """Named meshes from text, TOML and presets; logical rules resolved with divisibility checks."""
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -12,9 +13,27 @@ from jaxpar.rules import DEFAULT_RULES, resolve_spec
 def test_inline_mesh_fills_the_wildcard_and_keeps_every_axis():
     spec, options = parse_mesh("data=-1,tensor=2")
     mesh = make_mesh(spec)
-    assert mesh.axis_names == AXES
+    assert set(mesh.axis_names) == set(AXES)
     assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"data": 4, "pipe": 1, "expert": 1, "tensor": 2}
     assert options == {}
+
+
+@pytest.mark.parametrize("form, order", [
+    ("annotation", ("data", "expert", "pipe", "tensor")),
+    ("explicit", ("data", "expert", "tensor", "pipe")),
+])
+def test_mesh_axes_follow_the_nesting_of_shard_maps(form, order):
+    """The step's manual axes come first, then pipe and the rest in the order their shard_maps nest.
+
+    XLA (jax 0.12) aborts on a nested shard_map whose manual axes are not sorted by mesh position.
+    Reordering the names moves no device: each tensor pair stays the same two devices.
+    """
+    plan = Plan.create("data=2,tensor=2,pipe=2", tensor_form=form)
+    assert plan.mesh.axis_names == order
+    assert plan.step_manual_axes == tuple(a for a in AXES if a in ("data", "expert") or
+                                          (form == "explicit" and a == "tensor"))
+    pairs = np.moveaxis(plan.mesh.devices, plan.mesh.axis_names.index("tensor"), -1).reshape(-1, 2)
+    assert sorted(tuple(d.id for d in pair) for pair in pairs) == [(0, 1), (2, 3), (4, 5), (6, 7)]
 
 
 def test_tensor_is_the_innermost_axis():

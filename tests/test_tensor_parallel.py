@@ -241,8 +241,6 @@ def test_sequence_not_divisible_under_sequence_parallelism_fails_before_compilin
         step.lower(abstract_state(model, OPTIMIZER, plan), token_batches(config)[0])
 
 
-def test_plan_rejects_unknown_tensor_form_and_unsupported_remat():
+def test_plan_rejects_unknown_tensor_form():
     with pytest.raises(ValueError, match="tensor_form must be one of"):
         Plan.create("tensor=8", tensor_form="gspmd")
-    with pytest.raises(ValueError, match="remat='selective' needs tensor to be the only mesh axis > 1, got data=2"):
-        Plan.create("data=2,tensor=4", tensor_form="explicit", remat="selective")
