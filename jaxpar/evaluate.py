@@ -20,6 +20,15 @@ HOLDOUT = 0.05  # the fraction of the token stream held out for evaluation
 MAX_BATCHES = 8  # windows evaluated: at most this many batches of the run's batch size
 
 
+def check_evaluable(model_name: str) -> None:
+    """ValueError unless the named model has the `logits` forward evaluation runs (the dense Llama)."""
+    from jaxpar.models import MODELS
+    from jaxpar.models.llama import Llama
+
+    if MODELS[model_name][0] is not Llama:
+        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the dense Llama models, not {model_name!r}")
+
+
 def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT) -> tuple[np.ndarray, np.ndarray]:
     """(training tokens, held-out tokens): the last `holdout` of the stream is held out."""
     cut = tokens.size - max(1, int(tokens.size * holdout))

@@ -114,6 +114,9 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
 
         name, saved_config = saved_model_config(config.init_from)
         saved = dataclasses.asdict(saved_config)
+        if config.model not in (TrainConfig.model, name):
+            raise ValueError(f"--model {config.model} and --init-from {config.init_from} name different models; "
+                             "the weights decide the model: drop --model")
     mcfg = model_config(name, {**saved, "seq_len": config.seq_len, **config.model_overrides})
     plan.check_batch(config.batch_size)
     make_model = model_factory(name, mcfg, config.seed)
@@ -121,14 +124,11 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     tokens = data_lib.load_tokens(config.data)
-    if config.eval_every:
-        from jaxpar.evaluate import split_tokens
-
-        tokens = split_tokens(tokens)[0]
     data_lib.check_vocab(tokens, mcfg.vocab, config.data)
     if config.eval_every:
-        from jaxpar.evaluate import split_tokens
+        from jaxpar.evaluate import check_evaluable, split_tokens
 
+        check_evaluable(name)
         tokens = split_tokens(tokens)[0]
     batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed)
     step_fn = make_train_step(model, reference_loss(plan), optimizer, plan)

@@ -353,7 +353,7 @@ def _logits_of(model: "Llama", x):
 
 def _check_dense(model: "Llama") -> None:
     if type(model.blocks) is not Blocks:
-        raise NotImplementedError(f"inference supports the dense Llama blocks, not {type(model.blocks).__name__}")
+        raise ValueError(f"inference (logits, decode) supports the dense Llama blocks, not {type(model.blocks).__name__}")
 
 
 def llama_logits(model: "Llama", tokens, positions=None, mask=None):
