@@ -195,6 +195,14 @@ class Layout:
     tensor_form: str = "annotation"
 
     def __post_init__(self):
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise ValueError(f"mesh axis {axis} must be >= 1, got {getattr(self, axis)}")
+        choices = {"zero": (0, 1, 2, 3), "schedule": SCHEDULES, "remat": REMATS, "precision": PRECISIONS,
+                   "tensor_form": ("annotation", "explicit")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.microbatches == 0:
             object.__setattr__(self, "microbatches", self.pipe)
         if self.pipe == 1:

@@ -135,14 +135,13 @@ def test_plan_command(tmp_path, capsys):
     config = tmp_path / "top.toml"
     png = tmp_path / "plan"
     assert cli.main(["plan", "--model", "70b", "--devices", "1024", "--device", "h100", "--json",
-                     "--write-config", str(config), "--png", str(png)]) == 0
+                     "--write-config", str(config)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["devices"] == 1024 and len(out["top"]) == 10 and out["fitting"] > 10
     top = out["top"][0]
     assert top["memory"]["total"] <= 80e9 and top["fits"]
     assert math.prod(top["mesh"].values()) == 1024
     assert out["explanation"] and out["command"].startswith("jaxpar train --model 70b --mesh ")
-    assert (tmp_path / "plan_memory.png").stat().st_size > 0 and (tmp_path / "plan_scaling.png").stat().st_size > 0
     args = cli.build_parser().parse_args(["train", "--config", str(config)])
     train, options, mesh = cli.resolve(args)
     assert train.model == "70b" and math.prod(mesh.shape.values()) == 1024
@@ -154,6 +153,9 @@ def test_plan_command(tmp_path, capsys):
     assert explained["mesh"] == {"data": 2, "pipe": 4, "expert": 1, "tensor": 8} and explained["bubble"] > 0
     assert {c["axis"] for c in explained["collectives"]} == {"data", "tensor", "pipe"}
     assert cli.main(["plan", "--model", "70b", "--devices", "64", "--explain", "data=8"]) == 2
+    capsys.readouterr()
+    assert cli.main(["plan", "--model", "1b", "--devices", "8", "--png", str(png)]) == 0
+    assert (tmp_path / "plan_memory.png").stat().st_size > 0 and (tmp_path / "plan_scaling.png").stat().st_size > 0
 
 
 def test_plan_from_file_runs_on_cpu(tmp_path):
