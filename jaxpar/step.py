@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import precision, zero
 from jaxpar.plan import Plan, active_plan
-from jaxpar.rules import specs_over
+from jaxpar.rules import specs_over, varying_axes
 from jaxpar.state import ModelDef, TrainState, state_specs
 
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
@@ -132,7 +132,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, over_data: bool, par
         return loss, aux, grads
 
     k = plan.grad_accum
-    loss, aux, grads = one_microbatch(batch) if k == 1 else _accumulate(one_microbatch, batch, k, over_data)
+    loss, aux, grads = one_microbatch(batch) if k == 1 else _accumulate(one_microbatch, batch, k)
     ranks = plan.shape[zero.AXIS] if over_data else 1
     if over_data:
         grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, param_specs)
@@ -142,7 +142,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, over_data: bool, par
     return loss / k, jax.tree.map(lambda x: x / k, aux), jax.tree.map(lambda g: g / (k * ranks), grads)
 
 
-def _accumulate(one_microbatch: Callable, batch: dict, k: int, over_data: bool):
+def _accumulate(one_microbatch: Callable, batch: dict, k: int):
     """Sum (loss, aux, grads) over k strided microbatches in a scan, in fp32 accumulators.
 
     The sums come back in the dtypes one microbatch gives, so gradients are
@@ -153,7 +153,8 @@ def _accumulate(one_microbatch: Callable, batch: dict, k: int, over_data: bool):
 
     def zeros(s):
         z = jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))
-        return jax.lax.pcast(z, zero.AXIS, to="varying") if over_data else z
+        axes = tuple(sorted(varying_axes(s)))  # as varying as what is added (over data and, explicit, tensor)
+        return jax.lax.pcast(z, axes, to="varying") if axes else z
 
     def add(total, b):
         return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, one_microbatch(b)), None
