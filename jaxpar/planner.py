@@ -499,10 +499,11 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
                 out.append(Collective("data", "all-reduce", unsharded * g_comm, 1, "gradients ZeRO leaves whole"))
     if t > 1:
         # Megatron: each block half ends in one all-reduce (SP: a reduce-scatter, and starts with an
-        # all-gather) forward, and one more in the backward pass; full remat runs the forward twice.
+        # all-gather) forward, and one more in the backward pass. Full remat re-runs the forward in the
+        # backward pass, but only the attention half's all-reduce feeds anything the gradients need.
         chunk = model.n_layers / (p * layout.virtual_stages)  # layers one tick runs
         ticks = schedule_ticks(layout)
-        block = ticks * chunk * 2 * (1 + layout_forwards(layout))
+        block = ticks * chunk * (4 + (layout.remat == "full"))
         one = b * s * d * act_comm
         if p == 1:
             edges = 2 * one  # the vocab-parallel embedding's sum, the head input's gradient
@@ -556,11 +557,6 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
             out.append(Collective("expert", "all-gather", rows * (d * act_comm + 4), 1,
                                   "the embedding's cotangents and token ids"))
     return out
-
-
-def layout_forwards(layout: Layout) -> int:
-    """Forward passes a block runs per microbatch: 2 with full remat (the recomputation), else 1."""
-    return 2 if layout.remat == "full" else 1
 
 
 def traffic_per_axis(colls: list[Collective], layout: Layout) -> dict[str, float]:
@@ -767,11 +763,17 @@ def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
 def update_workspace(inv: Inventory, layout: Layout, z: int, grad_bytes: int) -> float:
     """Parameter-sized transients besides ZeRO's own gradient (Table 1's G) that XLA keeps alive at once.
 
-    ZeRO-0/1 reduce the whole local gradient once per step, so its summed copy
-    and the update's output are two more whole buffers. ZeRO-2/3 reduce-scatter
-    each layer inside the backward scan and update only their shards in place.
+    ZeRO-0 all-reduces the whole local gradient once per step: its summed copy
+    and the update's output are two more whole buffers. ZeRO-1 reduce-scatters
+    it into shards and all-gathers the updated parameters: one more whole
+    buffer. ZeRO-2/3 reduce-scatter each layer inside the backward scan and
+    update only their shards. A pipeline returns its gradients from a custom
+    VJP that scales them by the incoming cotangent: one more copy of them.
     """
-    return 2 * grad_bytes * inv.local if z <= 1 else 0.0
+    whole = {0: 2, 1: 1}.get(z, 0) * grad_bytes * inv.local
+    if layout.pipe > 1:
+        whole += grad_bytes * (inv.sharded if z >= 2 else inv.local)
+    return whole
 
 
 def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[str, float]:
