@@ -245,9 +245,12 @@ def _raised_by_jaxpar(error: BaseException) -> bool:
     return bool(frames) and any(os.path.abspath(frames[-1].filename).startswith(r + os.sep) for r in roots)
 
 
-def _message(error: BaseException, lines: int = 6) -> str:
-    text = f"{type(error).__name__}: {error}".strip().splitlines()
-    return "\n".join(text[:lines])[:1500]
+def _message(error: BaseException, head: int = 4, tail: int = 8, width: int = 400) -> str:
+    """The error's type and message: its first and last lines (a long repr in between is cut), each line cut too."""
+    lines = [line for line in f"{type(error).__name__}: {error}".strip().splitlines() if line.strip()]
+    if len(lines) > head + tail:
+        lines = [*lines[:head], f"... ({len(lines) - head - tail} lines) ...", *lines[-tail:]]
+    return "\n".join(line if len(line) <= width else line[:width] + " ..." for line in lines)
 
 
 def run_cell(cell: Cell) -> dict:
