@@ -1,5 +1,14 @@
 """jaxpar: one Flax model, any mesh. Data, ZeRO/FSDP, tensor, pipeline and expert parallelism in JAX."""
 
+from pathlib import Path as _Path
+
+# models/ and meshes/ sit at the top of a source checkout and ship as jaxpar.models and jaxpar.meshes
+# (pyproject's package-dir); run from the checkout itself (`python -m pytest`), the package path reaches them.
+_root = _Path(__file__).resolve().parent.parent
+if not (_root / "jaxpar" / "models").exists() and (_root / "models" / "__init__.py").is_file():
+    __path__.append(str(_root))
+del _Path, _root
+
 from jaxpar.mesh import AXES, MeshSpec, make_mesh, parse_mesh
 from jaxpar.plan import Plan
 from jaxpar.rules import DEFAULT_RULES, constrain

@@ -54,8 +54,6 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) 
     """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine.
 
     Only process 0's output is shown; the exit code is the first non-zero one.
-    `-P` keeps the working directory off sys.path, so a source checkout there
-    cannot shadow the installed package.
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {num_processes}, {devices_per_process}")
@@ -68,7 +66,7 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) 
             "JAX_NUM_PROCESSES": str(num_processes),
             "JAX_PROCESS_ID": str(rank),
         }
-        command = [sys.executable, "-P", "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
+        command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
         quiet = subprocess.DEVNULL if rank else None
         children.append(subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet))
     return _wait_all(children)

@@ -28,7 +28,7 @@ FLAGS = ["--batch-size", "8", "--seq-len", "16", "--steps", "1"]
 def jaxpar(*args, devices=2):
     """`jaxpar ARGS` as its own process: (exit code, stdout, stderr)."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-P", "-m", "jaxpar.cli", *args], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], env=env, capture_output=True, text=True,
                           timeout=600)
     return done.returncode, done.stdout, done.stderr
 

@@ -28,7 +28,7 @@ def flags(tmp_path, name):
 
 def start(command):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen([sys.executable, "-P", "-m", "jaxpar.cli", *command], env=env,
+    return subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *command], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

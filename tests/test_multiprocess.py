@@ -16,7 +16,7 @@ def losses(path):
 
 def test_two_processes_match_one(tmp_path):
     multi = tmp_path / "multi.jsonl"
-    command = [sys.executable, "-P", "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "4",
+    command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "4",
                "train", *FLAGS, "--metrics", str(multi)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
