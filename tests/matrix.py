@@ -349,6 +349,7 @@ class Worker:
     def __init__(self, timeout: float = 600.0):
         self.timeout = timeout
         self.process = None
+        self.stderr = None
 
     def _start(self):
         self.stderr = open(_stderr_path(), "w+")
@@ -367,6 +368,7 @@ class Worker:
 
     def run(self, cell: Cell) -> dict:
         if self.process is None or self.process.poll() is not None:
+            self.close()
             self._start()
         start = time.perf_counter()
         self.process.stdin.write(json.dumps(dataclasses.asdict(cell)) + "\n")
@@ -385,19 +387,26 @@ class Worker:
 
     def _lost(self, cell: Cell, why: str, start: float) -> dict:
         """The row of a cell whose worker crashed or hung: the last lines it wrote to stderr say why."""
-        self.close()
+        self._stop()
         self.stderr.seek(0)
         tail = [line.rstrip() for line in self.stderr.read().splitlines() if line.strip()][-8:]
-        self.stderr.close()
+        self.close()
         return {"cell": cell.id, **cell.values(), "status": "failed", "error": "\n".join([why, *tail])[:3000],
                 "stage": "worker", "loss_error": None, "param_error": None,
                 "seconds": round(time.perf_counter() - start, 2)}
 
-    def close(self):
+    def _stop(self):
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
         self.process = None
+
+    def close(self):
+        self._stop()
+        if self.stderr is not None:
+            self.stderr.close()
+            os.unlink(self.stderr.name)
+            self.stderr = None
 
 
 def _stderr_path() -> str:
