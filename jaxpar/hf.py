@@ -84,11 +84,12 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
 def _rope_from_hf(hf: dict) -> dict:
     """rope_theta and scaling fields; transformers 5 keeps them in `rope_parameters`, 4 in `rope_theta`/`rope_scaling`."""
     params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    merged = {**scaling, **params}
+    scaling = dict(hf.get("rope_scaling") or {})
+    kinds = {field: table.get("rope_type", table.get("type", "default"))
+             for field, table in (("rope_parameters", params), ("rope_scaling", scaling)) if table}
+    field, kind = next(((f, k) for f, k in kinds.items() if k != "default"), ("rope_scaling", "default"))
+    merged = {**params, **scaling} if field == "rope_scaling" else {**scaling, **params}
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = merged.get("rope_type", merged.get("type", "default"))
-    field = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
     if kind == "default":
         return {"rope_theta": float(theta)}
     if kind != "llama3":

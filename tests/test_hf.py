@@ -178,6 +178,22 @@ def test_refuses_what_the_model_cannot_represent(field, value, message):
         hf.config_from_hf(config)
 
 
+def test_config_of_transformers_4_and_5():
+    """Llama 3.2's config.json as transformers 4 writes it (rope_scaling) and as 5 does (rope_parameters)."""
+    v4 = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "num_hidden_layers": 16,
+          "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192,
+          "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+          "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                           "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {**v4["rope_scaling"], "rope_theta": 500000.0}
+    for config in (v4, v5, {**v5, "rope_scaling": None}, {**v4, "rope_parameters": {"rope_type": "default"}}):
+        cfg = hf.config_from_hf(config)
+        assert (cfg.rope_type, cfg.rope_factor, cfg.rope_theta, cfg.norm_eps) == ("llama3", 32.0, 500000.0, 1e-5)
+        assert (cfg.n_kv_heads, cfg.head_dim, cfg.tie_embeddings, cfg.padded_vocab) == (8, 64, True, 128256)
+        assert hf.config_from_hf(hf.config_to_hf(cfg)) == dataclasses.replace(cfg, seq_len=2048)
+
+
 @needs_torch
 def test_import_train_export_round_trip(tmp_path, capsys):
     """import-hf -> train 20 steps from it -> export --format hf -> transformers strict load, same logits."""
