@@ -763,14 +763,16 @@ def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
 def update_workspace(inv: Inventory, layout: Layout, z: int, grad_bytes: int) -> float:
     """Parameter-sized transients besides ZeRO's own gradient (Table 1's G) that XLA keeps alive at once.
 
-    ZeRO-0 all-reduces the whole local gradient once per step: its summed copy
-    and the update's output are two more whole buffers. ZeRO-1 reduce-scatters
-    it into shards and all-gathers the updated parameters: one more whole
-    buffer. ZeRO-2/3 reduce-scatter each layer inside the backward scan and
-    update only their shards. A pipeline returns its gradients from a custom
-    VJP that scales them by the incoming cotangent: one more copy of them.
+    The update keeps two gradient-sized buffers of the shard it runs on (the
+    clipped gradient and the update itself): the whole local gradient under
+    ZeRO-0, the data shard under ZeRO-1/2/3. ZeRO-1 then all-gathers the
+    updated parameters into one whole buffer, which XLA places where those two
+    were. A pipeline returns its gradients from a custom VJP that scales them
+    by the incoming cotangent: one more copy.
     """
-    whole = {0: 2, 1: 1}.get(z, 0) * grad_bytes * inv.local
+    whole = 2 * grad_bytes * (inv.local if z == 0 else inv.sharded)
+    if z == 1:
+        whole = max(whole, grad_bytes * inv.local)
     if layout.pipe > 1:
         whole += grad_bytes * (inv.sharded if z >= 2 else inv.local)
     return whole
