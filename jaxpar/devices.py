@@ -28,7 +28,8 @@ class Device:
     matmuls reach; hbm_bandwidth: bytes/s; intra_bandwidth / inter_bandwidth:
     bytes/s one device sends to a peer inside / outside its node;
     devices_per_node: how many devices share the fast links; widens_low_precision:
-    the backend runs bf16/fp16 collectives in fp32 (XLA:CPU does); scatter_as_all_reduce: the
+    the backend runs bf16/fp16 collectives in fp32 (XLA:CPU does); low_precision_in_fp32: it also
+    keeps bf16/fp16 activations and gradients in fp32 (XLA:CPU before jaxlib 0.11); scatter_as_all_reduce: the
     backend lowers a reduce-scatter that sharding annotations ask for to an all-reduce and a slice
     (XLA:CPU does; jaxpar's explicit forms write true reduce-scatters).
     """
@@ -44,6 +45,7 @@ class Device:
     usable: float = 0.9
     efficiency: float = 0.75
     widens_low_precision: bool = False
+    low_precision_in_fp32: bool = False
     scatter_as_all_reduce: bool = False
 
     @property
@@ -59,6 +61,17 @@ class Device:
         return dataclasses.asdict(self)
 
 
+def _old_xla_cpu() -> bool:
+    """Whether the installed XLA:CPU (jaxlib < 0.11) computes bf16/fp16 values in fp32 (measured, jaxlib 0.10 and 0.12)."""
+    from importlib.metadata import version
+
+    try:
+        major, minor = (int(x) for x in version("jaxlib").split(".")[:2])
+    except Exception:  # noqa: BLE001 - no jaxlib metadata: assume a current one
+        return False
+    return (major, minor) < (0, 11)
+
+
 DEVICES: dict[str, Device] = {
     # H100 SXM: 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s bf16, NVLink 4 (900 GB/s both ways), 400 Gb/s IB per GPU.
     "h100": Device("H100 SXM 80GB", 80 * GB, 989e12, 67e12, 3.35e12, 450 * GB, 50 * GB, 8),
@@ -70,7 +83,8 @@ DEVICES: dict[str, Device] = {
     "tpu-v5p": Device("TPU v5p", 95 * GB, 459e12, 459e12 / 2, 2.76e12, 300 * GB, 25 * GB, 8960),
     # The host CPU that the tests force into 8 XLA devices: only memory and traffic are meaningful here.
     "cpu": Device("host CPU (XLA:CPU)", 16 * GiB, 1e11, 1e11, 20 * GB, 10 * GB, 10 * GB, 8, usable=1.0,
-                  efficiency=0.5, widens_low_precision=True, scatter_as_all_reduce=True),
+                  efficiency=0.5, widens_low_precision=True, low_precision_in_fp32=_old_xla_cpu(),
+                  scatter_as_all_reduce=True),
 }
 ALIASES = {"tpuv5p": "tpu-v5p", "v5p": "tpu-v5p", "tpu_v5p": "tpu-v5p", "h100-sxm": "h100", "a100-80gb": "a100"}
 

@@ -676,8 +676,8 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     """
     inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
     P, G, K = state_bytes_per_param(layout.precision)
-    if device.widens_low_precision:
-        G = 4  # XLA:CPU differentiates low-precision matmuls in fp32: gradients (and activations) are fp32
+    if device.low_precision_in_fp32:
+        G = 4  # the backend differentiates low-precision matmuls in fp32: gradients (and activations) are fp32
     n = layout.data
     z = layout.zero if n > 1 else 0
     # ZeRO-2 keeps parameters sharded between steps but gathers every layer's for the whole step (held, as in
@@ -692,7 +692,9 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     transient = G * (per_layer + inv.local - inv.stacked_local) if z >= 2 else 0.0  # one layer's whole gradient
     if (layout.grad_accum > 1 or layout.pipe > 1) and G < 4:
         transient += 4 * (inv.sharded if z >= 2 else inv.local)  # fp32 accumulators of low-precision gradients
-    act_bytes = 4 if layout.precision == "fp32" or device.widens_low_precision else 2
+    if device.widens_low_precision and G < 4 and z <= 1 and n > 1:
+        transient += (4 - G) * inv.local  # the fp32 copy of the whole gradient a widened reduction takes
+    act_bytes = 4 if layout.precision == "fp32" or device.low_precision_in_fp32 else 2
     b, s = microbatch_sequences(layout, work), work.seq_len
     activations = activation_bytes(model, layout, work, act_bytes, P * inv.stacked_local)
     gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
