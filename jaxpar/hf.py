@@ -538,7 +538,12 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
                           is_leaf=lambda x: hasattr(x, "names"))
     if is_hf_dir(path):
         name, cfg = saved_model_config(path)
-        return load_hf_params(path, cfg, shardings)[1]
+        expected = _unflatten({k: jax.ShapeDtypeStruct(v, np.float32) for k, v in _jaxpar_shapes(cfg).items()})
+        wrong = mismatches(expected, target, dtypes=False)
+        if wrong:
+            raise ValueError(f"the Hugging Face model in {path} does not fit the model:{listing(wrong)}")
+        params = load_hf_params(path, cfg, shardings)[1]
+        return jax.tree.map(lambda a, t: a if a.dtype == t.dtype else a.astype(t.dtype), params, target)
     if (path / CONFIG_FILE).is_file():
         with ocp.StandardCheckpointer() as checkpointer:
             saved = checkpointer.metadata(path / PARAMS_DIR)

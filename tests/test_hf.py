@@ -145,6 +145,12 @@ def test_loading_reads_each_shard_onto_the_plan(tmp_path, monkeypatch):
     assert q_reads and max(q_reads) * 8 == 64 * 64  # each device read only its eighth of the tensor
     embed_reads = [a.size for name, a in reads if name == "model.embed_tokens.weight"]
     assert max(embed_reads) < 250 * 64
+    # what --init-from, eval and generate call: the same, and a model of another shape is refused by name
+    for array, expected in zip(jax.tree.leaves(hf.load_params(tmp_path / "hf", model, plan)), jax.tree.leaves(whole)):
+        np.testing.assert_array_equal(np.asarray(array), expected)
+    other = describe(model_factory("tiny", dataclasses.replace(cfg, d_ff=128), 0))
+    with pytest.raises(ValueError, match=r"blocks/w_up: saved float32\[2, 64, 96\], model float32\[2, 64, 128\]"):
+        hf.load_params(tmp_path / "hf", other, plan)
 
 
 def test_bfloat16_safetensors_read_and_written(tmp_path):
