@@ -169,7 +169,9 @@ def moe_loss(params, batch, cfg):
 
 
 def loss_fn(cfg) -> Callable:
-    """The reference loss for a model config (MoE when it has experts)."""
+    """The reference loss for a model config (MoE when it has experts); plain rotary frequencies only."""
+    if getattr(cfg, "rope_type", "default") != "default":
+        raise ValueError(f"the reference implements rope_type='default' only, got {cfg.rope_type!r}")
     fn = moe_loss if hasattr(cfg, "n_experts") else llama_loss
     return lambda params, batch: fn(params, batch, cfg)
 
