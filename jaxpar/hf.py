@@ -587,8 +587,13 @@ def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dic
 
 def initial_state(path, model, optimizer, plan, step: int | None = None):
     """`jaxpar train --init-from`: step 0 of a run whose parameters are read from `path` onto `plan`'s shards."""
-    from jaxpar.state import _initial_state, state_specs
+    import inspect
+
+    from jaxpar import state as state_lib
 
     params = load_params(path, model, plan, step)
-    shardings = plan.shardings(state_specs(model, optimizer, plan))
-    return jax.jit(lambda p: _initial_state(p, optimizer, plan), out_shardings=shardings)(params)
+    shardings = plan.shardings(state_lib.state_specs(model, optimizer, plan))
+    initial = state_lib._initial_state  # step 0 in the plan's precision; newer versions also take the variables
+    if "variables" in inspect.signature(initial).parameters:
+        return jax.jit(lambda p: initial(p, {}, optimizer, plan), out_shardings=shardings)(params)
+    return jax.jit(lambda p: initial(p, optimizer, plan), out_shardings=shardings)(params)
