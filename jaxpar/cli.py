@@ -189,11 +189,11 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-HF_COMMANDS = ("import-hf", "eval", "generate")
+HF_COMMANDS = ("import-hf", "eval", "generate", "tokenize")
 
 
 def _add_hf_commands(sub) -> None:
-    """`import-hf`, `eval` and `generate` (jaxpar.hf, jaxpar.evaluate, jaxpar.generate)."""
+    """`import-hf`, `eval`, `generate` and `tokenize` (jaxpar.hf, .evaluate, .generate, .tokenize)."""
     imp = sub.add_parser("import-hf", help="convert a Hugging Face Llama (config.json + safetensors) to a jaxpar checkpoint")
     imp.add_argument("source", help="a local Hugging Face model directory, or a Hub repo id")
     imp.add_argument("--out", required=True, help="the directory to write (what --init-from, eval and generate read)")
@@ -215,18 +215,26 @@ def _add_hf_commands(sub) -> None:
     generate.add_argument("--eos", type=int, default=None, help="token id that ends a sequence")
     generate.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
     generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (reference)")
+    tokenize = sub.add_parser("tokenize", help="text into a .npy token file (and a JSON header) for --data")
+    tokenize.add_argument("source", help="a text file or a folder of text files")
+    tokenize.add_argument("--out", required=True, help="the .npy file to write (its header goes beside it as .json)")
+    tokenize.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
     for command in (imp, evaluate, generate):
         command.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose (default 8)")
         command.add_argument("--json", action="store_true", help="print one JSON object only")
 
 
 def _hf_command(args: argparse.Namespace) -> int:
-    """Run import-hf, export --format hf, eval or generate; errors a person can act on exit with 2."""
+    """Run import-hf, export --format hf, eval, generate or tokenize; errors a person can act on exit with 2."""
     from rich.console import Console
     from rich.markup import escape
 
     try:
-        if args.command == "import-hf":
+        if args.command == "tokenize":
+            from jaxpar.tokenize import tokenize
+
+            result = tokenize(args.source, args.out, args.tokenizer)
+        elif args.command == "import-hf":
             from jaxpar.hf import import_hf
 
             result = import_hf(args.source, args.out)

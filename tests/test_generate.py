@@ -90,8 +90,26 @@ def test_generate_and_eval_commands(tmp_path, capsys, model_and_params):
     assert report["eval_tokens"] > 0 and np.isclose(report["eval_ppl"], np.exp(report["eval_loss"]))
 
 
-@pytest.mark.parametrize("command", ["train", "import-hf", "eval", "generate", "export"])
+@pytest.mark.parametrize("command", ["train", "import-hf", "eval", "generate", "export", "tokenize"])
 def test_help_renders(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])
     assert exit_.value.code == 0 and "--" in capsys.readouterr().out
+
+
+def test_tokenize_with_a_tokenizer_json(tmp_path, capsys):
+    """`jaxpar tokenize` writes .npy tokens that --data reads, and a header naming dtype, vocabulary and tokenizer."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from jaxpar.data import load_tokens
+
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "text.txt").write_text("hello world hello there")
+    assert main(["tokenize", str(tmp_path / "text.txt"), "--out", str(tmp_path / "t.npy"),
+                 "--tokenizer", str(tmp_path / "tokenizer.json")]) == 0
+    header = json.loads((tmp_path / "t.json").read_text())
+    assert (header["dtype"], header["vocab"], header["tokens"]) == ("uint8", 3, 4) and header["tokenizer_sha256"]
+    assert load_tokens(tmp_path / "t.npy").tolist() == [1, 2, 1, 0]
+    assert main(["tokenize", str(tmp_path / "text.txt"), "--out", str(tmp_path / "b.npy")]) == 0
+    assert load_tokens(tmp_path / "b.npy").tobytes() == b"hello world hello there"
