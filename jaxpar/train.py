@@ -61,6 +61,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
