@@ -5,8 +5,9 @@
 Each cell is compiled abstractly (`jaxpar inspect`: no parameters allocated, nothing trained) on 8
 CPU devices; the planner predicts the same cell with the `cpu` device spec. Ratios are given for
 argument bytes, temp bytes and ring traffic per mesh axis (tests/test_planner.py holds a smaller
-grid to 10% / 25% / 10%). `--shapes` also checks the big models' layouts (abstract compiles of the
-7B/70B/405B shapes on 8 devices: slower, but no memory is used).
+grid to 10% / 25% / 10%), one JSON line per cell, then the worst ratio per quantity. `--shapes`
+also checks the big models' layouts (abstract compiles of the 7B/70B/405B shapes on 8 devices:
+slower, but no memory is used).
 """
 
 import argparse
@@ -73,18 +74,23 @@ def main():
     parser.add_argument("--quick", action="store_true", help="every fourth cell")
     parser.add_argument("--shapes", default="", help="also big shapes, e.g. 7b,70b (abstract compiles, slow)")
     args = parser.parse_args()
-    rows = [measure(mesh, options, model, args.batch_size, args.seq_len) for mesh, options, model in sweep(args.quick)]
+    cells = [(mesh, options, model, args.batch_size, args.seq_len) for mesh, options, model in sweep(args.quick)]
     for name in filter(None, args.shapes.split(",")):
         for mesh, options in (("data=2,tensor=4", {"zero": 1, "remat": "full", "precision": "bf16"}),
-                              ("data=2,tensor=2,pipe=2", {"zero": 1, "remat": "full", "precision": "bf16"})):
-            rows.append(measure(mesh, options, name, 8, 2048))
+                              ("data=2,tensor=2,pipe=2", {"zero": 1, "remat": "full", "precision": "bf16"}),
+                              ("data=2,tensor=4", {"zero": 3, "remat": "full", "precision": "bf16"})):
+            cells.append((mesh, options, name, 2, 2048))
+    rows = []
+    for cell in cells:  # one JSON line per cell as it compiles, then the summary
+        rows.append(measure(*cell))
+        print(json.dumps({"cell": rows[-1]}, default=float), flush=True)
     worst = {}
     for row in rows:
         for key, ratio in row.get("ratios", {}).items():
             kind = "traffic" if key.startswith("traffic") else key
             if kind not in worst or abs(ratio - 1) > abs(worst[kind]["ratio"] - 1):
                 worst[kind] = {"ratio": ratio, "mesh": row["mesh"], "options": row["options"], "model": row["model"]}
-    print(json.dumps({"benchmark": "planner", "cells": rows, "worst": worst}, indent=1, default=float))
+    print(json.dumps({"benchmark": "planner", "cells": len(rows), "worst": worst}, default=float))
 
 
 if __name__ == "__main__":
