@@ -9,13 +9,15 @@ if not (_root / "jaxpar" / "models").exists() and (_root / "models" / "__init__.
     __path__.append(str(_root))
 del _Path, _root
 
+from jaxpar.context import active_plan
 from jaxpar.mesh import AXES, MeshSpec, make_mesh, parse_mesh
 from jaxpar.plan import Plan
-from jaxpar.rules import DEFAULT_RULES, constrain
+from jaxpar.rules import DEFAULT_RULES, LogicalArray, constrain
 from jaxpar.state import TrainState, describe, init_state, place_state
 from jaxpar.step import make_train_step
+from jaxpar.usage import PlanOptionUnused
 
 __all__ = [
-    "AXES", "DEFAULT_RULES", "MeshSpec", "Plan", "TrainState", "constrain", "describe", "init_state",
-    "make_mesh", "make_train_step", "parse_mesh", "place_state",
+    "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "Plan", "PlanOptionUnused", "TrainState", "active_plan",
+    "constrain", "describe", "init_state", "make_mesh", "make_train_step", "parse_mesh", "place_state",
 ]

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import usage
 from jaxpar.rules import constrain, rule_axes
 
 
@@ -211,6 +212,8 @@ def moe_ffn(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict[str,
     mesh = jax.sharding.get_abstract_mesh()
     outer = tuple(a for a in mesh.manual_axes if mesh.shape[a] > 1)  # a caller's shard_map (the step's)
     expert_axes = rule_axes("experts")
+    if expert_axes:
+        usage.mark(usage.EXPERTS)
     check_expert_layout(cfg, p, rule_axes("batch"), expert_axes, outer)
     batch_axes = tuple(a for a in rule_axes("batch") if a not in outer)
     axis = expert_axes[0] if len(expert_axes) == 1 else expert_axes

@@ -26,28 +26,28 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "pipe", "expert", "tensor")
+AXES = ("data", "pipe", "expert", "tensor")  # outermost first; a new axis is one more name here
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class MeshSpec:
-    """Sizes of the four named axes; one may be -1 (the rest of the devices).
+    """Sizes of the named axes (`AXES`, each 1 unless given); one may be -1 (the rest of the devices).
 
-    `dcn` gives, per axis, how many of its slices span hosts (multi-host only):
-    `MeshSpec(data=8, dcn={"data": 2})` on two hosts of four devices each puts
-    the two halves of `data` on different hosts and everything else inside one.
+    `MeshSpec(data=4, tensor=2)`. `dcn` gives, per axis, how many of its slices
+    span hosts (multi-host only): `MeshSpec(data=8, dcn={"data": 2})` on two
+    hosts of four devices each puts the two halves of `data` on different hosts
+    and everything else inside one.
     """
 
-    data: int = 1
-    pipe: int = 1
-    expert: int = 1
-    tensor: int = 1
-    dcn: dict[str, int] = dataclasses.field(default_factory=dict)
+    sizes: dict[str, int]
+    dcn: dict[str, int]
 
-    def __post_init__(self):
-        for axis in self.dcn:
+    def __init__(self, dcn: dict[str, int] | None = None, **sizes: int):
+        for axis in (*sizes, *(dcn or {})):
             if axis not in AXES:
-                raise ValueError(f"unknown mesh axis {axis!r} in dcn; axes are {AXES}")
+                raise ValueError(f"unknown mesh axis {axis!r}; axes are {', '.join(AXES)}")
+        object.__setattr__(self, "sizes", {a: sizes.get(a, 1) for a in AXES})
+        object.__setattr__(self, "dcn", dict(dcn or {}))
         wild = [a for a in AXES if self.size(a) == -1]
         if len(wild) > 1:
             raise ValueError(f"only one mesh axis may be -1, got {wild}")
@@ -56,11 +56,11 @@ class MeshSpec:
                 raise ValueError(f"mesh axis {axis!r} must be a positive size or -1, got {self.size(axis)}")
 
     def size(self, axis: str) -> int:
-        return getattr(self, axis)
+        return self.sizes[axis]
 
     @property
     def shape(self) -> dict[str, int]:
-        return {a: self.size(a) for a in AXES}
+        return dict(self.sizes)
 
     def resolve(self, num_devices: int) -> "MeshSpec":
         """Fill in a -1 axis and check that the product equals the device count."""
@@ -80,7 +80,7 @@ class MeshSpec:
                 f"mesh {self._describe(sizes)} has {total} devices but {num_devices} are available; "
                 f"make the product of the axis sizes equal {num_devices} (or set one axis to -1)"
             )
-        return dataclasses.replace(self, **sizes)
+        return MeshSpec(dcn=self.dcn, **sizes)
 
     @staticmethod
     def _describe(sizes: dict[str, int]) -> str:
@@ -188,6 +188,30 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
     else:
         grid = np.asarray(devices).reshape(shape)
     return nesting_order(Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES)))
+
+
+def adopt(mesh: Mesh, axis_names: dict[str, str] | None = None) -> Mesh:
+    """A user's jax Mesh on jaxpar's axes: the same devices, axes renamed by `axis_names` (e.g. model -> tensor).
+
+    Axes it lacks are added with size 1; every axis becomes Auto (jaxpar
+    writes its own shard_maps and places the rest from annotations).
+    """
+    rename = dict(axis_names or {})
+    names = [rename.get(n, n) for n in mesh.axis_names]
+    unknown = [n for n in names if n not in AXES]
+    if unknown:
+        raise ValueError(
+            f"mesh axes {unknown} are not jaxpar's ({', '.join(AXES)}); map them onto jaxpar's axes, e.g. "
+            f"Plan.create(mesh, axis_names={{{unknown[0]!r}: 'tensor'}})"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"axis_names={rename} maps two mesh axes {tuple(mesh.axis_names)} onto one jaxpar axis")
+    if tuple(names) == tuple(mesh.axis_names) and set(names) == set(AXES) and \
+            all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    missing = [a for a in AXES if a not in names]
+    grid = mesh.devices.reshape(mesh.devices.shape + (1,) * len(missing))
+    return Mesh(grid, (*names, *missing), axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def nesting_order(mesh: Mesh, outer: tuple[str, ...] = ()) -> Mesh:

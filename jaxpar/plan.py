@@ -4,12 +4,16 @@ A Plan turns the logical names carried by a model's parameters into
 PartitionSpecs for parameters, optimizer state and batches. Strategies (ZeRO,
 sequence parallelism, pipelining) are options here, so switching strategy is a
 configuration change, never a model change.
+
+A Plan holds what it was given, checked; `Plan.create` converts user input
+(mesh text or a user's jax Mesh, Flax-style rule pairs, `microbatches=0`) into
+that form, and everything derived from the options (the rules sequence
+parallelism adds, the step's manual axes) is a property, so a
+`dataclasses.replace` never carries a stale derivation.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -20,12 +24,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import context
 from jaxpar import precision as precision_lib
 from jaxpar import rules as rules_lib
 from jaxpar import schedule as schedule_lib
 from jaxpar import tensor as tensor_lib
 from jaxpar import zero as zero_lib
-from jaxpar.mesh import MeshSpec, make_mesh, mesh_shape, nesting_order
+from jaxpar.context import active_plan  # noqa: F401  (the public way for layers to read the plan being traced)
+from jaxpar.mesh import AXES, MeshSpec, adopt, make_mesh, mesh_shape, nesting_order
 
 PRECISIONS = tuple(precision_lib.POLICIES)
 REMAT_POLICIES = ("none", "full", "selective")
@@ -35,7 +41,10 @@ REMAT_POLICIES = ("none", "full", "selective")
 class Plan:
     """How one training step is laid out on `mesh`.
 
-    rules: logical name -> mesh axes (see jaxpar.rules.DEFAULT_RULES).
+    mesh: a jax Mesh over jaxpar's axes, in the order `mesh.nesting_order` gives
+        for these options (`Plan.create` arranges both).
+    rules: logical name -> mesh axes (`Plan.create` takes a mapping or Flax-style
+        pairs, over jaxpar.rules.DEFAULT_RULES); `logical_rules` adds what options imply.
     zero: 0 plain data parallelism; 1 optimizer state, 2 also gradients,
         3 also parameters sharded over `data` (jaxpar.zero). Stage 2 keeps the
         parameters sharded between steps as well and gathers each layer once
@@ -48,7 +57,7 @@ class Plan:
     precision: fp32, bf16 / fp16 compute with fp32 master weights, or bf16-params.
     tensor_form: Megatron layers as sharding annotations or as explicit shard_map (jaxpar.tensor).
     schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.schedule);
-        microbatches 0 means one per pipeline stage.
+        `Plan.create` reads microbatches=0 as one per pipeline stage.
     """
 
     mesh: Mesh
@@ -77,7 +86,6 @@ class Plan:
     )
 
     def __post_init__(self):
-        object.__setattr__(self, "mesh", nesting_order(self.mesh, self.step_manual_axes))  # same devices
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
         if not 0.0 <= self.zero_tolerance <= 1.0:
@@ -90,16 +98,34 @@ class Plan:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.tensor_form not in tensor_lib.FORMS:
             raise ValueError(f"tensor_form must be one of {tensor_lib.FORMS}, got {self.tensor_form!r}")
-        if self.sequence_parallel:
-            object.__setattr__(self, "rules", {**self.rules, "seq_residual": "tensor"})
-        stages = self.shape["pipe"]
-        if self.microbatches == 0:
-            object.__setattr__(self, "microbatches", stages)
-        schedule_lib.validate(self.schedule, stages, self.microbatches, self.virtual_stages)
+        if not isinstance(self.rules, Mapping) or "batch" not in self.rules:
+            raise ValueError(f"rules must be a mapping with a 'batch' rule (Plan.create converts pairs), got {self.rules!r}")
+        for name, rule in self.rules.items():
+            unknown = [a for a in rules_lib.mesh_axes_of(rule) if a not in AXES]
+            if unknown:
+                raise ValueError(f"rule {name!r} -> {rule!r} names mesh axis {unknown[0]!r}, not one of jaxpar's "
+                                 f"({', '.join(AXES)}); Plan.create(..., axis_names={{{unknown[0]!r}: ...}}) maps it")
+        if set(self.mesh.axis_names) != set(AXES):
+            raise ValueError(f"the plan's mesh has axes {self.mesh.axis_names}, not jaxpar's {AXES}: build it with "
+                             f"Plan.create (axis_names= maps a user's axis names)")
+        order = nesting_order(self.mesh, manual_axes(mesh_shape(self.mesh), self.tensor_form)).axis_names
+        if tuple(self.mesh.axis_names) != tuple(order):
+            raise ValueError(f"the plan's mesh axes {self.mesh.axis_names} must nest as {order} (jaxpar.mesh); "
+                             f"build the plan with Plan.create, which orders them")
+        schedule_lib.validate(self.schedule, self.shape["pipe"], self.microbatches, self.virtual_stages)
 
     @classmethod
-    def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, **options: Any) -> "Plan":
-        """A plan from a MeshSpec, a jax Mesh, or mesh text (`data=4,tensor=2`, a preset name)."""
+    def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, axis_names: Mapping[str, str] | None = None,
+               **options: Any) -> "Plan":
+        """A plan from a MeshSpec, a jax Mesh, or mesh text (`data=4,tensor=2`, a preset name).
+
+        A jax Mesh may name its axes in the user's own way: `axis_names` maps
+        them onto jaxpar's (`{"model": "tensor"}`), and each mapped name also
+        becomes a logical rule, so parameters annotated with the mesh axis
+        name itself (`nnx.with_partitioning(init, (None, "model"))`) shard as
+        they would under Flax. `rules` may be a mapping or (logical, mesh
+        axes) pairs; they override `jaxpar.rules.DEFAULT_RULES` name by name.
+        """
         preset_options: dict = {}
         if mesh is None or isinstance(mesh, str):
             from jaxpar.mesh import parse_mesh
@@ -107,12 +133,24 @@ class Plan:
             mesh, preset_options = parse_mesh(mesh)
         if isinstance(mesh, MeshSpec):
             mesh = make_mesh(mesh, devices)
+        mesh = adopt(mesh, axis_names)
         fields = {f.name for f in dataclasses.fields(cls)} - {"mesh"}
         merged = {**preset_options, **options}
         unknown = set(merged) - fields
         if unknown:
             raise ValueError(f"unknown plan options {sorted(unknown)}; known: {sorted(fields)}")
-        return cls(mesh=mesh, **merged)
+        renamed = rules_lib.as_rules(dict(axis_names or {}).items())
+        given = rules_lib.as_rules(merged.get("rules", {}), rename=axis_names)
+        merged["rules"] = {**rules_lib.DEFAULT_RULES, **renamed, **given}
+        if not merged.get("microbatches"):
+            merged["microbatches"] = mesh_shape(mesh)["pipe"]
+        order = manual_axes(mesh_shape(mesh), merged.get("tensor_form", "annotation"))
+        return cls(mesh=nesting_order(mesh, order), **merged)
+
+    @property
+    def logical_rules(self) -> dict[str, rules_lib.Rule]:
+        """The rules every spec and constraint resolves with: `rules`, plus `seq_residual` over tensor under SP."""
+        return {**self.rules, "seq_residual": "tensor"} if self.sequence_parallel else dict(self.rules)
 
     # -- sizes -------------------------------------------------------------
 
@@ -133,13 +171,11 @@ class Plan:
         cannot rematerialise part of a nested one). Pipeline and MoE shard_maps
         nest inside and add `pipe` and `expert`; see `jaxpar.mesh`.
         """
-        shape = mesh_shape(self.mesh)
-        explicit = ("tensor",) if self.tensor_form == "explicit" else ()
-        return tuple(a for a in shape if a == zero_lib.AXIS or a in explicit or shape[a] == 1)
+        return manual_axes(self.shape, self.tensor_form)
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        return rules_lib.mesh_axes_of(self.rules["batch"])
+        return rules_lib.mesh_axes_of(self.logical_rules["batch"])
 
     def check_batch(self, global_batch: int, seq_len: int | None = None) -> None:
         """Raise ValueError before tracing when a batch of these sizes does not split over the plan."""
@@ -151,7 +187,8 @@ class Plan:
                 f"x microbatches={self.microbatches} (product {ways})"
             )
         if self.sequence_parallel and seq_len is not None:
-            rules_lib.resolve_spec(("seq_residual",), (seq_len,), self.shape, self.rules, path="batch sequence")
+            rules_lib.resolve_spec(("seq_residual",), (seq_len,), self.shape, self.logical_rules,
+                                   path="batch sequence")
 
     # -- specs ---------------------------------------------------------------
 
@@ -159,7 +196,7 @@ class Plan:
         """PartitionSpec of every parameter from its logical names (ZeRO-2/3: also over data).
 
         `logical` is a tree of `jax.ShapeDtypeStruct`-like leaves each paired with
-        its names: see `jaxpar.state.LogicalArray`.
+        its names: see `jaxpar.rules.LogicalArray`.
         """
         return self._specs(logical, over_data=self.zero >= 2)
 
@@ -167,7 +204,7 @@ class Plan:
         """PartitionSpec of every optimizer-state leaf: like its parameter (ZeRO-1+: over data)."""
         optimizer = precision_lib.wrap(optimizer, self.precision)
         specs = self._specs(logical, over_data=self.zero >= 1)
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), logical, is_leaf=_is_logical)
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), logical, is_leaf=rules_lib.is_logical)
         abstract = jax.eval_shape(optimizer.init, shapes)
         return optax.tree_map_params(
             optimizer,
@@ -177,6 +214,10 @@ class Plan:
             transform_non_params=lambda _: P(),
             is_leaf=lambda x: isinstance(x, P),
         )
+
+    def variable_specs(self, logical) -> Any:
+        """PartitionSpec of every non-parameter variable (BatchNorm statistics, ...) from its logical names."""
+        return self._specs(logical, over_data=False)
 
     def batch_spec(self, rank: int = 2) -> P:
         return P(self.batch_axes or None, *([None] * (rank - 1)))
@@ -197,33 +238,22 @@ class Plan:
 
     def _specs(self, logical, over_data: bool) -> Any:
         def resolve(path, leaf):
-            spec = rules_lib.resolve_spec(leaf.names, leaf.shape, self.shape, self.rules, path=jax.tree_util.keystr(path))
+            spec = rules_lib.resolve_spec(leaf.names, leaf.shape, self.shape, self.logical_rules,
+                                          path=jax.tree_util.keystr(path))
             return zero_lib.add_data_axis(spec, leaf, self) if over_data else spec
 
         if over_data:
             zero_lib.check_replicated(self.zero_report(logical), self.zero_tolerance)
-        return jax.tree.map_with_path(resolve, logical, is_leaf=_is_logical)
+        return jax.tree.map_with_path(resolve, logical, is_leaf=rules_lib.is_logical)
 
     # -- tracing context -------------------------------------------------------
 
-    @contextlib.contextmanager
     def activate(self):
-        """Set the mesh and the rules that `jaxpar.rules.constrain` reads while tracing."""
-        token = _active.set(self)
-        try:
-            with rules_lib.axis_rules(self.mesh, self.rules), tensor_lib.use_form(self.tensor_form):
-                yield
-        finally:
-            _active.reset(token)
+        """Context in which this plan is `jaxpar.context.active_plan()` and its mesh jax's current mesh."""
+        return context.activate(self)
 
 
-_active: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
-
-
-def active_plan() -> Plan | None:
-    """The plan being traced under (see `Plan.activate`), for layers that need more than the rules."""
-    return _active.get()
-
-
-def _is_logical(x) -> bool:
-    return hasattr(x, "names") and hasattr(x, "shape")
+def manual_axes(shape: Mapping[str, int], tensor_form: str) -> tuple[str, ...]:
+    """The step's manual axes on a mesh of this shape: `data`, every axis of size 1, `tensor` under the explicit form."""
+    explicit = ("tensor",) if tensor_form == "explicit" else ()
+    return tuple(a for a in shape if a == zero_lib.AXIS or a in explicit or shape[a] == 1)

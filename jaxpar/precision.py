@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,12 @@ class Optimizer:
 
 
 def wrap(optimizer, precision: str) -> Optimizer:
-    """`optimizer` (an optax transformation) under the named precision policy."""
+    """`optimizer` (an optax transformation, or an `nnx.Optimizer` of `nnx.Param`) under the named precision policy."""
+    if isinstance(optimizer, nnx.Optimizer):
+        if optimizer.wrt is not nnx.Param:
+            raise ValueError(f"jaxpar optimizes the model's nnx.Param variables; this nnx.Optimizer has "
+                             f"wrt={optimizer.wrt!r}: build it with wrt=nnx.Param")
+        optimizer = optimizer.tx
     if precision not in POLICIES:
         raise ValueError(f"precision must be one of {tuple(POLICIES)}, got {precision!r}")
     if not isinstance(optimizer, Optimizer):

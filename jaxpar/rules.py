@@ -1,7 +1,9 @@
 """Logical axis rules: model code names dimensions, a plain dict maps names to mesh axes.
 
 A rule maps a logical name (`embed`, `mlp`, `heads`, ...) to one mesh axis, a
-tuple of them, or None (replicated). Resolution turns a tuple of logical names
+tuple of them, or None (replicated). Rules come as a mapping or, as Flax's
+`nnx.logical_axis_rules` and Linen take them, a sequence of (logical, mesh axes)
+pairs (`as_rules`). Resolution turns a tuple of logical names
 into a PartitionSpec for a concrete mesh, dropping axes of size 1, never using a
 mesh axis twice in one spec, and checking divisibility so that a bad shape fails
 before anything compiles.
@@ -9,13 +11,16 @@ before anything compiles.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from jaxpar.context import active_plan
 
 Rule = str | tuple[str, ...] | None
 Rules = Mapping[str, Rule]
@@ -38,9 +43,45 @@ DEFAULT_RULES: dict[str, Rule] = {
     "norm": None,
 }
 
-_active: contextvars.ContextVar[tuple[dict[str, int], Rules] | None] = contextvars.ContextVar(
-    "jaxpar_axis_rules", default=None
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalArray:
+    """Shape, dtype and logical axis names of one array of a model (no data): what a plan resolves to specs."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+    names: tuple[str | None, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+def is_logical(x) -> bool:
+    return isinstance(x, LogicalArray)
+
+
+def as_rules(rules: Rules | Sequence[tuple[str, Rule]], rename: Mapping[str, str] | None = None) -> dict[str, Rule]:
+    """Rules as a dict from a mapping or a sequence of (logical, mesh axes) pairs, mesh axes renamed by `rename`.
+
+    A sequence may name a logical axis more than once only with the same
+    mesh axes (jaxpar maps each logical name to one rule).
+    """
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    out: dict[str, Rule] = {}
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ValueError(f"a rule is a (logical name, mesh axes) pair, got {pair!r}")
+        name, rule = pair
+        axes = tuple((rename or {}).get(a, a) for a in mesh_axes_of(rule))
+        if not all(isinstance(a, str) for a in axes):
+            raise ValueError(f"rule {name!r} -> {rule!r}: mesh axes must be names (str), a tuple of them or None")
+        rule = None if not axes else axes[0] if isinstance(rule, str) else axes
+        if name in out and out[name] != rule:
+            raise ValueError(f"logical axis {name!r} has two rules, {out[name]!r} and {rule!r}; give it one")
+        out[name] = rule
+    return out
 
 
 def mesh_axes_of(rule: Rule) -> tuple[str, ...]:
@@ -107,40 +148,25 @@ def specs_over(specs, axes: Sequence[str]):
     return jax.tree.map(lambda spec: P(*map(entry, spec)), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-@contextlib.contextmanager
-def axis_rules(mesh: jax.sharding.Mesh, rules: Rules):
-    """Make `constrain` active while tracing: sets the jax mesh and the rules."""
-    token = _active.set((dict(zip(mesh.axis_names, mesh.devices.shape)), rules))
-    try:
-        with jax.set_mesh(mesh):
-            yield
-    finally:
-        _active.reset(token)
-
-
-def active_rules() -> tuple[dict[str, int], Rules] | None:
-    return _active.get()
-
-
 def rule_axes(name: str) -> tuple[str, ...]:
-    """Mesh axes (of size > 1) that the active rules give a logical name; () outside a plan."""
-    active = _active.get()
-    if active is None:
+    """Mesh axes (of size > 1) that the active plan's rules give a logical name; () outside a plan."""
+    plan = active_plan()
+    if plan is None:
         return ()
-    shape, rules = active
-    return tuple(a for a in mesh_axes_of(rules.get(name)) if shape.get(a, 1) > 1)
+    shape = plan.shape
+    return tuple(a for a in mesh_axes_of(plan.logical_rules.get(name)) if shape.get(a, 1) > 1)
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint from logical names; a no-op outside `axis_rules`.
+    """Sharding constraint from logical names; a no-op outside a plan (`jaxpar.context`).
 
     Inside a `jax.shard_map` the manual axes are left out, so the same model
     code runs in a pipeline stage or an expert shard.
     """
-    active = _active.get()
-    if active is None:
+    plan = active_plan()
+    if plan is None:
         return x
-    shape, rules = active
+    shape, rules = plan.shape, plan.logical_rules
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     if manual >= {a for a, s in shape.items() if s > 1}:
         return x

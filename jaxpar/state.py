@@ -1,8 +1,13 @@
-"""Training state: a model's parameters and optimizer state as plain pytrees, placed by a plan.
+"""Training state: a model's parameters, optimizer state and other variables as plain pytrees, placed by a plan.
 
-The NNX module is split once into a static graph definition and a pure dict of
-arrays; everything jaxpar shards, steps and checkpoints is that dict, and the
-module is merged back only inside the traced loss.
+The NNX module is split once into a static graph definition and pure dicts of
+arrays, and merged back only inside the traced loss. Only its `nnx.Param`s are
+optimized. Its other variables (BatchNorm statistics, counters) live in
+`TrainState.variables`: the step carries them through the model and keeps
+what the model wrote. Its RNG streams are not state at all: at step t every
+stream's key is `jax.random.fold_in(k, t)`, k the key the model was built with
+(its `nnx.Rngs` seed), and its count starts at 0, so a step's randomness
+depends on (seed, step) alone, on any mesh.
 """
 
 from __future__ import annotations
@@ -13,25 +18,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxpar import precision
 from jaxpar.plan import Plan
+from jaxpar.rules import LogicalArray, is_logical
 
-
-@dataclasses.dataclass(frozen=True)
-class LogicalArray:
-    """Shape, dtype and logical axis names of one parameter (no data)."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-    names: tuple[str | None, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+# The three groups a model is split into: what the optimizer updates, its RNG streams, everything else.
+GROUPS = (nnx.Param, nnx.RngState, ...)
 
 
 @jax.tree_util.register_dataclass
@@ -40,88 +36,166 @@ class TrainState:
     params: Any
     opt_state: Any
     step: jax.Array
+    variables: Any = dataclasses.field(default_factory=dict)  # the model's other variables, updated each step
+
+
+@dataclasses.dataclass(frozen=True)
+class Streams:
+    """A model's RNG streams as built: each key's raw data (numpy) and PRNG implementation, and every count."""
+
+    keys: Any  # pure dict of the streams' state: uint32 key data for keys, the counts as built
+    impls: dict[tuple, str]  # path of each key leaf -> its PRNG implementation
+
+    def at_step(self, step) -> Any:
+        """The streams' state for step `step`: keys folded with the step, counts at 0."""
+        def one(path, leaf):
+            impl = self.impls.get(path)
+            if impl is None:
+                return jnp.zeros_like(leaf)
+            return jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(leaf), impl=impl), step)
+
+        return jax.tree_util.tree_map_with_path(lambda p, x: one(_keys(p), x), self.keys)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelDef:
-    """The static half of a split NNX model: how to rebuild it, and its parameters' logical names."""
+    """The static half of a split NNX model: how to rebuild it, and the logical names of its arrays.
+
+    logical: the parameters (tree of LogicalArray); variables: the other
+    variables (same form); streams: its RNG streams (None: it has none).
+    """
 
     graphdef: nnx.GraphDef
     logical: Any
+    variables: Any = dataclasses.field(default_factory=dict)
+    streams: Streams | None = None
 
-    def merge(self, params) -> nnx.Module:
-        return nnx.merge(self.graphdef, params)
+    @property
+    def stateful(self) -> bool:
+        """Whether the model has variables besides its parameters or draws random numbers (see `jaxpar.step`)."""
+        return bool(jax.tree.leaves(self.variables, is_leaf=is_logical)) or self.streams is not None
+
+    def merge(self, params, variables=None, step=0, rngs=None) -> nnx.Module:
+        """The module from its parameters, its other variables and its RNG streams (by default those of `step`)."""
+        if variables is None:
+            if jax.tree.leaves(self.variables, is_leaf=is_logical):
+                raise ValueError("this model has variables besides its parameters: pass TrainState.variables too")
+            variables = {}
+        return nnx.merge(self.graphdef, params, self.streams_at(step) if rngs is None else rngs, variables)
+
+    def streams_at(self, step) -> Any:
+        """The RNG streams' state at step `step` (empty for a model without streams)."""
+        return {} if self.streams is None else self.streams.at_step(step)
+
+    @staticmethod
+    def carried_of(module: nnx.Module) -> tuple[Any, Any]:
+        """(RNG streams, other variables) of a merged module after it ran: what passes on to the next microbatch."""
+        _, _, rngs, variables = nnx.split(module, *GROUPS)
+        return nnx.to_pure_dict(rngs), nnx.to_pure_dict(variables)
 
     def param_count(self) -> int:
-        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.logical, is_leaf=_is_logical))
+        return sum(math.prod(a.shape) for a in jax.tree.leaves(self.logical, is_leaf=is_logical))
 
     def param_bytes(self) -> int:
-        return sum(a.nbytes for a in jax.tree.leaves(self.logical, is_leaf=_is_logical))
+        return sum(a.nbytes for a in jax.tree.leaves(self.logical, is_leaf=is_logical))
 
 
-def _is_logical(x) -> bool:
-    return isinstance(x, LogicalArray)
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
 def _split(model: nnx.Module):
-    graphdef, state = nnx.split(model)
-    return graphdef, nnx.to_pure_dict(state)
+    graphdef, params, _, variables = nnx.split(model, *GROUPS)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(variables)
+
+
+def _logical(state: nnx.State) -> Any:
+    """LogicalArrays of an abstract state, names read from each variable's own annotation.
+
+    The annotation (`out_sharding`), not `nnx.get_partition_spec`: inside
+    `nnx.logical_axis_rules(...)` the latter gives Flax's mesh axes instead of the logical names.
+    """
+    def one(variable):
+        names = tuple(variable.get_metadata().get("out_sharding") or ())
+        value = variable.get_value()
+        shape = tuple(value.shape)
+        return LogicalArray(shape, value.dtype, names + (None,) * (len(shape) - len(names)))
+
+    return nnx.to_pure_dict(jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 def describe(make_model: Callable[[], nnx.Module]) -> ModelDef:
-    """Trace the model's construction abstractly: its graph and logical names, no memory used."""
+    """Trace the model's construction abstractly: its graph and logical names, no memory used.
+
+    A model with RNG streams is also built once for real, its parameters
+    left out, to read the keys it was seeded with.
+    """
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(make_model)
-    graphdef, state = nnx.split(abstract)
-    names = nnx.to_pure_dict(nnx.get_partition_spec(state))
-    shapes = nnx.to_pure_dict(state)
-    logical = jax.tree.map(
-        lambda a, spec: LogicalArray(tuple(a.shape), a.dtype, tuple(spec) + (None,) * (len(a.shape) - len(spec))),
-        shapes,
-        names,
-        is_leaf=lambda x: isinstance(x, P),
-    )
-    return ModelDef(graphdef, logical)
+    graphdef, params, rngs, variables = nnx.split(abstract, *GROUPS)
+    streams = _streams(make_model) if jax.tree.leaves(rngs) else None
+    return ModelDef(graphdef, _logical(params), _logical(variables), streams)
 
 
-def state_specs(model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+def _streams(make_model: Callable[[], nnx.Module]) -> Streams:
+    impls: dict[tuple, str] = {}
+
+    def build():
+        with nnx.use_eager_sharding(False):
+            state = nnx.to_pure_dict(nnx.split(make_model(), *GROUPS)[2])
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        for path, leaf in flat:
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                impls[_keys(path)] = str(jax.random.key_impl(leaf))
+        return jax.tree.map(lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x,
+                            state)
+
+    keys = jax.tree.map(np.asarray, jax.jit(build)())
+    return Streams(keys, impls)
+
+
+def state_specs(model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """PartitionSpecs of the whole train state under `plan` (checked for divisibility)."""
     return TrainState(
         params=plan.param_specs(model.logical),
         opt_state=plan.optimizer_specs(optimizer, model.logical),
-        step=P(),
+        step=jax.sharding.PartitionSpec(),
+        variables=plan.variable_specs(model.variables),
     )
 
 
-def init_state(
-    make_model: Callable[[], nnx.Module], optimizer: optax.GradientTransformation, plan: Plan
-) -> tuple[ModelDef, TrainState]:
-    """Build the model and optimizer state directly into their shards (never whole on one device)."""
+def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan) -> tuple[ModelDef, TrainState]:
+    """Build the model and optimizer state directly into their shards (never whole on one device).
+
+    `optimizer`: an optax transformation, or an `nnx.Optimizer` (its `tx`; it must update `nnx.Param`).
+    """
     model = describe(make_model)
     shardings = plan.shardings(state_specs(model, optimizer, plan))
 
     def build():
         with nnx.use_eager_sharding(False):
-            params = _split(make_model())[1]
-        return _initial_state(params, optimizer, plan)
+            _, params, variables = _split(make_model())
+        return _initial_state(params, variables, optimizer, plan)
 
     return model, jax.jit(build, out_shardings=shardings)()
 
 
-def _initial_state(params, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+def _initial_state(params, variables, optimizer, plan: Plan) -> TrainState:
     """Step 0 from the model's parameters, in the plan's precision (e.g. bf16 params, fp32 master copy)."""
     optimizer = precision.wrap(optimizer, plan.precision)
-    return TrainState(optimizer.cast(params), optimizer.init(params), jnp.zeros((), jnp.int32))
+    return TrainState(optimizer.cast(params), optimizer.init(params), jnp.zeros((), jnp.int32), variables)
 
 
-def place_state(state: TrainState, model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """Copy an existing state onto `plan`'s shardings (e.g. the same initial parameters on two meshes)."""
     return jax.device_put(state, plan.shardings(state_specs(model, optimizer, plan)))
 
 
-def abstract_state(model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan) -> TrainState:
+def abstract_state(model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """The train state as sharded ShapeDtypeStructs: enough to compile and inspect any size of model."""
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.logical, is_leaf=_is_logical)
-    state = jax.eval_shape(lambda p: _initial_state(p, optimizer, plan), shapes)
+    shape_of = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree,  # noqa: E731
+                                         is_leaf=is_logical)
+    state = jax.eval_shape(lambda p, v: _initial_state(p, v, optimizer, plan), shape_of(model.logical),
+                           shape_of(model.variables))
     shardings = plan.shardings(state_specs(model, optimizer, plan))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)

@@ -11,14 +11,17 @@ the plan's precision (jaxpar.precision).
 from __future__ import annotations
 
 import functools
+import inspect
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import precision, zero
+from jaxpar import precision, usage, zero
 from jaxpar.plan import Plan, active_plan
 from jaxpar.rules import specs_over, varying_axes
 from jaxpar.state import ModelDef, TrainState, state_specs
@@ -61,19 +64,54 @@ def active_remat() -> Callable[[Callable], Callable]:
 
 
 class Step:
-    """A jitted step that traces and lowers under its plan's mesh and logical rules."""
+    """A jitted step that traces and lowers under its plan, checking first what jax would otherwise refuse obscurely.
 
-    def __init__(self, fn: Callable, plan: Plan, **jit_kwargs):
+    Before jax sees the arguments, `check_args` (the batch against the plan);
+    while tracing, the plan's options against what the model used
+    (`jaxpar.usage`); and a sharding constraint over one of the step's manual
+    axes is reported as such.
+    """
+
+    def __init__(self, fn: Callable, plan: Plan, check_args: Callable | None = None, **jit_kwargs):
         self.plan = plan
-        self._jitted = jax.jit(fn, **jit_kwargs)
+        self._check_args = check_args
+
+        def traced(*args):
+            with usage.explained(plan) as used:
+                out = fn(*args)
+            usage.check(plan, used)
+            return out
+
+        self._jitted = jax.jit(traced, **jit_kwargs)
 
     def __call__(self, *args):
-        with self.plan.activate():
-            return self._jitted(*args)
+        return self._run(self._jitted, *args)
 
     def lower(self, *args):
+        return self._run(self._jitted.lower, *args)
+
+    def _run(self, call: Callable, *args):
+        if self._check_args is not None:
+            self._check_args(*args)
         with self.plan.activate():
-            return self._jitted.lower(*args)
+            try:
+                return call(*args)
+            except ValueError as error:
+                raise _manual_axis_error(error, self.plan) or error
+
+
+def _manual_axis_error(error: ValueError, plan: Plan) -> ValueError | None:
+    """jaxpar's message for a `with_sharding_constraint` naming an axis the step is manual over (None: another error)."""
+    text = str(error)
+    named = [a for a in plan.step_manual_axes if plan.shape[a] > 1 and f"'{a}'" in text]
+    if "manual" not in text.lower() or not named:
+        return None
+    return ValueError(
+        f"a sharding constraint in the model names mesh axis {named[0]!r}, but the step runs the model once per "
+        f"{named[0]} rank (manual over {', '.join(a for a in plan.step_manual_axes if plan.shape[a] > 1)}), so that "
+        f"axis cannot appear in it; constrain with logical names instead (jaxpar.constrain(x, ('batch', ...))), "
+        f"which leaves the manual axes out"
+    )
 
 
 def microbatches(batch: dict, k: int) -> dict:
@@ -85,8 +123,37 @@ def microbatches(batch: dict, k: int) -> dict:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: Plan, loss_scale=None):
-    """Mean loss, metrics and gradients over the global batch, summed over `data` as the ZeRO stage asks.
+def check_batch(plan: Plan, batch) -> None:
+    """The batch against the plan (jaxpar.plan.Plan.check_batch), from its first leaf's shape."""
+    shape = jax.tree.leaves(batch)[0].shape
+    plan.check_batch(shape[0], shape[1] if len(shape) > 1 else None)
+
+
+def takes_rngs(loss_fn: Callable) -> bool:
+    """Whether `loss_fn` takes an `rngs` argument (then it gets an `nnx.Rngs` for the step)."""
+    try:
+        return "rngs" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def call_loss(loss_fn: Callable, module, batch, key=None) -> tuple[jax.Array, dict]:
+    """(loss, aux) from a loss_fn returning a scalar or (scalar, aux); aux that is not a dict becomes {"aux": aux}."""
+    out = loss_fn(module, batch) if key is None else loss_fn(module, batch, rngs=nnx.Rngs(key))
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ValueError(f"loss_fn returns a scalar loss or (loss, aux), got a tuple of {len(out)}")
+        loss, aux = out
+    else:
+        loss, aux = out, {}
+    if jnp.shape(loss) != ():
+        raise ValueError(f"loss_fn must return a scalar loss (or (loss, aux)), got shape {jnp.shape(loss)}")
+    return loss, dict(aux) if isinstance(aux, Mapping) else {"aux": aux}
+
+
+def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: Plan, loss_scale=None,
+                   variables=None, step=0, seed: int = 0):
+    """Mean loss, metrics, gradients and the model's updated variables over the global batch.
 
     Each data rank differentiates its own rows inside `jax.shard_map`, manual
     over `plan.step_manual_axes` (`data`; `tensor` too under the explicit
@@ -97,74 +164,95 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     layer scan, so autodiff reduce-scatters each layer's gradients as the
     backward scan produces them: no full-size gradient ever exists.
     `loss_scale` multiplies the loss before differentiation (fp16).
+
+    A model with variables besides its parameters (BatchNorm statistics) or
+    random numbers (dropout, a loss_fn taking `rngs`) runs on the global
+    batch instead, XLA placing the collectives: its batch statistics are
+    those of the whole batch and its random bits those of one device
+    (partitionable threefry), so it computes the same on any mesh.
     """
-    shape = jax.tree.leaves(batch)[0].shape
-    plan.check_batch(shape[0], shape[1] if len(shape) > 1 else None)
+    check_batch(plan, batch)
+    variables = {} if variables is None else variables
     extra = () if loss_scale is None else (loss_scale,)
     manual = plan.step_manual_axes
-    if plan.axis_size(*manual) == 1 or zero.AXIS not in plan.batch_axes:
-        return _per_rank(model, loss_fn, plan, False, params, batch, *extra)
+    whole = model.stateful or takes_rngs(loss_fn)
+    per_rank = functools.partial(_per_rank, model, loss_fn, plan, seed)
+    if whole or plan.axis_size(*manual) == 1 or zero.AXIS not in plan.batch_axes:
+        return per_rank(False, params, batch, variables, step, *extra)
     return jax.shard_map(
-        functools.partial(_per_rank, model, loss_fn, plan, True),
-        in_specs=(specs_over(plan.param_specs(model.logical), manual), P(zero.AXIS), *(P(),) * len(extra)),
-        out_specs=(P(), P(), specs_over(plan.gradient_specs(model.logical), manual)),
+        functools.partial(per_rank, True),
+        in_specs=(specs_over(plan.param_specs(model.logical), manual), P(zero.AXIS), P(), P(), *(P(),) * len(extra)),
+        out_specs=(P(), P(), specs_over(plan.gradient_specs(model.logical), manual), P()),
         axis_names=set(manual),
-    )(params, batch, *extra)
+    )(params, batch, variables, step, *extra)
 
 
-def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, over_data: bool, params, batch: dict, loss_scale=None):
+def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data: bool, params, batch: dict,
+              variables, step, loss_scale=None):
     """One data rank's share of `loss_and_grads` (`over_data`: inside the shard_map, manual over data)."""
     param_specs, grad_specs = plan.param_specs(model.logical), plan.gradient_specs(model.logical)
     stacked = zero.stacked(model.logical)
     if over_data:
         params = zero.vary(params, param_specs)
+    k = plan.grad_accum
+    step_key = jax.random.fold_in(jax.random.key(seed), step) if takes_rngs(loss_fn) else None
 
-    def compute(p, b):
+    def compute(p, b, carried, j):
         if over_data:
             with zero.layer_gathers(p, param_specs, stacked):
-                loss, aux = loss_fn(model.merge(zero.gather_params(p, param_specs, stacked)), b)
+                module = model.merge(zero.gather_params(p, param_specs, stacked), carried[1], rngs=carried[0])
+                loss, aux = call_loss(loss_fn, module, b)
         else:
-            loss, aux = loss_fn(model.merge(p), b)
-        return (loss if loss_scale is None else loss * loss_scale), (loss, aux)
+            module = model.merge(p, carried[1], rngs=carried[0])
+            key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)
+            loss, aux = call_loss(loss_fn, module, b, key)
+        return (loss if loss_scale is None else loss * loss_scale), (loss, aux, model.carried_of(module))
 
-    def one_microbatch(b):
-        grads, (loss, aux) = jax.grad(compute, has_aux=True)(params, b)
-        return loss, aux, grads
+    def one_microbatch(b, carried, j=0):
+        grads, (loss, aux, carried) = jax.grad(compute, has_aux=True)(params, b, carried, j)
+        return (loss, aux, grads), carried
 
-    k = plan.grad_accum
-    loss, aux, grads = one_microbatch(batch) if k == 1 else _accumulate(one_microbatch, batch, k)
+    carried = (model.streams_at(step), variables)
+    if k == 1:
+        (loss, aux, grads), carried = one_microbatch(batch, carried)
+    else:
+        (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
     ranks = plan.shape[zero.AXIS] if over_data else 1
     if over_data:
         grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, param_specs)
         loss, aux = zero.mean((loss, aux))
-    if k * ranks == 1:
-        return loss, aux, grads
-    return loss / k, jax.tree.map(lambda x: x / k, aux), jax.tree.map(lambda g: g / (k * ranks), grads)
+    if k * ranks > 1:
+        loss, aux, grads = loss / k, jax.tree.map(lambda x: x / k, aux), jax.tree.map(lambda g: g / (k * ranks), grads)
+    return loss, aux, grads, carried[1]
 
 
-def _accumulate(one_microbatch: Callable, batch: dict, k: int):
-    """Sum (loss, aux, grads) over k strided microbatches in a scan, in fp32 accumulators.
+def _accumulate(one_microbatch: Callable, batch: dict, k: int, carried):
+    """Sum (loss, aux, grads) over k strided microbatches in a scan, in fp32 accumulators; carry the model's state.
 
     The sums come back in the dtypes one microbatch gives, so gradients are
-    communicated in the parameters' dtype.
+    communicated in the parameters' dtype. The model's variables and RNG
+    streams pass from one microbatch to the next, as over consecutive batches.
     """
     mb = microbatches(batch, k)
-    shapes = jax.eval_shape(one_microbatch, jax.tree.map(lambda x: x[0], mb))
+    shapes = jax.eval_shape(one_microbatch, jax.tree.map(lambda x: x[0], mb), carried)[0]
 
     def zeros(s):
         z = jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32))
         axes = tuple(sorted(varying_axes(s)))  # as varying as what is added (over data and, explicit, tensor)
         return jax.lax.pcast(z, axes, to="varying") if axes else z
 
-    def add(total, b):
-        return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, one_microbatch(b)), None
+    def add(state, inputs):
+        total, carried = state
+        b, j = inputs
+        out, carried = one_microbatch(b, carried, j)
+        return (jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, out), carried), None
 
-    total, _ = jax.lax.scan(add, jax.tree.map(zeros, shapes), mb)
-    return jax.tree.map(lambda t, s: t.astype(s.dtype), total, shapes)
+    (total, carried), _ = jax.lax.scan(add, (jax.tree.map(zeros, shapes), carried), (mb, jnp.arange(k)))
+    return jax.tree.map(lambda t, s: t.astype(s.dtype), total, shapes), carried
 
 
 def keep_finite(old: TrainState, new: TrainState, metrics: dict, loss_scaling: bool) -> tuple[TrainState, dict]:
-    """`new`, but with `old`'s params and optimizer state if the loss or gradient norm is NaN/Inf.
+    """`new`, but with `old`'s params, optimizer state and variables if the loss or gradient norm is NaN/Inf.
 
     The step counter still advances (its batch was consumed) and the metrics
     gain `nonfinite` (1: update skipped). Under fp16 loss scaling the optimizer
@@ -172,20 +260,22 @@ def keep_finite(old: TrainState, new: TrainState, metrics: dict, loss_scaling: b
     """
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
     metrics = {**metrics, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
-    if loss_scaling:
-        return new, metrics
     keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
-    return TrainState(keep(new.params, old.params), keep(new.opt_state, old.opt_state), new.step), metrics
+    if loss_scaling:
+        return TrainState(new.params, new.opt_state, new.step, keep(new.variables, old.variables)), metrics
+    return TrainState(keep(new.params, old.params), keep(new.opt_state, old.opt_state), new.step,
+                      keep(new.variables, old.variables)), metrics
 
 
-def make_train_step(
-    model: ModelDef, loss_fn: LossFn, optimizer: optax.GradientTransformation, plan: Plan
-) -> Step:
+def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, seed: int = 0) -> Step:
     """Compile-ready step(state, batch) -> (state, metrics) for `plan`.
 
-    Under ZeRO the update runs on each rank's shard of the gradients and
-    optimizer state; ZeRO-1 then all-gathers the updated parameters, ZeRO-2/3
-    keep them sharded until the layers gather them.
+    `loss_fn(model, batch)` returns a scalar loss or (loss, aux dict); one that
+    takes `rngs` gets an `nnx.Rngs` keyed by (`seed`, step). `optimizer` is an
+    optax transformation or an `nnx.Optimizer` of `nnx.Param`. Under ZeRO the
+    update runs on each rank's shard of the gradients and optimizer state;
+    ZeRO-1 then all-gathers the updated parameters, ZeRO-2/3 keep them sharded
+    until the layers gather them.
     """
     optimizer = precision.wrap(optimizer, plan.precision)
     state_shardings = plan.shardings(state_specs(model, optimizer, plan))
@@ -194,15 +284,18 @@ def make_train_step(
 
     def step(state: TrainState, batch: dict):
         scale = optimizer.loss_scale(state.opt_state)
-        loss, aux, grads = loss_and_grads(model, loss_fn, state.params, batch, plan, scale)
+        loss, aux, grads, variables = loss_and_grads(model, loss_fn, state.params, batch, plan, scale,
+                                                     state.variables, state.step, seed)
         params, opt_state, stats = optimizer.apply(grads, state.opt_state, state.params)
         params = jax.lax.with_sharding_constraint(params, update_shardings)
         metrics = {"loss": loss, **stats, **aux}
-        return keep_finite(state, TrainState(params, opt_state, state.step + 1), metrics, optimizer.policy.loss_scaling)
+        new = TrainState(params, opt_state, state.step + 1, variables)
+        return keep_finite(state, new, metrics, optimizer.policy.loss_scaling)
 
     return Step(
         step,
         plan,
+        check_args=lambda state, batch: check_batch(plan, batch),
         in_shardings=(state_shardings, batch_sharding),
         out_shardings=(state_shardings, None),
         donate_argnums=0,

@@ -19,8 +19,6 @@ only the explicit form guarantees true reduce-scatters under sequence parallelis
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import itertools
@@ -30,24 +28,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.rules import active_rules, constrain, mesh_axes_of, resolve_spec, rule_axes, specs_over, varying_axes
+from jaxpar import usage
+from jaxpar.context import active_plan
+from jaxpar.rules import constrain, mesh_axes_of, resolve_spec, rule_axes, specs_over, varying_axes
 
 FORMS = ("annotation", "explicit")
 RESIDUAL = ("batch", "seq_residual", "embed")
 
-_form: contextvars.ContextVar[str] = contextvars.ContextVar("jaxpar_tensor_form", default="annotation")
 
-
-@contextlib.contextmanager
-def use_form(form: str):
-    """Make the tensor-parallel layers traced inside this context use `form`."""
-    if form not in FORMS:
-        raise ValueError(f"tensor form must be one of {FORMS}, got {form!r}")
-    token = _form.set(form)
-    try:
-        yield
-    finally:
-        _form.reset(token)
+def _explicit() -> bool:
+    """Whether the active plan asks for the explicit form (annotation outside a plan)."""
+    plan = active_plan()
+    return plan is not None and plan.tensor_form == "explicit"
 
 
 # -- Megatron's f and g (inside shard_map over `axes`) -----------------------------
@@ -80,7 +72,7 @@ def enter_tensor_region(x, logical=RESIDUAL):
     The annotation form gathers here; the explicit form gathers inside each
     region's shard_map (so the gradient is a true reduce-scatter) and leaves x as is.
     """
-    if _form.get() == "explicit":
+    if _explicit():
         return x
     return constrain(x, _replicated_over(logical, rule_axes("seq_residual")))
 
@@ -100,9 +92,11 @@ def column_parallel(x, weights, equation: str, out_logical, in_logical=RESIDUAL)
     eq = _Einsum.parse(equation)
     w_names = [eq.weight_names(in_logical, names) for names in outs_logical]
     axes = _region_axes(names[i] for names in w_names for i in eq.positions(eq.features))
+    if axes:
+        usage.mark(usage.TENSOR)
     if not axes:
         outs = [jnp.einsum(equation, x, w) for w in ws]
-    elif _form.get() == "explicit":
+    elif _explicit():
         outs = _explicit_column(x, ws, eq, in_logical, w_names, outs_logical, axes)
     else:
         x_names = _replicated_over(in_logical, axes)
@@ -121,7 +115,9 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
     eq = _Einsum.parse(equation)
     w_names = eq.weight_names(in_logical, out_logical)
     axes = _region_axes(w_names[i] for i in eq.positions(eq.contracted))
-    if axes and _form.get() == "explicit":
+    if axes:
+        usage.mark(usage.TENSOR)
+    if axes and _explicit():
         y = _explicit_row(x, w, eq, in_logical, w_names, out_logical, axes)
     else:
         y = jnp.einsum(equation, x, w)
@@ -131,7 +127,9 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
 def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logical=RESIDUAL):
     """Rows of `table` for `tokens`; a table split along the vocabulary is looked up shard by shard and summed."""
     axes = _region_axes(table_logical[:1])
-    if axes and _form.get() == "explicit":
+    if axes:
+        usage.mark(usage.TENSOR)
+    if axes and _explicit():
         rows = _explicit_embedding(tokens, table, table_logical, out_logical, axes)
     else:
         rows = constrain(jnp.take(table, tokens, axis=0), _replicated_over(out_logical, axes))
@@ -149,11 +147,13 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     logits_logical = ("batch", "seq", "vocab")
     w_names = eq.weight_names(in_logical, logits_logical)
     axes = _region_axes(w_names[-1:])
+    if axes:
+        usage.mark(usage.TENSOR)
     columns = w.shape[-1] * (_ways(axes) if _direct(axes) else 1)
     vocab_size = columns if vocab_size is None else vocab_size
     if not 0 < vocab_size <= columns:
         raise ValueError(f"vocab_size {vocab_size} must be in 1..{columns} (the output layer's columns)")
-    if axes and _form.get() == "explicit":
+    if axes and _explicit():
         return jnp.mean(_explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns))
     x = constrain(x, _replicated_over(in_logical, axes))
     logits = constrain(jnp.einsum(eq.equation, x, w).astype(jnp.float32), logits_logical)
@@ -313,7 +313,7 @@ def _shard_map(body, axes, in_specs, out_specs):
 
 def _ways(axes) -> int:
     """How many shards the mesh `axes` cut a dimension into."""
-    return math.prod(active_rules()[0][a] for a in axes)
+    return math.prod(active_plan().shape[a] for a in axes)
 
 
 def _direct(axes) -> bool:
@@ -439,7 +439,8 @@ def _manual_spec(names, shape, axes) -> P:
     Where `axes` are manual already (`_direct`) the spec still says which
     dimension is split over them, and `shape` is this device's shard.
     """
-    mesh_shape, rules = active_rules()
+    plan = active_plan()
+    mesh_shape, rules = plan.shape, plan.logical_rules
     manual = _manual_axes()
     spec = resolve_spec(names, shape, mesh_shape, rules, path="tensor-parallel operand",
                         skip_axes=[a for a in manual if a not in axes], check=not set(axes) & set(manual))

@@ -79,7 +79,7 @@ def gradients(model, params, batch, plan: Plan, loss_fn=lambda m, b: m(b)):
     params = jax.device_put(copy_state(params), plan.shardings(plan.param_specs(model.logical)))
 
     def compute(p, b):
-        loss, _, grads = loss_and_grads(model, loss_fn, p, b, plan)
+        loss, _, grads, _ = loss_and_grads(model, loss_fn, p, b, plan)
         return loss, grads
 
     with plan.activate():

@@ -44,11 +44,11 @@ def test_tensor_is_the_innermost_axis():
 
 def test_presets_by_name_and_file(tmp_path):
     spec, options = parse_mesh("zero3-8")
-    assert spec.data == 8 and options == {"zero": 3}
+    assert spec.size("data") == 8 and options == {"zero": 3}
     path = tmp_path / "m.toml"
     path.write_text("[mesh]\ndata = 2\npipe = 2\ntensor = 2\n[plan]\nzero = 1\n")
     spec, options = parse_mesh(str(path))
-    assert (spec.data, spec.pipe, spec.tensor) == (2, 2, 2) and options == {"zero": 1}
+    assert spec == MeshSpec(data=2, pipe=2, tensor=2) and options == {"zero": 1}
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,102 @@
+"""What a model used while its step was traced, so that a plan option that acted on nothing is refused or warned about.
+
+jaxpar's layers call `mark` when they run under a plan: the tensor-parallel
+layers (`TENSOR`), the MoE layer (`EXPERTS`), the stacked-layer block
+(`STACK`) and the pipeline (`PIPELINE`). The step traces the model inside
+`recording()` and then calls `check`, which raises where an option would make
+the result wrong or wasteful (`pipe > 1` with no pipeline: every pipe rank
+repeats the whole model) and warns where it merely does nothing. All of this
+runs while tracing, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+
+TENSOR = "tensor"  # a Megatron layer split its weights over tensor axes (jaxpar.tensor)
+EXPERTS = "experts"  # an MoE layer dispatched tokens to experts (jaxpar.experts.moe_ffn)
+STACK = "stack"  # a stacked-layer block ran its scan (applies the remat policy and ZeRO per-layer gathers)
+PIPELINE = "pipeline"  # the model's layers ran as pipeline stages over `pipe`
+
+EXPLICIT_UNUSED = (
+    "tensor_form='explicit' runs the model once per tensor rank, which only jaxpar's tensor-parallel layers "
+    "(jaxpar.tensor) can do, and the model ran none: its other operations see one rank's shard of every "
+    "array split over tensor, or repeat the whole work on every rank. Use tensor_form='annotation'"
+)
+
+_record: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("jaxpar_usage", default=None)
+
+
+class PlanOptionUnused(UserWarning):
+    """A plan option that changes nothing for this model."""
+
+
+def mark(feature: str) -> None:
+    """Note that the model being traced used `feature` (one of the names above); a no-op outside `recording`."""
+    record = _record.get()
+    if record is not None:
+        record.add(feature)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the features marked while the body runs (traces the model) into the yielded set."""
+    record: set[str] = set()
+    token = _record.set(record)
+    try:
+        yield record
+    finally:
+        _record.reset(token)
+
+
+def problems(plan, used: set[str]) -> tuple[list[str], list[str]]:
+    """(errors, warnings): the options of `plan` that could not act on a model that used `used`."""
+    shape = plan.shape
+    errors, notes = [], []
+    if shape["pipe"] > 1 and PIPELINE not in used:
+        errors.append(
+            f"pipe={shape['pipe']} but the model ran no pipeline: every pipe rank would repeat the whole model. "
+            f"Run the repeated layers through jaxpar's stacked-layer block with the pipeline, or drop pipe from "
+            f"the mesh (e.g. give those devices to data)"
+        )
+    if TENSOR not in used:
+        if plan.tensor_form == "explicit" and shape["tensor"] > 1:
+            errors.append(EXPLICIT_UNUSED)
+        elif plan.tensor_form == "explicit":
+            notes.append("tensor_form='explicit' has no effect: the model ran no tensor-parallel layer "
+                         "(jaxpar.tensor) splitting weights over tensor")
+        if plan.sequence_parallel:
+            notes.append("sequence_parallel=True has no effect: the model ran no tensor-parallel layer "
+                         "(jaxpar.tensor) splitting weights over tensor")
+    if shape["expert"] > 1 and EXPERTS not in used:
+        notes.append(f"expert={shape['expert']} acts as more data parallelism: the model ran no MoE layer "
+                     f"(jaxpar.experts.moe_ffn)")
+    if plan.zero and shape["data"] == 1:
+        notes.append(f"zero={plan.zero} has no effect: the data axis has size 1, so parameters, gradients and "
+                     f"optimizer state stay whole on every device")
+    if plan.remat != "none" and STACK not in used:
+        notes.append(f"remat={plan.remat!r} has no effect: the model ran no stacked-layer block for it to wrap")
+    return errors, notes
+
+
+@contextlib.contextmanager
+def explained(plan):
+    """Record usage while tracing the body; an error raised there under an option the model cannot use says so."""
+    with recording() as used:
+        try:
+            yield used
+        except Exception as error:
+            if plan.tensor_form == "explicit" and plan.shape["tensor"] > 1 and TENSOR not in used:
+                raise ValueError(EXPLICIT_UNUSED) from error
+            raise
+
+
+def check(plan, used: set[str]) -> None:
+    """Raise ValueError for the options of `plan` that would be wrong or wasteful; warn for those that do nothing."""
+    errors, notes = problems(plan, used)
+    if errors:
+        raise ValueError("\n".join(errors))
+    for note in notes:
+        warnings.warn(note, PlanOptionUnused, stacklevel=3)

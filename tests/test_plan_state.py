@@ -1,0 +1,48 @@
+"""The plan's state is explicit: given options checked as given, derivations as properties, one active-plan context."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh
+
+from jaxpar import context, rules
+from jaxpar.mesh import AXES, MeshSpec
+from jaxpar.plan import Plan
+
+
+def test_replace_derives_the_rules_again():
+    """Turning sequence parallelism off in a copy drops its rule (it is derived, never stored)."""
+    sp = Plan.create("data=4,tensor=2", sequence_parallel=True)
+    assert sp.logical_rules["seq_residual"] == "tensor" and sp.rules["seq_residual"] is None
+    assert dataclasses.replace(sp, sequence_parallel=False).logical_rules["seq_residual"] is None
+
+
+def test_create_converts_and_the_constructor_checks():
+    plan = Plan.create("pipe=4,data=2")
+    assert plan.microbatches == 4  # create reads 0 as one per stage
+    with pytest.raises(ValueError, match="microbatches must be >= 1"):
+        Plan(mesh=plan.mesh, microbatches=0)
+    grid = np.array(jax.devices()).reshape(1, 1, 2, 4)
+    backwards = Mesh(grid, ("expert", "pipe", "tensor", "data"), axis_types=(AxisType.Auto,) * 4)
+    with pytest.raises(ValueError, match="must nest as .* build the plan with Plan.create"):
+        Plan(mesh=backwards)
+    assert Plan.create(backwards).mesh.axis_names[0] == "data"
+
+
+def test_mesh_axes_are_data():
+    spec = MeshSpec(tensor=2, data=-1)
+    assert spec.shape == {**{a: 1 for a in AXES}, "tensor": 2, "data": -1}
+    assert spec.resolve(8) == MeshSpec(data=4, tensor=2)
+    with pytest.raises(ValueError, match="unknown mesh axis 'model'"):
+        MeshSpec(model=2)
+
+
+def test_one_active_plan_context():
+    plan = Plan.create("data=4,tensor=2", rules={"hidden": "tensor"})
+    assert context.active_plan() is None and rules.rule_axes("hidden") == ()
+    with plan.activate():
+        assert context.active_plan() is plan and rules.rule_axes("hidden") == ("tensor",)
+        assert jax.sharding.get_abstract_mesh().axis_names == plan.mesh.axis_names
+    assert context.active_plan() is None
