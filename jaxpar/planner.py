@@ -356,22 +356,28 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     two row-parallel outputs (2 d). full: the block input (d). Tensor
     parallelism splits all but the d-sized values by t; sequence parallelism
     those too.
+
+    Where the block has no collective inside (no tensor split, no ZeRO-2/3
+    gather), XLA fuses each projection into its consumer, so selective remat
+    leaves only gate and up (2 f) to keep; where it has one, the collectives
+    cut those fusions, and without remat the block also keeps the
+    intermediates a fused block recomputes: the scores twice (before and after
+    the softmax), 6 d-sized and 8 f-sized values (fused gate|up, silu, its
+    product, ...).
     """
     t = layout.tensor
     d, hd, h, kv, f = model.d_model, model.head_dim, model.n_heads, model.n_kv_heads, model.d_ff
     d_split = t if layout.sequence_parallel else 1
     qkv = (h + 2 * kv) * hd / t
     policy = remat_policy(layout)
+    split = t > 1 or (layout.zero >= 2 and layout.data > 1)
     if policy == "full":
         return d / d_split
     if policy == "selective":
-        return qkv + 2 * f / t + 2 * d / d_split
+        return qkv + 2 * f / t + 2 * d / d_split if split else 2 * f
     if policy == "dots":
         return qkv + h * seq / t + h * hd / t + 2 * f / t + 2 * d / d_split
-    if t > 1:
-        # Tensor parallelism's sharding constraints and collectives cut XLA's fusions, so the block also
-        # keeps the intermediates a fused block recomputes: the scores twice (before and after the
-        # softmax), 6 d-sized and 8 f-sized values (fused gate|up, silu, its product, ...).
+    if split:
         return 2 * h * seq / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t
     return 4 * d / d_split + qkv + h * seq / t + h * hd / t + 3 * f / t
 
