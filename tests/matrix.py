@@ -202,14 +202,13 @@ _cache: dict = {}
 
 
 def _setup(model_name: str, precision: str):
-    """(model definition, initial state at `precision` on host, the batches, the reference's Result), cached."""
-    key = (model_name, precision)
+    """(model config, model definition, initial state at `precision` on host, fp32 initial parameters, batches)."""
+    key = ("setup", model_name, precision)
     if key in _cache:
         return _cache[key]
     import jax
     from flax import nnx
 
-    import reference
     from jaxpar.data import Batches, default_corpus
     from jaxpar.models.llama import Llama, LlamaConfig
     from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
@@ -220,12 +219,21 @@ def _setup(model_name: str, precision: str):
     make = (lambda: MoeLlama(config, nnx.Rngs(0))) if model_name == "moe" else (lambda: Llama(config, nnx.Rngs(0)))
     one_device = jax.devices()[:1]
     model, state32 = init_state(make, optimizer(), Plan.create("data=1", devices=one_device))
-    params0 = jax.device_get(state32.params)
     _, state = init_state(make, optimizer(), Plan.create("data=1", devices=one_device, precision=precision))
     data = Batches(default_corpus() % VOCAB, BATCH, SEQ, seed=0)
     batches = [data[i] for i in range(STEPS)]
-    expected = reference.train(reference.loss_fn(config), params0, batches, optimizer(), precision)
-    _cache[key] = (model, jax.device_get(state), batches, expected)
+    _cache[key] = (config, model, jax.device_get(state), jax.device_get(state32.params), batches)
+    return _cache[key]
+
+
+def _expected(model_name: str, precision: str):
+    """The reference's Result for the model at `precision` (computed once, when a cell has trained)."""
+    import reference
+
+    key = ("expected", model_name, precision)
+    if key not in _cache:
+        config, _, _, params0, batches = _setup(model_name, precision)
+        _cache[key] = reference.train(reference.loss_fn(config), params0, batches, optimizer(), precision)
     return _cache[key]
 
 
@@ -269,7 +277,7 @@ def run_cell(cell: Cell) -> dict:
     start = time.perf_counter()
     stage = "setup"
     try:
-        model, state, batches, expected = _setup(cell.model, cell.precision)
+        _, model, state, _, batches = _setup(cell.model, cell.precision)
         devices = jax.devices()[: math.prod(cell.shape.values())]
         try:
             stage = "plan"
@@ -293,6 +301,8 @@ def run_cell(cell: Cell) -> dict:
             state, metrics = compiled(state, batch)
             losses.append(float(metrics["loss"]))
         state = jax.device_get(state)
+        stage = "reference"
+        expected = _expected(cell.model, cell.precision)
         stage = "compare"
         f32 = lambda tree: jax.tree.map(lambda a: np.asarray(a, np.float32), tree)  # noqa: E731
         losses = np.array(losses)
