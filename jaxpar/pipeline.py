@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import usage, zero
 from jaxpar.plan import active_plan
 from jaxpar.rules import varying_axes
 from jaxpar.schedule import EMPTY, Schedule
@@ -73,12 +74,14 @@ def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, 
     plan = active_plan()
     if plan is None or plan.shape[AXIS] == 1:
         return stages.head(head_params, stages.layers(stacked, stages.embed(embed_params, inputs)), targets)
+    usage.mark(usage.PIPELINE)
     schedule = Schedule(plan.schedule, plan.shape[AXIS], plan.microbatches, plan.virtual_stages)
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     check_shapes(schedule, stacked, inputs, plan.axis_size(*(a for a in plan.batch_axes if a not in manual)))
     split = microbatches({"inputs": inputs, "targets": targets}, schedule.microbatches)
+    stacked, entries = zero.layer_sources(stacked)  # ZeRO-2/3: each stage gathers its layers one at a time
     args = (embed_params, to_chunks(stacked, schedule), head_params, split["inputs"], split["targets"])
-    return _pipelined(stages, schedule, _fill.get())(*args)
+    return _pipelined(stages, schedule, _fill.get(), entries)(*args)
 
 
 def check_shapes(schedule: Schedule, stacked, inputs: jax.Array, batch_ways: int) -> None:
@@ -186,7 +189,7 @@ def _sum_over_stages(tree):
     return jax.tree.map(total, tree)
 
 
-def _circular_loss(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+def _circular_loss(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """gpipe and interleaved: the embedding, forward ticks in a scan (the backward is its autodiff), the head.
 
     Autodiff keeps every tick's residuals anyway, so the m microbatches are
@@ -206,7 +209,7 @@ def _circular_loss(stages: Stages, schedule: Schedule, fill: float) -> Callable:
             fresh = _row(embedded, j)
             x = jnp.where((stage == 0) & (k == 0), fresh, incoming)
             x = jnp.where(valid, x, jnp.zeros_like(x))
-            y = stages.layers(jax.tree.map(lambda a: _row(a, k), chunks), x)
+            y = stages.layers(_stage_layers(jax.tree.map(lambda a: _row(a, k), chunks), entries), x)
             y = jnp.where(valid, y, jnp.full_like(y, fill))
             return jax.lax.ppermute(y, AXIS, ring), y
 
@@ -220,7 +223,16 @@ def _circular_loss(stages: Stages, schedule: Schedule, fill: float) -> Callable:
     return body
 
 
-def _pipelined(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+def _stage_layers(params, entries: list):
+    """A stage's slice of the stacked layers, declared to ZeRO as shards it gathers layer by layer.
+
+    Call it inside whatever differentiates the stage: ZeRO recognises the very arrays it is given.
+    """
+    zero.mark_layers(params, entries)
+    return params
+
+
+def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """loss(embed params, chunks, head params, tokens, targets) whose VJP is the schedule's own backward.
 
     Without differentiation only the forward ticks run. Under autodiff the
@@ -231,9 +243,9 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float) -> Callable:
     forward_schedule = schedule
     if schedule.explicit_backward:
         forward_schedule = Schedule("gpipe", schedule.stages, schedule.microbatches)
-    forward = _shard(_circular_loss(stages, forward_schedule, fill), P())
+    forward = _shard(_circular_loss(stages, forward_schedule, fill, entries), P())
     body = _one_f_one_b_body if schedule.explicit_backward else _autodiff_body
-    with_grads = _shard(body(stages, schedule, fill), (P(), (P(), P(AXIS), P())))
+    with_grads = _shard(body(stages, schedule, fill, entries), (P(), (P(), P(AXIS), P())))
 
     primal_axes = {}
 
@@ -258,9 +270,9 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float) -> Callable:
     return run
 
 
-def _autodiff_body(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+def _autodiff_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """gpipe and interleaved: the forward ticks and their autodiff, inside the pipe shard_map."""
-    forward = _circular_loss(stages, schedule, fill)
+    forward = _circular_loss(stages, schedule, fill, entries)
 
     def body(embed_params, chunks, head_params, tokens, targets):
         embed_params, head_params = _varying((embed_params, head_params), {AXIS})
@@ -321,7 +333,7 @@ class _ResidualRing:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float) -> Callable:
+def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """1f1b: warm-up, steady and cool-down scans computing the loss and all gradients."""
     p, m = schedule.stages, schedule.microbatches
     forward_ring = [(a, a + 1) for a in range(p - 1)]
@@ -332,20 +344,21 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float) -> Callab
         stage = jax.lax.axis_index(AXIS)
         embed_params, head_params = _varying((embed_params, head_params), {AXIS})
         params = jax.tree.map(lambda a: a[0, 0], chunks)
+        layers = lambda p, x: stages.layers(_stage_layers(p, entries), x)  # noqa: E731
         act = jax.eval_shape(stages.embed, embed_params, tokens[0])
         act_axes = _activation_axes(act, targets)
         loss_dtype = jax.eval_shape(
             stages.head, head_params, jax.ShapeDtypeStruct((act.shape[0], act.shape[1] // p, act.shape[2]), act.dtype),
             jax.ShapeDtypeStruct((act.shape[0], targets.shape[-1] // p), targets.dtype),
         ).dtype
-        ring = _ResidualRing(stages.layers, params, _varying(jnp.zeros(act.shape, act.dtype), act_axes),
+        ring = _ResidualRing(layers, params, _varying(jnp.zeros(act.shape, act.dtype), act_axes),
                              schedule.in_flight, fill)
 
         def forward_slot(carry, j):
             """Stage forward of microbatch j (embedded here on stage 0); its VJP goes into the ring."""
             valid = j != EMPTY
             x = jnp.where(stage == 0, stages.embed(embed_params, _row(tokens, j)), carry["fwd_in"])
-            y, vjp = jax.vjp(stages.layers, params, jnp.where(valid, x, jnp.zeros_like(x)))
+            y, vjp = jax.vjp(layers, params, jnp.where(valid, x, jnp.zeros_like(x)))
             carry["ring"] = ring.store(carry["ring"], j, vjp)
             return jnp.where(valid, y, jnp.full_like(y, fill))
 

@@ -337,7 +337,7 @@ def inventory(model: Model, data: int, tensor: int, pipe: int, expert: int) -> I
 
 
 def remat_policy(layout: Layout) -> str:
-    """The checkpoint policy a block really runs under (jaxpar.step.remat_wrapper): ZeRO-3 turns `none`
+    """The checkpoint policy a block really runs under (jaxpar.stack.remat_wrapper): ZeRO-3 turns `none`
     into saving every matmul output (`dots`), so the gathered weights themselves are never kept."""
     if layout.zero == 3 and layout.data > 1 and layout.remat == "none":
         return "dots"

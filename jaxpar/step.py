@@ -22,46 +22,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import precision, usage, zero
-from jaxpar.plan import Plan, active_plan
+from jaxpar.plan import Plan
 from jaxpar.rules import specs_over, varying_axes
 from jaxpar.state import ModelDef, TrainState, state_specs
 
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
-
-# What a block keeps for its backward pass: everything, nothing (recompute the
-# whole block), or the outputs of its weight matmuls (recompute attention and
-# elementwise work, as in Korthikanti et al.'s selective recomputation).
-REMAT = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
-
-def remat_wrapper(plan: Plan) -> Callable[[Callable], Callable]:
-    """Wrap a per-block function with the plan's activation-checkpointing policy.
-
-    The ZeRO stage decides what becomes of a layer's gathered parameters.
-    ZeRO-2 keeps them for the backward pass whatever else is recomputed.
-    ZeRO-3 never keeps them: even `none` checkpoints the block, keeping every
-    matmul output but nothing computed from the parameters alone (the gathered
-    weights, their concatenations), so the backward pass gathers them again.
-    """
-    policy = REMAT[plan.remat]
-    if plan.shape[zero.AXIS] > 1 and plan.zero == 2 and policy is not None:
-        policy = jax.checkpoint_policies.save_from_both_policies(
-            policy, jax.checkpoint_policies.save_only_these_names(zero.GATHERED)
-        )
-    if plan.shape[zero.AXIS] > 1 and plan.zero == 3 and policy is None:
-        policy = jax.checkpoint_policies.dots_saveable
-    return (lambda f: f) if policy is None else functools.partial(jax.checkpoint, policy=policy)
-
-
-def active_remat() -> Callable[[Callable], Callable]:
-    """The remat wrapper of the plan being traced (none outside a plan), for a model's layer scan."""
-    plan = active_plan()
-    return remat_wrapper(plan) if plan is not None else (lambda f: f)
-
 
 class Step:
     """A jitted step that traces and lowers under its plan, checking first what jax would otherwise refuse obscurely.
@@ -191,7 +156,6 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
               variables, step, loss_scale=None):
     """One data rank's share of `loss_and_grads` (`over_data`: inside the shard_map, manual over data)."""
     param_specs, grad_specs = plan.param_specs(model.logical), plan.gradient_specs(model.logical)
-    stacked = zero.stacked(model.logical)
     if over_data:
         params = zero.vary(params, param_specs)
     k = plan.grad_accum
@@ -199,8 +163,8 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
 
     def compute(p, b, carried, j):
         if over_data:
-            with zero.layer_gathers(p, param_specs, stacked):
-                module = model.merge(zero.gather_params(p, param_specs, stacked), carried[1], rngs=carried[0])
+            with zero.layer_registry():
+                module = model.merge(zero.gather_params(p, param_specs), carried[1], rngs=carried[0])
                 loss, aux = call_loss(loss_fn, module, b)
         else:
             module = model.merge(p, carried[1], rngs=carried[0])

@@ -24,7 +24,7 @@ from jaxpar.distributed import is_leader
 from jaxpar.models import model_config, model_factory
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, describe, init_state
-from jaxpar.step import Step, make_train_step, remat_wrapper
+from jaxpar.step import Step, make_train_step
 
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
@@ -72,12 +72,6 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         0.0, config.lr, warmup, max(config.steps, warmup + 1), end_value=config.lr / 10
     )
     return optax.chain(optax.clip_by_global_norm(config.clip), optax.adamw(schedule, weight_decay=config.weight_decay))
-
-
-def reference_loss(plan: Plan) -> Callable:
-    """The reference models' loss under `plan` (its remat policy applied per block)."""
-    remat = remat_wrapper(plan)
-    return lambda module, batch: module(batch, remat=remat)
 
 
 @dataclasses.dataclass
@@ -133,7 +127,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
         check_evaluable(name)
         tokens = split_tokens(tokens)[0]
     batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed)
-    step_fn = make_train_step(model, reference_loss(plan), optimizer, plan)
+    step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
     return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn)
 
 

@@ -14,9 +14,10 @@ spec already uses, never the stacked `layers` axis that the layer scan walks,
 so that one layer's parameters can be gathered on their own. The collectives
 run inside `jax.shard_map` over `data` (see `jaxpar.step`): the CPU backend
 compiles a gradient annotated as sharded into all-reduce plus slice, while
-`psum_scatter` written out is a true reduce-scatter. A model's layer scan
-calls `gather_layer`; autodiff turns each gather into the reduce-scatter of
-that layer's gradients.
+`psum_scatter` written out is a true reduce-scatter. Every parameter reaches
+the model whole; stacked layers run through `jaxpar.scan_layers` are gathered
+one layer at a time inside the scan instead, and autodiff turns each gather
+into the reduce-scatter of that layer's gradients.
 """
 
 from __future__ import annotations
@@ -167,11 +168,6 @@ def mean(tree):
     return jax.tree.map(lambda x: _fully_manual(lambda v: jax.lax.pmean(v, AXIS), x), tree)
 
 
-def stacked(logical):
-    """For every parameter (LogicalArray), whether it is layer-stacked: its leading dimension is `layers`."""
-    return jax.tree.map(lambda a: a.names[:1] == (SCANNED,), logical, is_leaf=lambda x: hasattr(x, "names"))
-
-
 def vary(params, specs):
     """Mark the parameters whole over `data` as varying over it, so their gradients stay per-device sums."""
     return jax.tree.map(lambda x, s: x if _over_data(s) else jax.lax.pcast(x, AXIS, to="varying"), params, specs,
@@ -188,13 +184,35 @@ def gather(x, entries: tuple):
     return checkpoint_name(full, GATHERED)
 
 
-def gather_params(params, specs, stacked):
-    """Gather the parameters sharded over data at rest, except layer-stacked ones (see `gather_layer`)."""
-    def one(x, spec, is_stacked):
-        entries = _entries(spec, x.ndim)
-        return gather(x, entries) if _over_data(entries) and not is_stacked else x
+@contextlib.contextmanager
+def layer_registry():
+    """While the step's loss is traced, remember which arrays are stacked layers sharded over data (see below)."""
+    token = _registry.set({})
+    try:
+        yield
+    finally:
+        _registry.reset(token)
 
-    return jax.tree.map(one, params, specs, stacked, is_leaf=lambda v: isinstance(v, P))
+
+def gather_params(params, specs):
+    """Every parameter sharded over data at rest, gathered whole, so any model computes with whole parameters.
+
+    A gathered array whose leading dimension is not the one over data (a
+    stack of layers) is remembered with its shard: `jaxpar.scan_layers` then
+    gathers it one layer at a time instead, the whole gather goes unused, and
+    XLA drops it. A model that runs such an array in its own scan still gets
+    it whole: correct, with every layer gathered at once.
+    """
+    def one(x, spec):
+        entries = _entries(spec, x.ndim)
+        if not _over_data(entries):
+            return x
+        whole = gather(x, entries)
+        if x.ndim > 1 and _dim_over_data(entries) != 0:
+            _remember(whole, x, entries[1:])
+        return whole
+
+    return jax.tree.map(one, params, specs, is_leaf=lambda v: isinstance(v, P))
 
 
 def scatter_gradients(grads, grad_specs, param_specs):
@@ -223,65 +241,65 @@ def sum_gradients(grads, grad_specs, param_specs):
     return jax.tree.map(one, grads, grad_specs, param_specs, is_leaf=lambda v: isinstance(v, P))
 
 
-@dataclasses.dataclass(frozen=True)
-class _LayerShard:
-    keys: tuple[str, ...]  # the parameter's path in the model's tree
-    tail: tuple[int, ...]  # the shape of one layer's shard
-    entries: tuple  # the spec of one layer's dimensions
+# -- stacked layers gathered one at a time (jaxpar.stack.scan_layers) ---------------------------
+
+# id(array) -> (array, its shard over data, the spec entries of one layer). The
+# array itself is kept so that its id cannot be reused while the trace runs.
+_registry: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar("jaxpar_zero_layers", default=None)
 
 
-_layer_shards: contextvars.ContextVar[tuple[_LayerShard, ...] | None] = contextvars.ContextVar(
-    "jaxpar_zero_layers", default=None
-)
+def _remember(array, shard, entries: tuple) -> None:
+    registry = _registry.get()
+    if registry is not None:
+        registry[id(array)] = (array, shard, entries)
 
 
-def _keys(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+def _lookup(array):
+    found = (_registry.get() or {}).get(id(array))
+    return found[1:] if found is not None and found[0] is array else None
 
 
-@contextlib.contextmanager
-def layer_gathers(params, specs, stacked):
-    """While the model is traced, let `gather_layer` find how each layer-stacked parameter is sharded."""
-    shards = []
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P))
-    for (path, x), spec, is_stacked in zip(flat, spec_leaves, jax.tree.leaves(stacked)):
-        per_layer = _entries(spec, x.ndim)[1:]
-        if is_stacked and _over_data(per_layer):
-            shards.append(_LayerShard(_keys(path), tuple(x.shape[1:]), per_layer))
-    token = _layer_shards.set(tuple(shards))
-    try:
-        yield
-    finally:
-        _layer_shards.reset(token)
+def layer_sources(stacked):
+    """(what to scan over, a list of per-layer entries aligned with its leaves) for a tree of stacked arrays.
 
-
-def gather_layer(p):
-    """One layer's parameters, all-gathered over `data` under ZeRO-2/3 (unchanged otherwise).
-
-    A model calls this at the top of its layer-scan body. Each leaf is matched to
-    the stacked parameter it was sliced from by the end of its path and its
-    shard's shape, so a scan over any sub-tree or re-stacking of the layers works.
+    A stacked parameter that `gather_params` gathered whole is replaced by its
+    shard over data, with the entries `gather_layer` gathers each layer by;
+    other arrays are scanned as they are (entries None).
     """
-    shards = _layer_shards.get()
-    if not shards:
-        return p
-
-    def one(path, x):
-        keys = _keys(path)
-        for start in range(len(keys)):
-            suffix = keys[start:]
-            found = {s.entries for s in shards if s.keys[-len(suffix):] == suffix and _ends_with(x.shape, s.tail)}
-            if len(found) > 1:
-                raise ValueError(f"ZeRO: layer parameter {'/'.join(keys)} {x.shape} matches stacked parameters "
-                                 f"sharded in different ways; give them distinct names")
-            if found:
-                entries = found.pop()
-                return gather(x, (None,) * (x.ndim - len(entries)) + entries)
-        return x
-
-    return jax.tree_util.tree_map_with_path(one, p)
+    leaves, treedef = jax.tree.flatten(stacked)
+    found = [_lookup(leaf) for leaf in leaves]
+    sources = [leaf if f is None else f[0] for leaf, f in zip(leaves, found)]
+    return jax.tree.unflatten(treedef, sources), [None if f is None else f[1] for f in found]
 
 
-def _ends_with(shape: tuple[int, ...], tail: tuple[int, ...]) -> bool:
-    return len(shape) >= len(tail) and tuple(shape[len(shape) - len(tail):]) == tail
+def mark_layers(stacked, entries: list) -> None:
+    """Declare each array of `stacked` a shard over data whose layers `gather_layer` gathers (None: whole).
+
+    For code that reshapes or re-slices what `layer_sources` gave (the pipeline's stage chunks).
+    """
+    for leaf, e in zip(jax.tree.leaves(stacked), entries):
+        if e is not None:
+            _remember(leaf, leaf, e)
+
+
+def regroup(stacked, groups: int):
+    """[L, ...] -> [groups, L / groups, ...] for every stacked array, keeping per-layer ZeRO gathers.
+
+    Scanning over the groups then gathers a whole group (its L / groups layers) at a time.
+    """
+    def one(leaf):
+        grouped = leaf.reshape(groups, leaf.shape[0] // groups, *leaf.shape[1:])
+        found = _lookup(leaf)
+        if found is not None:
+            shard, entries = found
+            _remember(grouped, shard.reshape(groups, shard.shape[0] // groups, *shard.shape[1:]), (None, *entries))
+        return grouped
+
+    return jax.tree.map(one, stacked)
+
+
+def gather_layer(layer, entries: list):
+    """One layer's parameters (a slice of `layer_sources`' sources), each shard gathered over data by its entries."""
+    leaves, treedef = jax.tree.flatten(layer)
+    whole = [x if e is None else gather(x, (None,) * (x.ndim - len(e)) + tuple(e)) for x, e in zip(leaves, entries)]
+    return jax.tree.unflatten(treedef, whole)

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar import pipeline, tensor
 from jaxpar.rules import constrain
-from jaxpar import pipeline, tensor, zero
-from jaxpar.step import active_remat
+from jaxpar.stack import scan_layers
 
 
 ROPE_TYPES = ("default", "llama3")
@@ -206,14 +206,12 @@ class Blocks(nnx.Module):
 
 
 def run_layers(stacked: dict[str, jax.Array], x, cfg: LlamaConfig, remat: Callable | None = None):
-    """Scan `block` over the leading layer axis of `stacked` (a stage's or all layers).
+    """Run `block` over the leading layer axis of `stacked` (a stage's or all layers) with `jaxpar.scan_layers`.
 
     `remat` defaults to the active plan's policy; under ZeRO-2/3 each layer's
     parameters are gathered inside the scan, just before the block uses them.
     """
-    remat = active_remat() if remat is None else remat
-    body = remat(lambda h, p: (block(zero.gather_layer(p), h, cfg), None))
-    return jax.lax.scan(body, x, stacked)[0]
+    return scan_layers(lambda p, h: block(p, h, cfg), stacked, x, remat=remat)
 
 
 def embed_tokens(table, tokens):

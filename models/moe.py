@@ -20,7 +20,7 @@ from jaxpar import experts, tensor, zero
 from jaxpar.models import llama
 from jaxpar.plan import active_plan
 from jaxpar.rules import constrain
-from jaxpar.step import active_remat
+from jaxpar.stack import scan_layers
 
 MoeLayer = Callable[[dict, jax.Array, experts.MoEConfig], tuple[jax.Array, dict]]
 
@@ -98,9 +98,7 @@ class MoeBlocks(nnx.Module):
         moe = self.moe.stacked()
         if self.dense is None:
             return {"moe": moe}
-        groups = moe["router"].shape[0]
-        dense = {k: v.reshape(groups, v.shape[0] // groups, *v.shape[1:]) for k, v in self.dense.stacked().items()}
-        return {"dense": dense, "moe": moe}
+        return {"dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
 
 
 def moe_block(p, x, cfg: MoeLlamaConfig, moe_layer: MoeLayer = experts.moe_ffn):
@@ -117,15 +115,12 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
     each MoE block's parameters gathered just before it runs.
     """
-    remat = active_remat() if remat is None else remat
-    moe = remat(lambda p, h: moe_block(zero.gather_layer({"moe": p})["moe"], h, cfg, moe_layer))
-
-    def group(h, p):
+    def group(p, h):
         if "dense" in p:
-            h = llama.run_layers(p["dense"], h, cfg, remat)
-        return moe(p["moe"], h)
+            h = llama.run_layers(p["dense"], h, cfg, remat=lambda f: f)
+        return moe_block(p["moe"], h, cfg, moe_layer)
 
-    return jax.lax.scan(group, x, stacked)
+    return scan_layers(group, stacked, x, remat=remat)
 
 
 class MoeLlama(llama.Llama):

@@ -1,0 +1,116 @@
+"""Stacked layers: one block's parameters stacked along a leading `layers` axis, run by `lax.scan`.
+
+A transformer is mostly the same block many times. Stacking its parameters and
+scanning over them compiles the block once, and gives jaxpar one place to apply
+what a layer stack needs under a plan, with no change to the block itself:
+
+- ZeRO-2/3: each layer's parameters are all-gathered inside the scan, just
+  before the block runs; autodiff turns each gather into the reduce-scatter of
+  that layer's gradients (jaxpar.zero);
+- the plan's activation-checkpointing policy wraps each layer (`remat_wrapper`);
+- auxiliary outputs (router losses, metrics) come back stacked per layer.
+
+`scan_layers` is the functional form (a block function and a dict of stacked
+arrays: the built-in Llama uses it); `Stack` is the NNX module that stacks a
+user's own block. Under `pipe > 1` a model hands its stacked layers to
+`jaxpar.pipeline.loss`, which cuts them into stages and runs each stage
+through `scan_layers`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from jaxpar import usage, zero
+from jaxpar.plan import Plan, active_plan
+
+LAYERS = "layers"  # the logical name of the stacked dimension (the rules map it to `pipe`)
+
+# What a block keeps for its backward pass: everything, nothing (recompute the
+# whole block), or the outputs of its weight matmuls (recompute attention and
+# elementwise work, as in Korthikanti et al.'s selective recomputation).
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_wrapper(plan: Plan | None) -> Callable[[Callable], Callable]:
+    """Wrap a per-layer function with the plan's activation-checkpointing policy (none outside a plan).
+
+    The ZeRO stage decides what becomes of a layer's gathered parameters.
+    ZeRO-2 keeps them for the backward pass whatever else is recomputed.
+    ZeRO-3 never keeps them: even `none` checkpoints the block, keeping every
+    matmul output but nothing computed from the parameters alone (the gathered
+    weights, their concatenations), so the backward pass gathers them again.
+    """
+    if plan is None:
+        return lambda f: f
+    policy = REMAT[plan.remat]
+    if plan.shape[zero.AXIS] > 1 and plan.zero == 2 and policy is not None:
+        policy = jax.checkpoint_policies.save_from_both_policies(
+            policy, jax.checkpoint_policies.save_only_these_names(zero.GATHERED)
+        )
+    if plan.shape[zero.AXIS] > 1 and plan.zero == 3 and policy is None:
+        policy = jax.checkpoint_policies.dots_saveable
+    return (lambda f: f) if policy is None else functools.partial(jax.checkpoint, policy=policy)
+
+
+def scan_layers(block: Callable, stacked: Any, x: Any, *, remat: Callable | None = None):
+    """Run `block(layer_params, x)` for each layer of `stacked` (arrays with a leading layer axis).
+
+    `block` returns the new x, or (x, aux); then `scan_layers` returns (x, aux
+    stacked along a leading layer axis). `remat` overrides the plan's policy.
+    Parameters the step holds sharded over `data` (ZeRO-2/3) are gathered one
+    layer at a time; any other tree of stacked arrays runs as it is.
+    """
+    usage.mark(usage.STACK)
+    remat = remat_wrapper(active_plan()) if remat is None else remat
+    sources, entries = zero.layer_sources(stacked)
+    returns_aux = []
+
+    def body(h, p):
+        out = block(zero.gather_layer(p, entries), h)
+        returns_aux.append(isinstance(out, tuple))
+        return out if isinstance(out, tuple) else (out, None)
+
+    y, aux = jax.lax.scan(remat(body), x, sources)
+    return (y, aux) if returns_aux[-1] else y
+
+
+class Stack(nnx.Module):
+    """`count` copies of the block `make_block(rngs)` builds, every parameter stacked on a leading `layers` axis.
+
+    Calling the stack runs `block(x, *args)` through every layer in turn with
+    `scan_layers`, so ZeRO-2/3 gathers one layer at a time and the plan's remat
+    policy applies. The block returns x, or (x, aux) to get aux stacked per
+    layer. Each layer's initial parameters come from its own split of `rngs`.
+    Variables other than parameters are read per layer but not updated.
+    """
+
+    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs):
+        if count < 1:
+            raise ValueError(f"a Stack needs at least one layer, got count={count}")
+
+        @nnx.split_rngs(splits=count)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+        def build(rngs: nnx.Rngs) -> nnx.Module:
+            return make_block(rngs)
+
+        self.layers = build(rngs)
+        self.count = count
+
+    def __call__(self, x, *args, **kwargs):
+        graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
+        rest = nnx.to_pure_dict(rest)
+
+        def block(layer: dict, h):
+            return nnx.merge(graphdef, layer["params"], layer["rest"])(h, *args, **kwargs)
+
+        stacked = {"params": nnx.to_pure_dict(params), "rest": rest}
+        return scan_layers(block, stacked, x)
