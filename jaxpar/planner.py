@@ -490,15 +490,17 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
             out.append(Collective("data", "all-reduce", inv.local * g_comm, 1, "gradients summed over data"))
         else:
             # ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated parameters once per
-            # step. ZeRO-2/3 gather inside the loss, so once per microbatch, and the layers once per stage
-            # program run (every pipeline tick); autodiff reduce-scatters each gather's gradient. ZeRO-3
-            # gathers the layers again for the backward pass.
+            # step. ZeRO-2/3 gather inside the loss: the layers once per stage program run (per microbatch,
+            # per pipeline tick) and again for the backward pass under ZeRO-3, the rest once (XLA hoists
+            # that gather out of the accumulation loop); autodiff reduce-scatters each gather's gradient.
             stacked_split = inv.stacked_local * split / inv.local if inv.local else 0.0
-            once, layers = split - stacked_split, stacked_split
+            rest, layers = split - stacked_split, stacked_split
+            scattered = rest + layers
             if layout.zero >= 2:
-                once, layers = once * layout.grad_accum, layers * layout.grad_accum * schedule_ticks(layout)
-            gathered = once + layers * (2 if layout.zero == 3 else 1)
-            out.append(Collective("data", "reduce-scatter", (once + layers) * g_comm, 1, "gradients into ZeRO shards"))
+                layers *= layout.grad_accum * schedule_ticks(layout)
+                scattered = rest * layout.grad_accum + layers
+            gathered = rest + layers * (2 if layout.zero == 3 else 1)
+            out.append(Collective("data", "reduce-scatter", scattered * g_comm, 1, "gradients into ZeRO shards"))
             out.append(Collective("data", "all-gather", gathered * p_comm, 1,
                                   "ZeRO parameters gathered" + (" per layer" if layout.zero >= 2 else " after the update")))
             if unsharded > 0.5:
