@@ -136,7 +136,8 @@ def resolve_spec(
 def varying_axes(x) -> set[str]:
     """The manual axes along which x (an array or a `jax.eval_shape` result) may differ between devices (`vma`)."""
     aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-    return set(aval.manual_axis_type.varying)
+    manual = aval.manual_axis_type  # jax 0.12 leaves it None on a ShapeDtypeStruct varying over nothing
+    return set(manual.varying) if manual is not None else set()
 
 
 def specs_over(specs, axes: Sequence[str]):

@@ -175,3 +175,12 @@ def test_options_that_act_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanOptionUnused)
         lower("data=8", zero=1)
+
+
+def test_accumulated_microbatches_pass_the_variables_on():
+    """Under grad_accum the model's variables go from one microbatch to the next, as over consecutive batches."""
+    plan = jaxpar.Plan.create("data=8", grad_accum=2)
+    model, state = jaxpar.init_state(make, optax.adam(1e-2), plan)
+    step = jaxpar.make_train_step(model, loss_fn, optax.adam(1e-2), plan)
+    state, metrics = step(state, {k: np.concatenate([v, v]) for k, v in DATA[0].items()})
+    assert int(state.variables["calls"]) == 2 and np.isfinite(float(metrics["loss"]))
