@@ -16,8 +16,16 @@ from jaxpar.rules import DEFAULT_RULES, LogicalArray, constrain
 from jaxpar.state import TrainState, describe, init_state, place_state
 from jaxpar.step import make_train_step
 from jaxpar.usage import PlanOptionUnused
+# Building blocks for a model of one's own: stacked layers, Megatron layers, the MoE layer, the pipeline.
+from jaxpar.stack import Stack, scan_layers
+from jaxpar.tensor import column_parallel, embedding_lookup, enter_tensor_region, row_parallel, vocab_parallel_cross_entropy
+from jaxpar.experts import MoEConfig, moe_ffn
+from jaxpar.pipeline import Stages
+from jaxpar.pipeline import loss as pipeline_loss
 
 __all__ = [
-    "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "Plan", "PlanOptionUnused", "TrainState", "active_plan",
-    "constrain", "describe", "init_state", "make_mesh", "make_train_step", "parse_mesh", "place_state",
+    "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",
+    "TrainState", "active_plan", "column_parallel", "constrain", "describe", "embedding_lookup",
+    "enter_tensor_region", "init_state", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss",
+    "place_state", "row_parallel", "scan_layers", "vocab_parallel_cross_entropy",
 ]
