@@ -24,16 +24,21 @@ def select(args) -> list:
     cells = matrix.full_matrix()
     if args.cells != "full":
         cells = matrix.covering(cells, {"pairwise": 2, "3-wise": 3}[args.cells])
-    for text in args.filter:
-        cells = [c for c in cells if all(part in c.id.split("/") or part in c.mesh for part in text.split("/"))]
+    if args.filter:
+        cells = [c for c in cells if any(matches(c, text) for text in args.filter)]
     return cells[: args.limit] if args.limit else cells
+
+
+def matches(cell, text: str) -> bool:
+    """Every /-separated part of `text` is a part of the cell's id or a piece of its mesh."""
+    return all(part in cell.id.split("/") or part in cell.mesh for part in text.split("/"))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", choices=("full", "pairwise", "3-wise"), default="full")
     parser.add_argument("--filter", action="append", default=[],
-                        help="keep cells whose id holds every /-separated part, e.g. 'zero3/explicit' (repeatable)")
+                        help="keep cells whose id holds every /-separated part, e.g. 'zero3/explicit' (repeated: any of them)")
     parser.add_argument("--limit", type=int, default=0, help="run at most this many cells")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one cell may take")
     parser.add_argument("--out", help="rewrite the table so far to this JSON file after every cell")

@@ -182,6 +182,7 @@ def loss_fn(cfg) -> Callable:
 @dataclasses.dataclass
 class Result:
     losses: np.ndarray  # the loss of each step, before its update
+    grad_norms: np.ndarray  # global norm of each step's (unscaled) gradients, before clipping
     params: Any  # final parameters (the compute copy, as the train state holds them)
     master: Any  # final fp32 master copy (None without one)
 
@@ -229,16 +230,17 @@ def train(loss, params0, batches, optimizer: optax.GradientTransformation, preci
             new_good = jnp.where(grown >= pol.growth_interval, 0, grown).astype(jnp.int32)
             new_params = jax.tree.map(lambda m: m.astype(pol.dtype), _pick(finite, new_master, master))
             new_master, new_opt = _pick(finite, (new_master, new_opt), (master, opt_state))
-            return value, new_params, new_master, new_opt, new_scale, new_good
+            return value, norm_, new_params, new_master, new_opt, new_scale, new_good
         finite = jnp.isfinite(value) & jnp.isfinite(norm_)
         new_params, new_master, new_opt = _pick(finite, (new_params, new_master, new_opt), (params, master, opt_state))
-        return value, new_params, new_master, new_opt, scale, good
+        return value, norm_, new_params, new_master, new_opt, scale, good
 
-    losses = []
+    losses, norms = [], []
     for batch in batches:
-        value, params, master, opt_state, scale, good = step(params, master, opt_state, scale, good, batch)
+        value, norm_, params, master, opt_state, scale, good = step(params, master, opt_state, scale, good, batch)
         losses.append(float(value))
-    return Result(np.array(losses), jax.device_get(params), jax.device_get(master))
+        norms.append(float(norm_))
+    return Result(np.array(losses), np.array(norms), jax.device_get(params), jax.device_get(master))
 
 
 def _pick(cond, new, old):
