@@ -52,7 +52,8 @@ class Streams:
             impl = self.impls.get(path)
             if impl is None:
                 return jnp.zeros_like(leaf)
-            return jax.random.fold_in(jax.random.wrap_key_data(jnp.asarray(leaf), impl=impl), step)
+            keys = jax.random.wrap_key_data(jnp.asarray(leaf), impl=impl)  # one per layer in a Stack
+            return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys.reshape(-1)).reshape(keys.shape)
 
         return jax.tree_util.tree_map_with_path(lambda p, x: one(_keys(p), x), self.keys)
 

@@ -184,3 +184,30 @@ def test_accumulated_microbatches_pass_the_variables_on():
     step = jaxpar.make_train_step(model, loss_fn, optax.adam(1e-2), plan)
     state, metrics = step(state, {k: np.concatenate([v, v]) for k, v in DATA[0].items()})
     assert int(state.variables["calls"]) == 2 and np.isfinite(float(metrics["loss"]))
+
+
+class DropoutBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(8, 8, kernel_init=nnx.with_partitioning(INIT, ("embed", "mlp")), rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(self.linear(x))
+
+
+def test_dropout_in_stacked_layers_is_keyed_per_layer_and_step():
+    """A Stack's layers hold one key each: folded with the step, the same on one device and on data=8."""
+    make_stack = lambda: jaxpar.Stack(DropoutBlock, 2, rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
+
+    def losses(plan):
+        model, state = jaxpar.init_state(make_stack, optax.sgd(0.0), plan)
+        step = jaxpar.make_train_step(model, lambda m, b: jnp.mean(m(b["x"]) ** 2), optax.sgd(0.0), plan)
+        out = []
+        for _ in range(2):
+            state, metrics = step(state, DATA[0])
+            out.append(float(metrics["loss"]))
+        return out
+
+    one = losses(jaxpar.Plan.create("data=1", devices=jax.devices()[:1]))
+    assert one[0] != one[1]
+    np.testing.assert_allclose(losses(jaxpar.Plan.create("data=8")), one, rtol=1e-6)
