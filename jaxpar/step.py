@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -26,7 +25,7 @@ from jaxpar.plan import Plan
 from jaxpar.rules import specs_over, varying_axes
 from jaxpar.state import ModelDef, TrainState, state_specs
 
-LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
+LossFn = Callable[..., Any]  # (model, batch[, rngs=]) -> loss or (loss, aux dict)
 
 class Step:
     """A jitted step that traces and lowers under its plan, checking first what jax would otherwise refuse obscurely.
