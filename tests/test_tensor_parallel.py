@@ -138,8 +138,9 @@ def test_sequence_parallel_gathers_and_scatters_instead_of_all_reducing(mesh):
     b, s, d = activation_shape(plan)
     assert {op.shapes for op in layers if op.kind == "all-gather"} == {((b, s, d),)}
     assert {op.shapes for op in layers if op.kind == "reduce-scatter"} == {((b, s // t, d),)}
-    # What remains all-reduced per layer is the norm weights' gradients, never an activation.
-    assert {shape for op in layers if op.kind == "all-reduce" for shape in op.shapes} == {(d,)}
+    # What remains all-reduced per layer is the norm weights' gradients (d values each, summed before or
+    # after broadcasting over [1, 1, d]), never an activation.
+    assert {math.prod(shape) for op in layers if op.kind == "all-reduce" for shape in op.shapes} == {d}
     moved = sum(op.traffic for op in layers if op.kind != "all-reduce")
     assert moved == pytest.approx(megatron_traffic(plan))
     outside = sorted(op.kind for op in ops if op.count == 1 and op.bytes == activation_bytes(plan))
