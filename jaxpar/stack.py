@@ -90,7 +90,8 @@ class Stack(nnx.Module):
     `scan_layers`, so ZeRO-2/3 gathers one layer at a time and the plan's remat
     policy applies. The block returns x, or (x, aux) to get aux stacked per
     layer. Each layer's initial parameters come from its own split of `rngs`.
-    Variables other than parameters are read per layer but not updated.
+    Other variables (BatchNorm statistics, counters) are read per layer and
+    written back as each layer leaves them; RNG streams are read per layer.
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs):
@@ -106,11 +107,17 @@ class Stack(nnx.Module):
         self.count = count
 
     def __call__(self, x, *args, **kwargs):
-        graphdef, params, rest = nnx.split(self.layers, nnx.Param, ...)
-        rest = nnx.to_pure_dict(rest)
+        graphdef, params, streams, variables = nnx.split(self.layers, nnx.Param, nnx.RngState, ...)
 
         def block(layer: dict, h):
-            return nnx.merge(graphdef, layer["params"], layer["rest"])(h, *args, **kwargs)
+            module = nnx.merge(graphdef, layer["params"], layer["streams"], layer["variables"])
+            out = module(h, *args, **kwargs)
+            y, aux = out if isinstance(out, tuple) else (out, None)
+            return y, (aux, nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))))
 
-        stacked = {"params": nnx.to_pure_dict(params), "rest": rest}
-        return scan_layers(block, stacked, x)
+        stacked = {"params": nnx.to_pure_dict(params), "streams": nnx.to_pure_dict(streams),
+                   "variables": nnx.to_pure_dict(variables)}
+        y, (aux, updated) = scan_layers(block, stacked, x)
+        if updated:
+            nnx.update(self.layers, updated)
+        return y if aux is None else (y, aux)

@@ -123,3 +123,29 @@ def test_stack_gathers_one_layer_at_a_time():
     per_layer = [op for op in gathers if op.count == LAYERS]
     assert sum(op.count for op in per_layer) == 2 * 2 * LAYERS  # 2 kernels, forward + backward
     assert all(op.count == LAYERS for op in gathers)  # no whole-stack gather left outside the scan
+
+
+class NormBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.norm(self.lin(x))
+
+
+def test_stack_writes_back_each_layers_batch_statistics():
+    """Variables other than parameters come out of the scan per layer, as a loop over the blocks leaves them."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32)
+    stack = jaxpar.Stack(NormBlock, 3, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(jaxpar.Stack(NormBlock, 3, rngs=nnx.Rngs(0)).layers, nnx.Param, ...)
+    h, means = x, []
+    for i in range(3):
+        pick = lambda tree: jax.tree.map(lambda a: a[i], nnx.to_pure_dict(tree))  # noqa: E731
+        block = nnx.merge(graphdef, pick(params), pick(rest))
+        h = block(h)
+        means.append(block.norm.mean[...])
+    y = stack(x)
+    np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stack.layers.norm.mean[...], jnp.stack(means), rtol=1e-5, atol=1e-7)
+    assert float(jnp.abs(stack.layers.norm.mean[...]).max()) > 0
