@@ -211,6 +211,14 @@ def moe_ffn(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict[str,
     p = {k: p[k] for k in EXPERT_PARAMS}
     mesh = jax.sharding.get_abstract_mesh()
     outer = tuple(a for a in mesh.manual_axes if mesh.shape[a] > 1)  # a caller's shard_map (the step's)
+    manual_width = [a for a in rule_axes("expert_mlp") if a in outer]
+    if manual_width:
+        raise ValueError(
+            f"the MoE layer splits its experts' hidden width over {', '.join(manual_width)} by sharding annotations, "
+            f"but under tensor_form='explicit' the step runs the model once per {manual_width[0]} rank, where "
+            "those would be partial sums; train MoE models with tensor_form='annotation' (the same Megatron "
+            "layout, collectives placed by XLA)"
+        )
     expert_axes = rule_axes("experts")
     if expert_axes:
         usage.mark(usage.EXPERTS)

@@ -158,6 +158,11 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     if over_data:
         params = zero.vary(params, param_specs)
     k = plan.grad_accum
+    ranks = plan.shape[zero.AXIS] if over_data else 1
+    # Each rank differentiates its share of the global mean, so the gradients summed over ranks and
+    # microbatches are the mean's: nothing sums k * ranks full-size gradients first (fp16 would overflow).
+    share = 1.0 if loss_scale is None else loss_scale
+    share = share / (k * ranks) if k * ranks > 1 else share
     step_key = jax.random.fold_in(jax.random.key(seed), step) if takes_rngs(loss_fn) else None
 
     def compute(p, b, carried, j):
@@ -169,7 +174,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
             module = model.merge(p, carried[1], rngs=carried[0])
             key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)
             loss, aux = call_loss(loss_fn, module, b, key)
-        return (loss if loss_scale is None else loss * loss_scale), (loss, aux, model.carried_of(module))
+        return (loss if loss_scale is None and k * ranks == 1 else loss * share), (loss, aux, model.carried_of(module))
 
     def one_microbatch(b, carried, j=0):
         grads, (loss, aux, carried) = jax.grad(compute, has_aux=True)(params, b, carried, j)
@@ -180,12 +185,11 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
         (loss, aux, grads), carried = one_microbatch(batch, carried)
     else:
         (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
-    ranks = plan.shape[zero.AXIS] if over_data else 1
     if over_data:
         grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, param_specs)
         loss, aux = zero.mean((loss, aux))
-    if k * ranks > 1:
-        loss, aux, grads = loss / k, jax.tree.map(lambda x: x / k, aux), jax.tree.map(lambda g: g / (k * ranks), grads)
+    if k > 1:
+        loss, aux = loss / k, jax.tree.map(lambda x: x / k, aux)
     return loss, aux, grads, carried[1]
 
 

@@ -87,6 +87,8 @@ def explained(plan):
     with recording() as used:
         try:
             yield used
+        except ValueError:
+            raise  # jaxpar's own checks say what is wrong themselves
         except Exception as error:
             if plan.tensor_form == "explicit" and plan.shape["tensor"] > 1 and TENSOR not in used:
                 raise ValueError(EXPLICIT_UNUSED) from error

@@ -189,8 +189,8 @@ def uncovered_pairs(subset: list[Cell], cells: list[Cell]) -> set:
 # list is a new limitation that needs a decision, and fails the test.
 KNOWN_REFUSALS = (
     (lambda c: c.model == "moe" and c.shape.get("pipe", 1) > 1, "pipe"),
-    (lambda c: c.tensor_form == "explicit" and c.remat == "selective"
-     and any(c.shape.get(a, 1) > 1 for a in ("data", "pipe", "expert")), "remat"),
+    (lambda c: c.model == "moe" and c.tensor_form == "explicit" and c.shape.get("tensor", 1) > 1,
+     "tensor_form='annotation'"),
 )
 
 
