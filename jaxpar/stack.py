@@ -23,9 +23,10 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import usage, zero
+from jaxpar import pipeline, usage, zero
 from jaxpar.plan import Plan, active_plan
 
 LAYERS = "layers"  # the logical name of the stacked dimension (the rules map it to `pipe`)
@@ -121,3 +122,32 @@ class Stack(nnx.Module):
         if updated:
             nnx.update(self.layers, updated)
         return y if aux is None else (y, aux)
+
+
+def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Callable, inputs, targets):
+    """The mean loss `head(model, stack(embed(model, inputs)), targets)`, a pipeline over `pipe` when the plan has one.
+
+    `embed(model, inputs) -> x` and `head(model, x, targets) -> mean loss` are
+    the model's own code before and after its stacked layers. Under pipe > 1
+    the first stage embeds, the stack is cut into stages that run the plan's
+    schedule, and every stage runs the head on its share of the sequence
+    positions (see `jaxpar.pipeline`). The head must be a mean over positions.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    layer_graphdef, layer_params, layer_rest = nnx.split(stack.layers, nnx.Param, ...)
+    if jax.tree.leaves(nnx.to_pure_dict(rest)) or jax.tree.leaves(nnx.to_pure_dict(layer_rest)):
+        raise ValueError(
+            "pipelined_loss runs models that hold only parameters; this one also holds other variables "
+            "(BatchNorm statistics, RNG streams, counters), which a pipeline stage cannot carry yet"
+        )
+    stacked = nnx.to_pure_dict(layer_params)
+    in_stack = {id(a) for a in jax.tree.leaves(stacked)}
+    # The embedding and the head see the rest of the model; the stack's arrays are left out (empty).
+    outside = jax.tree.map(lambda a: jnp.zeros((0,), a.dtype) if id(a) in in_stack else a, nnx.to_pure_dict(params))
+
+    stages = pipeline.Stages(
+        embed=lambda p, tokens: embed(nnx.merge(graphdef, p), tokens),
+        layers=lambda s, x: scan_layers(lambda layer, h: nnx.merge(layer_graphdef, layer)(h), s, x),
+        head=lambda p, x, t: head(nnx.merge(graphdef, p), x, t),
+    )
+    return pipeline.loss(stages, outside, stacked, outside, inputs, targets)
