@@ -171,9 +171,15 @@ def _tuple_table(cells: list[Cell], strength: int, index: dict) -> np.ndarray:
     return table
 
 
+# The fast suite's meshes: every axis > 1 somewhere, each mesh with two or three of them. data=8 and
+# data=4,pipe=2 stay in the full matrix; their strategies meet here on the 3-axis meshes (and test_zero,
+# test_pipeline run them on their own).
+FAST_MESHES = ("data=4,tensor=2", "data=2,tensor=2,pipe=2", "data=2,expert=2,tensor=2", "data=2,pipe=2,expert=2")
+
+
 def fast_cells() -> list[Cell]:
-    """The pairwise covering subset the fast suite runs."""
-    return covering(full_matrix(), 2)
+    """The pairwise covering subset the fast suite runs: every pair of option values on the fast meshes."""
+    return covering([c for c in full_matrix() if c.mesh in FAST_MESHES], 2)
 
 
 def uncovered_pairs(subset: list[Cell], cells: list[Cell]) -> set:
