@@ -76,7 +76,7 @@ def load_params(path) -> tuple[dict, dict]:
     with np.load(path, allow_pickle=False) as archive:
         config = json.loads(str(archive[CONFIG_KEY]))
         flat = {key: archive[key].astype(config["dtypes"][key]) for key in archive.files if key != CONFIG_KEY}
-    return _unflatten(flat), config
+    return unflatten(flat), config
 
 
 def load_model(path, make_model: Callable[[], nnx.Module]) -> nnx.Module:
@@ -102,7 +102,8 @@ def _flat(tree) -> dict[str, Any]:
     return {"/".join(str(k.key) for k in path): leaf for path, leaf in flat}
 
 
-def _unflatten(flat: dict[str, Any]) -> dict:
+def unflatten(flat: dict[str, Any]) -> dict:
+    """{"a/b/c": leaf} -> {"a": {"b": {"c": leaf}}}: the nested parameter dict of "/"-joined paths."""
     tree: dict = {}
     for key, value in flat.items():
         *parents, name = key.split("/")

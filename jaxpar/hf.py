@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxpar.export import unflatten
 from jaxpar.models.llama import LlamaConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -307,17 +308,6 @@ def _flat_paths(tree) -> dict[str, Any]:
     return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
 
 
-def _unflatten(flat: dict[str, Any]) -> dict:
-    tree: dict = {}
-    for key, value in flat.items():
-        *parents, name = key.split("/")
-        node = tree
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[name] = value
-    return tree
-
-
 def load_hf_params(directory, cfg: LlamaConfig | None = None, shardings=None, dtype=None) -> tuple[LlamaConfig, dict]:
     """(config, parameters as jaxpar's pure dict) from a Hugging Face directory.
 
@@ -345,7 +335,7 @@ def load_hf_params(directory, cfg: LlamaConfig | None = None, shardings=None, dt
                 params[path] = read(shape, full).astype(dtype)
     finally:
         reader.close()
-    return cfg, _unflatten(params)
+    return cfg, unflatten(params)
 
 
 def _jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -538,7 +528,7 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
                           is_leaf=lambda x: hasattr(x, "names"))
     if is_hf_dir(path):
         name, cfg = saved_model_config(path)
-        expected = _unflatten({k: jax.ShapeDtypeStruct(v, np.float32) for k, v in _jaxpar_shapes(cfg).items()})
+        expected = unflatten({k: jax.ShapeDtypeStruct(v, np.float32) for k, v in _jaxpar_shapes(cfg).items()})
         wrong = mismatches(expected, target, dtypes=False)
         if wrong:
             raise ValueError(f"the Hugging Face model in {path} does not fit the model:{listing(wrong)}")

@@ -84,3 +84,17 @@ def gradients(model, params, batch, plan: Plan, loss_fn=lambda m, b: m(b)):
 
     with plan.activate():
         return jax.device_get(jax.jit(compute)(params, batch))
+
+
+class ResidualMLP(nnx.Module):
+    """A residual MLP block [.., width] -> [.., width] written as a Flax user writes one, its weights named logically."""
+
+    def __init__(self, rngs: nnx.Rngs, width: int = 32, hidden: int = 64):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(width, hidden, use_bias=False, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                             rngs=rngs)
+        self.down = nnx.Linear(hidden, width, use_bias=False,
+                               kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))

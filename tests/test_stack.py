@@ -12,31 +12,18 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from helpers import max_relative_error
+from helpers import ResidualMLP, max_relative_error
 from jaxpar import inspect
 
 LAYERS, WIDTH, HIDDEN, BATCH, STEPS = 4, 32, 64, 16, 3
 INIT = nnx.initializers.lecun_normal()
 
 
-class Block(nnx.Module):
-    """A residual MLP block, written as a Flax user writes one."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.Linear(WIDTH, HIDDEN, use_bias=False, kernel_init=nnx.with_partitioning(INIT, ("embed", "mlp")),
-                             rngs=rngs)
-        self.down = nnx.Linear(HIDDEN, WIDTH, use_bias=False,
-                               kernel_init=nnx.with_partitioning(INIT, ("mlp", "embed")), rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jax.nn.gelu(self.up(x)))
-
-
 class StackModel(nnx.Module):
     """The blocks on jaxpar's stacked-layer block."""
 
     def __init__(self, rngs: nnx.Rngs):
-        self.blocks = jaxpar.Stack(Block, LAYERS, rngs=rngs)
+        self.blocks = jaxpar.Stack(ResidualMLP, LAYERS, rngs=rngs)
 
     def __call__(self, x):
         return self.blocks(x)

@@ -12,22 +12,11 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from helpers import max_relative_error
+from helpers import ResidualMLP, max_relative_error
 from jaxpar import inspect, pipeline
 
 VOCAB, WIDTH, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 64, 32, 64, 4, 16, 8, 2
 INIT = nnx.initializers.lecun_normal()
-
-
-class Block(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.Linear(WIDTH, HIDDEN, use_bias=False, kernel_init=nnx.with_partitioning(INIT, ("embed", "mlp")),
-                             rngs=rngs)
-        self.down = nnx.Linear(HIDDEN, WIDTH, use_bias=False,
-                               kernel_init=nnx.with_partitioning(INIT, ("mlp", "embed")), rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.down(jax.nn.gelu(self.up(x)))
 
 
 class TinyLM(nnx.Module):
@@ -36,7 +25,7 @@ class TinyLM(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         table = nnx.with_partitioning(nnx.initializers.normal(1.0), ("vocab", "embed"))
         self.embed = nnx.Embed(VOCAB, WIDTH, embedding_init=table, rngs=rngs)
-        self.blocks = jaxpar.Stack(Block, LAYERS, rngs=rngs)
+        self.blocks = jaxpar.Stack(ResidualMLP, LAYERS, rngs=rngs)
         self.out = nnx.Linear(WIDTH, VOCAB, use_bias=False, kernel_init=nnx.with_partitioning(INIT, ("embed", "vocab")),
                               rngs=rngs)
 
