@@ -57,7 +57,7 @@ def train_with_progress(run: Run, console: Console) -> int:
         checkpoints = open_checkpoints(run)
         state, position = resume(run, checkpoints)
     except ValueError as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
     start, row = position["step"], {}
     if start:
@@ -83,7 +83,7 @@ def train_with_progress(run: Run, console: Console) -> int:
                                        if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))
                     progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.6f}  {extras}")
         except FloatingPointError as error:
-            console.print(f"[bold red]stopped:[/] {error}")
+            Console(stderr=True).print(f"[bold red]stopped:[/] {error}")
             return 1
         finally:
             if checkpoints is not None:

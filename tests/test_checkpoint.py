@@ -271,7 +271,7 @@ def test_another_models_directory_is_never_overwritten(trained_dir, capsys):
     before = sorted(p.name for p in directory.iterdir())
     flags = ["--mesh", "data=8", "--steps", "6", "--batch-size", "8", "--seq-len", "16"]
     assert main(["train", *flags, "--checkpoint-dir", str(directory)]) == 2
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().err.split())
     assert "holds checkpoints of another model" in out and "d_model: 32 -> 64" in out
     assert sorted(p.name for p in directory.iterdir()) == before
 
