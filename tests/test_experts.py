@@ -332,7 +332,7 @@ def test_cli_rejects_experts_that_do_not_split_over_the_expert_axis(tmp_path, ca
     config = tmp_path / "moe.toml"
     config.write_text(MOE_RUN.replace("n_layers = 1", "n_layers = 1\nn_experts = 6"))
     assert main(["train", "--config", str(config), "--mesh", "data=2,expert=4"]) == 2
-    assert "('experts') of size 6 does not divide by mesh axes expert=4" in " ".join(capsys.readouterr().out.split())
+    assert "('experts') of size 6 does not divide by mesh axes expert=4" in " ".join(capsys.readouterr().err.split())
 
 
 # -- bad input ---------------------------------------------------------------------------------

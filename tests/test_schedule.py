@@ -123,4 +123,4 @@ def test_jaxpar_inspect_draws_a_schedule(tmp_path, capsys):
     assert path.read_bytes()[:4] == b"\x89PNG"
     flags = ["--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--virtual-stages", "2"]
     assert main(["inspect", *flags]) == 2
-    assert "microbatches=6 does not divide by 4" in capsys.readouterr().out.replace("\n", " ")
+    assert "microbatches=6 does not divide by 4" in capsys.readouterr().err.replace("\n", " ")
