@@ -113,6 +113,16 @@ class Plan:
             raise ValueError(f"the plan's mesh axes {self.mesh.axis_names} must nest as {order} (jaxpar.mesh); "
                              f"build the plan with Plan.create, which orders them")
         schedule_lib.validate(self.schedule, self.shape["pipe"], self.microbatches, self.virtual_stages)
+        auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
+                      if a != "data" and self.shape.get(a, 1) > 1]
+        if (self.tensor_form == "explicit" and self.shape["tensor"] > 1 and self.precision != "fp32" and auto_batch
+                and self.mesh.devices.flat[0].platform == "cpu"):
+            raise ValueError(
+                f"tensor_form='explicit' with precision={self.precision!r} and {', '.join(auto_batch)} does not compile "
+                "on the CPU backend: XLA:CPU aborts ('Invalid binary instruction opcode copy') on a 16-bit "
+                "tensor all-reduce while those batch axes are left to the compiler; use precision='fp32', "
+                "tensor_form='annotation', or give those devices to data"
+            )
 
     @classmethod
     def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, axis_names: Mapping[str, str] | None = None,

@@ -197,6 +197,7 @@ KNOWN_REFUSALS = (
     (lambda c: c.model == "moe" and c.shape.get("pipe", 1) > 1, "pipe"),
     (lambda c: c.model == "moe" and c.tensor_form == "explicit" and c.shape.get("tensor", 1) > 1,
      "tensor_form='annotation'"),
+    (lambda c: c.tensor_form == "explicit" and c.precision != "fp32" and c.shape.get("expert", 1) > 1, "XLA:CPU"),
 )
 
 
