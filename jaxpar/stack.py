@@ -29,8 +29,6 @@ from flax import nnx
 from jaxpar import pipeline, usage, zero
 from jaxpar.plan import Plan, active_plan
 
-LAYERS = "layers"  # the logical name of the stacked dimension (the rules map it to `pipe`)
-
 # What a block keeps for its backward pass: everything, nothing (recompute the
 # whole block), or the outputs of its weight matmuls (recompute attention and
 # elementwise work, as in Korthikanti et al.'s selective recomputation).
@@ -100,7 +98,7 @@ class Stack(nnx.Module):
             raise ValueError(f"a Stack needs at least one layer, got count={count}")
 
         @nnx.split_rngs(splits=count)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: zero.SCANNED})
         def build(rngs: nnx.Rngs) -> nnx.Module:
             return make_block(rngs)
 
