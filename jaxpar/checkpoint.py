@@ -1,8 +1,9 @@
 """Sharded Orbax checkpoints: async saves every N steps, the newest K kept, restore onto any plan.
 
-A checkpoint is one Orbax step directory with three items: `params` and
-`opt_state`, each array written shard by shard by the devices that hold it
-(TensorStore/OCDBT, no pickle), and `meta`, readable JSON with the step (which
+A checkpoint is one Orbax step directory with up to four items: `params`,
+`opt_state` and `variables` (the model's non-parameter state: BatchNorm
+statistics, counters), each array written shard by shard by the devices that
+hold it (TensorStore/OCDBT, no pickle), and `meta`, readable JSON with the step (which
 is also the data position: batches are a pure function of (seed, step)), the
 seeds, and the run's config (model, mesh, plan, train). Orbax writes a step
 into a temporary directory and renames it once every shard is on disk, so a
@@ -44,7 +45,7 @@ from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, abstract_state
 
 FORMAT = "jaxpar-checkpoint/1"
-ARRAY_ITEMS = ("params", "opt_state")
+ARRAY_ITEMS = ("params", "opt_state", "variables")
 TEMPORARY = ".orbax-checkpoint-tmp"  # how Orbax marks a step directory still being written
 MASTER = "master"  # the fp32 copy of the parameters in the optimizer state under bf16/fp16 (jaxpar.precision)
 CHECKSUMS = "checksums"  # meta key: `item/path` -> checksum of each saved array (see `checksums`)
@@ -212,7 +213,7 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options,
-            item_handlers={"params": handler(), "opt_state": handler(), "meta": ocp.JsonCheckpointHandler()},
+            item_handlers={**{item: handler() for item in ARRAY_ITEMS}, "meta": ocp.JsonCheckpointHandler()},
         )
         self.read_only = read_only
         try:

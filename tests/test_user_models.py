@@ -102,6 +102,32 @@ def test_batchnorm_and_dropout_match_a_plain_optax_loop(expected, mesh, options)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), variables, ref_variables)
 
 
+def test_a_checkpoint_keeps_the_variables_and_resumes_exactly_on_another_mesh(expected, tmp_path):
+    """Two steps on data=8, saved; restored onto data=4,tensor=2 for the third: the reference's losses and statistics."""
+    from jaxpar.checkpoint import Checkpoints
+
+    ref_losses, ref_variables = expected
+    optimizer = optax.adam(1e-2)
+    first = jaxpar.Plan.create("data=8")
+    model, state = jaxpar.init_state(make, optimizer, first)
+    step = jaxpar.make_train_step(model, loss_fn, optimizer, first)
+    losses = []
+    for batch in DATA[:2]:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    with Checkpoints(tmp_path, async_save=False) as saved:
+        saved.save(2, state)
+    second = jaxpar.Plan.create("data=4,tensor=2")
+    with Checkpoints(tmp_path, read_only=True) as saved:
+        state, _ = saved.restore(model, optimizer, second)
+    assert int(state.variables["calls"]) == 2
+    state, metrics = jaxpar.make_train_step(model, loss_fn, optimizer, second)(state, DATA[2])
+    losses.append(float(metrics["loss"]))
+    assert np.max(np.abs(np.array(losses) / ref_losses - 1)) <= 1e-5
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), jax.device_get(state.variables),
+                 ref_variables)
+
+
 def test_dropout_draws_the_same_on_any_mesh_and_changes_with_the_step():
     """The per-step keys depend on (seed, step) only: two steps differ, two meshes agree."""
     def outputs(plan):
