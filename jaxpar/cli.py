@@ -29,6 +29,10 @@ TRAIN_FLAGS = {
     "on_nonfinite": (str, "a step with a NaN/Inf loss or gradient: skip its update, or stop the run"),
     "init_from": (str, "start from these weights: `jaxpar import-hf` output, an export, or a Hugging Face directory"),
     "eval_every": (int, "every N steps, loss and perplexity on a held-out 5%% tail of the data (then not trained on)"),
+    "tokenizer": (str, "tokenize text --data with this Hugging Face tokenizer.json or SentencePiece .model "
+                       "(default: UTF-8 bytes); with a .npy from `jaxpar tokenize`, check that it was made with it"),
+    "tensorboard": (str, "also write loss, lr, grad norm, tokens/s, MFU and memory as TensorBoard scalars here"),
+    "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.mfu) lacks the device"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
@@ -218,7 +222,8 @@ def _add_hf_commands(sub) -> None:
     tokenize = sub.add_parser("tokenize", help="text into a .npy token file (and a JSON header) for --data")
     tokenize.add_argument("source", help="a text file or a folder of text files")
     tokenize.add_argument("--out", required=True, help="the .npy file to write (its header goes beside it as .json)")
-    tokenize.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
+    tokenize.add_argument("--tokenizer", default=None,
+                          help="a Hugging Face tokenizer.json or a SentencePiece .model (default: UTF-8 bytes)")
     for command in (imp, evaluate, generate):
         command.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose (default 8)")
         command.add_argument("--json", action="store_true", help="print one JSON object only")

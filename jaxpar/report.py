@@ -46,8 +46,18 @@ def show_layout(run: Run, console: Console) -> None:
     console.print(table)
 
 
+def mfu_text(run: Run, step_time_s: float | None) -> str:
+    """`MFU 41.2%` for a step time, `MFU n/a (CPU)` (or why else there is none), or "" before any step."""
+    if run.mfu.peak is None:
+        return f"MFU {run.mfu.why_not}"
+    return "" if step_time_s is None else f"MFU {run.mfu(step_time_s):.1%}"
+
+
 def train_with_progress(run: Run, console: Console) -> int:
-    """Train with a progress bar (loss, tokens/s, step time) and print the loss curve's key points.
+    """Train with a progress bar (loss, tokens/s, step time, MFU) and print the loss curve's key points.
+
+    The closing line's tokens/s and MFU are those of the median step after
+    the first, whose time includes compiling.
 
     With a checkpoint directory the run continues from its newest checkpoint;
     SIGTERM saves after the current step and returns 0.
@@ -67,17 +77,20 @@ def train_with_progress(run: Run, console: Console) -> int:
         for change in changed_settings(position, run):
             console.print(f"[yellow]changed since that checkpoint:[/] {change}")
     log_every = max(1, run.config.steps // 10)
-    losses = []
+    losses, times = [], []
     columns = (TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[ms]:.1f} ms/step"),
+               TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[ms]:.1f} ms/step"
+                          "  {task.fields[mfu]}"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("train", total=run.config.steps, completed=start, loss=float("nan"), tps=0.0, ms=0.0)
+        task = progress.add_task("train", total=run.config.steps, completed=start, loss=float("nan"), tps=0.0, ms=0.0,
+                                 mfu=mfu_text(run, None))
         try:
             for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
                 losses.append(row["loss"])
+                times.append(row["step_time_s"])
                 progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],
-                                ms=row["step_time_s"] * 1e3)
+                                ms=row["step_time_s"] * 1e3, mfu=mfu_text(run, row["step_time_s"]))
                 if row["step"] % log_every == 0 or row["step"] == 1:
                     extras = "  ".join(f"{k} {v:.4g}" for k, v in row.items()
                                        if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))
@@ -91,7 +104,10 @@ def train_with_progress(run: Run, console: Console) -> int:
     if row.get("preempted"):
         console.print(f"[bold yellow]preempted[/] (SIGTERM): step {row['step']} saved in {checkpoints.directory}")
     if losses:
-        console.print(f"[bold green]done[/]: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")
+        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # the first step's time includes compiling
+        console.print(f"[bold green]done[/]: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+                      f"median step {steady * 1e3:.1f} ms, {run.config.batch_size * run.config.seq_len / steady:,.0f} "
+                      f"tok/s, {mfu_text(run, steady)}")
     return 0
 
 

@@ -19,17 +19,19 @@ import numpy as np
 import optax
 
 from jaxpar import data as data_lib
+from jaxpar import mfu as mfu_lib
 from jaxpar.checkpoint import Checkpoints, CorruptCheckpoint, Preemption, differences, run_config
 from jaxpar.distributed import is_leader
 from jaxpar.models import model_config, model_factory
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, describe, init_state
 from jaxpar.step import Step, make_train_step
+from jaxpar.tokenize import training_tokens
 
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
-TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data")
+TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,9 @@ class TrainConfig:
     on_nonfinite: str = "skip"
     init_from: str | None = None  # initial parameters: import-hf output, an export or a Hugging Face directory
     eval_every: int = 0  # held-out loss every N steps (0: never); the held-out tail is then not trained on
+    tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
+    tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
+    peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.mfu's table does not know it
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
@@ -63,15 +68,21 @@ class TrainConfig:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"peak_flops must be > 0 (FLOP/s of one device, e.g. 989e12), got {self.peak_flops}")
+
+
+def learning_rate(config: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to `lr`, then cosine decay to lr/10 at the last step; the update of step t uses lr(t)."""
+    warmup = min(config.warmup, config.steps - 1)
+    return optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1),
+                                              end_value=config.lr / 10)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up, cosine decay and global-norm clipping."""
-    warmup = min(config.warmup, config.steps - 1)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, config.lr, warmup, max(config.steps, warmup + 1), end_value=config.lr / 10
-    )
-    return optax.chain(optax.clip_by_global_norm(config.clip), optax.adamw(schedule, weight_decay=config.weight_decay))
+    """AdamW on `learning_rate(config)` with global-norm clipping."""
+    return optax.chain(optax.clip_by_global_norm(config.clip),
+                       optax.adamw(learning_rate(config), weight_decay=config.weight_decay))
 
 
 @dataclasses.dataclass
@@ -86,6 +97,8 @@ class Run:
     batches: data_lib.Batches
     make_model: Callable
     step_fn: Step
+    mfu: mfu_lib.Mfu
+    heldout: np.ndarray | None = None  # the tokens --eval-every evaluates on (never trained on)
 
     @property
     def batch_sharding(self):
@@ -119,16 +132,18 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     model = describe(make_model)
     optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
-    tokens = data_lib.load_tokens(config.data)
-    data_lib.check_vocab(tokens, mcfg.vocab, config.data)
+    tokens = training_tokens(config.data, config.tokenizer, mcfg.vocab)
+    heldout = None
     if config.eval_every:
         from jaxpar.evaluate import check_evaluable, split_tokens
 
         check_evaluable(name)
-        tokens = split_tokens(tokens)[0]
+        tokens, heldout = split_tokens(tokens)
     batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed)
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
-    return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn)
+    mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
+                          list(plan.mesh.devices.flat), config.peak_flops)
+    return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn, mfu, heldout)
 
 
 def scalar_metrics(metrics: dict) -> dict[str, Any]:
@@ -137,6 +152,16 @@ def scalar_metrics(metrics: dict) -> dict[str, Any]:
     for key, value in jax.device_get(metrics).items():
         value = np.asarray(value)
         out[key] = float(value) if value.ndim == 0 else value.tolist()
+    return out
+
+
+def device_memory() -> dict[str, int]:
+    """Bytes in use and their peak on the fullest local device, where the backend reports them (not XLA:CPU)."""
+    stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+    out = {}
+    for key in ("bytes_in_use", "peak_bytes_in_use"):
+        if any(key in s for s in stats):
+            out["memory_" + key] = max(int(s.get(key, 0)) for s in stats)
     return out
 
 
@@ -193,15 +218,25 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     ends the run after the current step, saved (the last row says
     `preempted`). A step whose loss or gradient is not finite keeps the old
     parameters (see jaxpar.step) and is counted in `nonfinite_steps`; under
-    `on_nonfinite="stop"` it raises FloatingPointError instead.
+    `on_nonfinite="stop"` it raises FloatingPointError instead. Rows carry the
+    step's learning rate, MFU where it is meaningful (jaxpar.mfu) and device
+    memory where the backend reports it; process 0 writes them to `--metrics`
+    and `--tensorboard`.
     """
     config = run.config
     tokens = config.batch_size * config.seq_len
+    schedule = learning_rate(config)
     metrics_file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
-    if config.eval_every:
-        from jaxpar.evaluate import run_evaluator
+    board = None
+    if config.tensorboard and is_leader():
+        from jaxpar.metrics_tensorboard import TensorBoard
 
-        evaluator = run_evaluator(run)
+        board = TensorBoard(config.tensorboard)
+    if config.eval_every:
+        from jaxpar.evaluate import Evaluator, eval_windows
+
+        windows = eval_windows(run.heldout, config.seq_len, config.batch_size)
+        evaluator = Evaluator(run.model, run.plan, windows, config.batch_size)
     try:
         with Preemption() as preemption:
             for step in range(start, config.steps):
@@ -212,8 +247,11 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 elapsed = time.perf_counter() - began
                 done = step + 1
                 nonfinite_steps += int(row.get("nonfinite", 0))
-                row = {"step": done, **row, "nonfinite_steps": nonfinite_steps, "step_time_s": elapsed,
-                       "tokens_per_s": tokens / elapsed}
+                row = {"step": done, **row, "lr": float(schedule(step)), "nonfinite_steps": nonfinite_steps,
+                       "step_time_s": elapsed, "tokens_per_s": tokens / elapsed, **device_memory()}
+                mfu = run.mfu(elapsed)
+                if mfu is not None:
+                    row["mfu"] = mfu
                 if row.get("nonfinite") and config.on_nonfinite == "stop":
                     raise FloatingPointError(
                         f"step {done}: loss {row['loss']}, gradient norm {row.get('grad_norm')}; stopping "
@@ -232,6 +270,8 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()
+                if board:
+                    board.write(row)
                 yield state, row
                 if preempted:
                     break
@@ -240,6 +280,8 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
             checkpoints.wait()
         if metrics_file:
             metrics_file.close()
+        if board:
+            board.close()
 
 
 def param_table(run: Run) -> list[dict]:
