@@ -110,8 +110,9 @@ def tokenize(source, out, tokenizer: str | None = None) -> dict:
     out = Path(out)
     if out.suffix != ".npy":
         raise ValueError(f"--out {str(out)!r} must end in .npy")
-    if out.exists():
-        raise ValueError(f"--out {str(out)!r} already exists; choose another or remove it")
+    if out.exists() or out.with_suffix(".json").exists():
+        taken = out if out.exists() else out.with_suffix(".json")
+        raise ValueError(f"{str(taken)!r} already exists (--out {str(out)!r} writes it); choose another --out or remove it")
     loaded = load_tokenizer(tokenizer)
     files = text_files(Path(source))
     if loaded is BYTES:  # the bytes as they are, whatever their encoding
