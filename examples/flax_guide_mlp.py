@@ -33,7 +33,7 @@ class DotReluDot(nnx.Module):
       rngs=rngs)
     self.w2 = nnx.Param(
       init_fn(rngs.params(), (depth, depth)),  # RNG key and shape for W2 creation
-      sharding=('model', None),
+      out_sharding=('model', None),
     )
 
   def __call__(self, x: jax.Array):

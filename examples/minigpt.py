@@ -3,9 +3,10 @@
 Changes against the tutorial's model: each annotation `NamedSharding(mesh,
 P(...))` becomes the tuple of names inside it (`model` is a logical name the
 plan maps onto `tensor`, RULES; the two rank-2 names the tutorial gives rank-1
-arrays become rank 1); the list of blocks becomes a `jaxpar.Stack`; and the
-loss goes through `jaxpar.pipelined_loss`, so that `pipe=2` runs the blocks as
-a pipeline. The pipelined model holds parameters only: dropout stays off, as
+arrays become rank 1); the list of blocks becomes a `jaxpar.Stack`; the loss
+goes through `jaxpar.pipelined_loss`, so that `pipe=2` runs the blocks as a
+pipeline; and attention has no biases, since the key's gets no gradient
+(softmax ignores a shift) and Adam would turn its round-off into full steps. The pipelined model holds parameters only: dropout stays off, as
 the tutorial trains it (`training=False`; a pipeline stage cannot carry RNG
 streams yet), and the MoE variant (`MoEMiniGPT`: the FFN replaced by
 `jaxpar.moe_ffn`, for `data=2,expert=4`) does not pipeline (its routers'
@@ -38,7 +39,7 @@ class TransformerBlock(nnx.Module):
         self.mha = nnx.MultiHeadAttention(num_heads=num_heads,
                                           in_features=embed_dim,
                                           kernel_init=nnx.with_partitioning(nnx.initializers.xavier_uniform(), (None, 'model')),
-                                          bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), ('model',)),
+                                          use_bias=False,  # a key bias gets no gradient: softmax ignores a shift
                                           rngs=rngs)
         self.dropout1 = nnx.Dropout(rate=rate)
         self.layer_norm1 = nnx.LayerNorm(epsilon=1e-6,
@@ -141,12 +142,12 @@ class MoETransformerBlock(TransformerBlock):
         del self.linear1, self.linear2
         init, e = nnx.initializers.xavier_uniform(batch_axis=(0,)), MOE.n_experts
         self.router = nnx.Param(nnx.initializers.xavier_uniform()(rngs.params(), (embed_dim, e)),
-                                sharding=('embed', None))
+                                out_sharding=('embed', None))
         hidden = ('experts', 'embed', 'expert_mlp')
-        self.expert_gate = nnx.Param(init(rngs.params(), (e, embed_dim, ff_dim)), sharding=hidden)
-        self.expert_up = nnx.Param(init(rngs.params(), (e, embed_dim, ff_dim)), sharding=hidden)
+        self.expert_gate = nnx.Param(init(rngs.params(), (e, embed_dim, ff_dim)), out_sharding=hidden)
+        self.expert_up = nnx.Param(init(rngs.params(), (e, embed_dim, ff_dim)), out_sharding=hidden)
         self.expert_down = nnx.Param(init(rngs.params(), (e, ff_dim, embed_dim)),
-                                     sharding=('experts', 'expert_mlp', 'embed'))
+                                     out_sharding=('experts', 'expert_mlp', 'embed'))
 
     def __call__(self, inputs, training: bool = False):
         mask = causal_attention_mask(inputs.shape[1])
