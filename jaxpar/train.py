@@ -225,7 +225,8 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     """
     config = run.config
     tokens = config.batch_size * config.seq_len
-    schedule = learning_rate(config)
+    with jax.default_device(jax.devices("cpu")[0]):  # once, on the host: no accelerator work per step for a metric
+        lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
     metrics_file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
     board = None
     if config.tensorboard and is_leader():
@@ -247,7 +248,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 elapsed = time.perf_counter() - began
                 done = step + 1
                 nonfinite_steps += int(row.get("nonfinite", 0))
-                row = {"step": done, **row, "lr": float(schedule(step)), "nonfinite_steps": nonfinite_steps,
+                row = {"step": done, **row, "lr": float(lrs[step]), "nonfinite_steps": nonfinite_steps,
                        "step_time_s": elapsed, "tokens_per_s": tokens / elapsed, **device_memory()}
                 mfu = run.mfu(elapsed)
                 if mfu is not None:
