@@ -27,7 +27,7 @@ import jaxpar
 
 RULES = {"model": "tensor"}  # the tutorial's `model` axis, as a logical name
 # The tutorial: vocab 50257 (GPT-2), maxlen 256, embed 256, 8 heads, FFN 256, 8 blocks, batch 256.
-vocab_size, maxlen, embed_dim, num_heads, feed_forward_dim, num_transformer_blocks, batch_size = 64, 16, 32, 4, 64, 4, 16
+vocab_size, maxlen, embed_dim, num_heads, feed_forward_dim, num_transformer_blocks, batch_size = 64, 16, 32, 4, 64, 2, 16
 MOE = jaxpar.MoEConfig(n_experts=4, top_k=2, dropless=True)
 
 

@@ -54,12 +54,15 @@ def initial(example, make_model):
 
 def optax_loop(loss, params, variables, optimizer, data):
     """Plain JAX + optax on one device: `loss(params, variables, batch, t) -> (value, new variables)`."""
-    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    @jax.jit
+    def step(params, opt_state, variables, batch, t):
+        (value, variables), grads = jax.value_and_grad(loss, has_aux=True)(params, variables, batch, t)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, variables, value
+
     opt_state, losses = optimizer.init(params), []
     for t, batch in enumerate(data):
-        (value, variables), grads = step(params, variables, batch, t)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state, variables, value = step(params, opt_state, variables, batch, t)
         losses.append(float(value))
     return np.array(losses), host(params), host(variables)
 
