@@ -315,8 +315,14 @@ def layer_statistics(stats: dict[str, jax.Array], cfg: MoEConfig) -> dict[str, j
 LOSS_TERMS = ("load_balance_loss", "router_z_loss")
 
 
-def summarize(per_layer: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Auxiliary loss (summed over MoE layers) and metrics (averaged) from stacked layer statistics."""
-    metrics = {k: jnp.sum(v, axis=0) if k in LOSS_TERMS else jnp.mean(v, axis=0) for k, v in per_layer.items()}
-    aux_loss = sum((metrics[k] for k in LOSS_TERMS if k in metrics), jnp.zeros((), jnp.float32))
-    return aux_loss, metrics
+def aux_loss(sums: dict[str, jax.Array]) -> jax.Array:
+    """The routers' auxiliary loss from statistics summed over the MoE layers: the sum of the loss terms.
+
+    Linear in the sums, so a pipeline stage back-propagates its own layers' part (jaxpar.pipeline.Stages).
+    """
+    return sum((sums[k] for k in LOSS_TERMS if k in sums), jnp.zeros((), jnp.float32))
+
+
+def summarize(sums: dict[str, jax.Array], layers: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Auxiliary loss and metrics from statistics summed over `layers` MoE layers: loss terms summed, the rest averaged."""
+    return aux_loss(sums), {k: v if k in LOSS_TERMS else v / layers for k, v in sums.items()}

@@ -20,6 +20,11 @@ split over the pipe stages by sequence positions (a reduce-scatter of the
 outputs and an all-gather of their cotangents), so no stage does p times the
 head's work. Parameters every stage holds (embedding, head) get their gradients
 summed over pipe once per step.
+
+Layers may also return per-layer statistics (an MoE router's losses and
+metrics). Each stage sums its own layers' statistics per microbatch; they are
+summed over the stages and averaged over the microbatches, and `aux_loss` of
+that sum joins the loss, each stage back-propagating its own layers' part.
 """
 
 from __future__ import annotations
@@ -47,13 +52,32 @@ class Stages:
     """A model cut for pipelining into pure functions of explicit parameters.
 
     embed(params, tokens[b, s]) -> x[b, s, d] runs before the first stage;
-    layers(stacked, x) -> x runs the layers stacked along the leading axis of `stacked`;
-    head(params, x, targets[b, s]) -> mean loss runs after the last stage.
+    layers(stacked, x) -> x runs the layers stacked along the leading axis of
+        `stacked`; or -> (x, stats), stats a tree of per-layer values stacked on
+        a leading layer axis, each a mean over the batch rows (router losses, metrics);
+    head(params, x, targets[b, s]) -> mean loss runs after the last stage;
+    aux_loss(sums) -> scalar added to the loss, from the stats summed over
+        all layers. It must be a sum of per-layer terms (linear in `sums`, as
+        MoE auxiliary losses are), so that each stage back-propagates its own
+        layers' part. `loss` returns (loss, sums) when the layers return stats.
     """
 
     embed: Callable[[Any, jax.Array], jax.Array]
-    layers: Callable[[Any, jax.Array], jax.Array]
+    layers: Callable[[Any, jax.Array], Any]
     head: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    aux_loss: Callable[[Any], jax.Array] | None = None
+
+    def run_layers(self, stacked, x) -> tuple[jax.Array, Any]:
+        """(x after the layers, their stats summed over the layers in fp32: {} for layers without stats)."""
+        out = self.layers(stacked, x)
+        y, stats = out if isinstance(out, tuple) else (out, {})
+        return y, jax.tree.map(lambda s: jnp.sum(s.astype(jnp.promote_types(s.dtype, jnp.float32)), axis=0), stats)
+
+    def with_aux(self, value: jax.Array, sums) -> jax.Array:
+        """The head's loss plus `aux_loss(sums)` (nothing to add without stats or an aux_loss)."""
+        if self.aux_loss is None or not jax.tree.leaves(sums):
+            return value
+        return value + self.aux_loss(sums)
 
 
 _fill: contextvars.ContextVar[float] = contextvars.ContextVar("jaxpar_bubble_fill", default=0.0)
@@ -69,11 +93,17 @@ def bubble_fill(value: float):
         _fill.reset(token)
 
 
-def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-    """The model's mean loss on a batch; pipelined over `pipe` when the active plan has pipe > 1."""
+def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, targets: jax.Array):
+    """The model's mean loss on a batch; pipelined over `pipe` when the active plan has pipe > 1.
+
+    With layers that return stats: (loss, the stats summed over the layers,
+    averaged over the microbatches); the stats are metrics, and only
+    `stages.aux_loss` of them is differentiated (as part of the loss).
+    """
     plan = active_plan()
     if plan is None or plan.shape[AXIS] == 1:
-        return stages.head(head_params, stages.layers(stacked, stages.embed(embed_params, inputs)), targets)
+        y, sums = stages.run_layers(stacked, stages.embed(embed_params, inputs))
+        return _result(stages.with_aux(stages.head(head_params, y, targets), sums), sums)
     usage.mark(usage.PIPELINE)
     schedule = Schedule(plan.schedule, plan.shape[AXIS], plan.microbatches, plan.virtual_stages)
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
@@ -81,7 +111,11 @@ def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, 
     split = microbatches({"inputs": inputs, "targets": targets}, schedule.microbatches)
     stacked, entries = zero.layer_sources(stacked)  # ZeRO-2/3: each stage gathers its layers one at a time
     args = (embed_params, to_chunks(stacked, schedule), head_params, split["inputs"], split["targets"])
-    return _pipelined(stages, schedule, _fill.get(), entries)(*args)
+    return _result(*_pipelined(stages, schedule, _fill.get(), entries)(*args))
+
+
+def _result(value: jax.Array, sums):
+    return (value, sums) if jax.tree.leaves(sums) else value
 
 
 def check_shapes(schedule: Schedule, stacked, inputs: jax.Array, batch_ways: int) -> None:
@@ -181,6 +215,11 @@ def _head_share(outputs, targets, stage, p: int):
     return share.reshape(-1, width, d), tgt.reshape(-1, chunks * width)
 
 
+def _masked(tree, valid):
+    """The stats of a slot that holds a microbatch; zeros for a bubble slot."""
+    return jax.tree.map(lambda s: jnp.where(valid, s, jnp.zeros_like(s)), tree)
+
+
 def _sum_over_stages(tree):
     """psum over pipe in at least fp32 (better sums; XLA:CPU also fails to compile bf16 reductions here)."""
     def total(x):
@@ -194,6 +233,7 @@ def _circular_loss(stages: Stages, schedule: Schedule, fill: float, entries: lis
 
     Autodiff keeps every tick's residuals anyway, so the m microbatches are
     embedded before the scan, and the table's gradient is one scatter-add.
+    Returns (loss, the layers' stats summed over layers, averaged over microbatches).
     """
     p, v = schedule.stages, schedule.virtual_stages
     ring = [(a, (a + 1) % p) for a in range(p)] if v > 1 else [(a, a + 1) for a in range(p - 1)]
@@ -209,18 +249,24 @@ def _circular_loss(stages: Stages, schedule: Schedule, fill: float, entries: lis
             fresh = _row(embedded, j)
             x = jnp.where((stage == 0) & (k == 0), fresh, incoming)
             x = jnp.where(valid, x, jnp.zeros_like(x))
-            y = stages.layers(_stage_layers(jax.tree.map(lambda a: _row(a, k), chunks), entries), x)
+            y, sums = stages.run_layers(_stage_layers(jax.tree.map(lambda a: _row(a, k), chunks), entries), x)
             y = jnp.where(valid, y, jnp.full_like(y, fill))
-            return jax.lax.ppermute(y, AXIS, ring), y
+            return jax.lax.ppermute(y, AXIS, ring), (y, _masked(sums, valid))
 
         start = _varying(jnp.full(embedded.shape[1:], fill, embedded.dtype), _activation_axes(embedded, targets))
         table = (jnp.asarray(schedule.forward), jnp.asarray(schedule.chunk))
-        _, ys = jax.lax.scan(tick, start, table)
+        _, (ys, sums) = jax.lax.scan(tick, start, table)
         outputs = jnp.swapaxes(ys[schedule.output_ticks], 0, 1)
         value = stages.head(head_params, *_head_share(outputs, jnp.swapaxes(targets, 0, 1), stage, p))
-        return jax.lax.pmean(value, AXIS)
+        sums = jax.tree.map(lambda s: s / schedule.microbatches, _sum_over_stages(jax.tree.map(_total, sums)))
+        return stages.with_aux(jax.lax.pmean(value, AXIS), sums), sums
 
     return body
+
+
+def _total(stats):
+    """Sum over ticks (the leading axis) in fp32."""
+    return jnp.sum(stats.astype(jnp.promote_types(stats.dtype, jnp.float32)), axis=0)
 
 
 def _stage_layers(params, entries: list):
@@ -243,9 +289,9 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
     forward_schedule = schedule
     if schedule.explicit_backward:
         forward_schedule = Schedule("gpipe", schedule.stages, schedule.microbatches)
-    forward = _shard(_circular_loss(stages, forward_schedule, fill, entries), P())
+    forward = _shard(_circular_loss(stages, forward_schedule, fill, entries), (P(), P()))
     body = _one_f_one_b_body if schedule.explicit_backward else _autodiff_body
-    with_grads = _shard(body(stages, schedule, fill, entries), (P(), (P(), P(AXIS), P())))
+    with_grads = _shard(body(stages, schedule, fill, entries), ((P(), P()), (P(), P(AXIS), P())))
 
     primal_axes = {}
 
@@ -257,7 +303,9 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
         primal_axes["params"] = jax.tree.map(varying_axes, args[:3])
         return with_grads(*args)
 
-    def run_bwd(grads, cotangent):
+    def run_bwd(grads, cotangents):
+        cotangent = cotangents[0]  # the stats are metrics: their aux loss is already inside the loss
+
         def scale(g, axes):
             g = (g * cotangent).astype(g.dtype)
             extra = tuple(sorted(varying_axes(g) - axes))
@@ -276,9 +324,10 @@ def _autodiff_body(stages: Stages, schedule: Schedule, fill: float, entries: lis
 
     def body(embed_params, chunks, head_params, tokens, targets):
         embed_params, head_params = _varying((embed_params, head_params), {AXIS})
-        value, vjp = jax.vjp(lambda e, c, h: forward(e, c, h, tokens, targets), embed_params, chunks, head_params)
+        value, vjp, sums = jax.vjp(lambda e, c, h: forward(e, c, h, tokens, targets), embed_params, chunks,
+                                   head_params, has_aux=True)
         d_embed, d_chunks, d_head = vjp(jnp.ones_like(value))
-        return value, (_sum_over_stages(d_embed), d_chunks, _sum_over_stages(d_head))
+        return (value, sums), (_sum_over_stages(d_embed), d_chunks, _sum_over_stages(d_head))
 
     return body
 
@@ -301,8 +350,8 @@ class _ResidualRing:
     scratch row takes the writes and reads of empty slots.
     """
 
-    def __init__(self, layers: Callable, params, x, slots: int, fill: float):
-        _, probe = jax.vjp(layers, params, x)
+    def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float):
+        probe = vjp_of(params, x)
         leaves, self.treedef = jax.tree.flatten(probe)
         self.params = jax.tree.leaves(params)
         position = {id(a): n for n, a in enumerate(self.params)}
@@ -344,22 +393,34 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
         stage = jax.lax.axis_index(AXIS)
         embed_params, head_params = _varying((embed_params, head_params), {AXIS})
         params = jax.tree.map(lambda a: a[0, 0], chunks)
-        layers = lambda p, x: stages.layers(_stage_layers(p, entries), x)  # noqa: E731
         act = jax.eval_shape(stages.embed, embed_params, tokens[0])
         act_axes = _activation_axes(act, targets)
+        x0 = _varying(jnp.zeros(act.shape, act.dtype), act_axes)
+        run = lambda q, x: stages.run_layers(_stage_layers(q, entries), x)  # noqa: E731
+        sums_shape = jax.eval_shape(lambda q, x: run(q, x)[1], params, x0)
+        weighted = stages.aux_loss is not None and bool(jax.tree.leaves(sums_shape))
+        if weighted:  # each slot's aux loss enters the loss with weight 1/m (typed like the aux loss itself)
+            aux_shape = jax.eval_shape(lambda q, x: stages.aux_loss(run(q, x)[1]), params, x0)
+            aux_cotangent = _varying(jnp.full(aux_shape.shape, 1 / m, aux_shape.dtype), varying_axes(aux_shape))
+
+        def layers(q, x):
+            """y, or (y, these layers' aux loss) when it is weighted; their stats go out as the VJP's aux."""
+            y, sums = run(q, x)
+            return ((y, stages.aux_loss(sums)) if weighted else y), sums
         loss_dtype = jax.eval_shape(
             stages.head, head_params, jax.ShapeDtypeStruct((act.shape[0], act.shape[1] // p, act.shape[2]), act.dtype),
             jax.ShapeDtypeStruct((act.shape[0], targets.shape[-1] // p), targets.dtype),
         ).dtype
-        ring = _ResidualRing(layers, params, _varying(jnp.zeros(act.shape, act.dtype), act_axes),
-                             schedule.in_flight, fill)
+        ring = _ResidualRing(lambda p, x: jax.vjp(layers, p, x, has_aux=True)[1], params, x0, schedule.in_flight, fill)
 
         def forward_slot(carry, j):
             """Stage forward of microbatch j (embedded here on stage 0); its VJP goes into the ring."""
             valid = j != EMPTY
             x = jnp.where(stage == 0, stages.embed(embed_params, _row(tokens, j)), carry["fwd_in"])
-            y, vjp = jax.vjp(layers, params, jnp.where(valid, x, jnp.zeros_like(x)))
+            out, vjp, sums = jax.vjp(layers, params, jnp.where(valid, x, jnp.zeros_like(x)), has_aux=True)
+            y = out[0] if weighted else out
             carry["ring"] = ring.store(carry["ring"], j, vjp)
+            carry["sums"] = _add(carry["sums"], _masked(sums, valid))
             return jnp.where(valid, y, jnp.full_like(y, fill))
 
         def head_slot(carry, y, j):
@@ -371,9 +432,13 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
             return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True), value
 
         def backward_slot(carry, j, cotangent):
-            """Stage backward of microbatch j from its stored residuals; stage 0 also backs into the embedding."""
+            """Stage backward of microbatch j from its stored residuals; stage 0 also backs into the embedding.
+
+            An empty slot's gradients are masked out below, so its aux loss needs no masked cotangent.
+            """
             valid = j != EMPTY
-            d_params, dx = ring.load(carry["ring"], j)(jnp.where(valid, cotangent, jnp.zeros_like(cotangent)))
+            dy = jnp.where(valid, cotangent, jnp.zeros_like(cotangent))
+            d_params, dx = ring.load(carry["ring"], j)((dy, aux_cotangent) if weighted else dy)
             carry["d_stage"] = _add(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params))
             _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
             carry["d_embed"] = _add(carry["d_embed"], embed_vjp(jnp.where(valid & (stage == 0), dx, 0))[0])
@@ -406,6 +471,7 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
             "d_stage": jax.tree.map(_accumulator, params),
             "d_embed": jax.tree.map(_accumulator, embed_params),
             "d_head": jax.tree.map(_accumulator, head_params),
+            "sums": jax.tree.map(_accumulator, sums_shape),
         }
         fwd, bwd = jnp.asarray(schedule.forward), jnp.asarray(schedule.backward)
         carry, _ = jax.lax.scan(warm_tick, carry, fwd[:warm])
@@ -420,6 +486,7 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
         d_embed = cast(_sum_over_stages(carry["d_embed"]), embed_params)
         d_head = cast(_sum_over_stages(carry["d_head"]), head_params)
         loss = (jax.lax.psum(jnp.sum(values.astype(jnp.float32)), AXIS) / (m * p)).astype(loss_dtype)
-        return loss, (d_embed, d_stage, d_head)
+        sums = jax.tree.map(lambda s: s / m, _sum_over_stages(carry["sums"]))
+        return (stages.with_aux(loss, sums), sums), (d_embed, d_stage, d_head)
 
     return body

@@ -122,7 +122,8 @@ class Stack(nnx.Module):
         return y if aux is None else (y, aux)
 
 
-def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Callable, inputs, targets):
+def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Callable, inputs, targets,
+                   aux_loss: Callable | None = None):
     """The mean loss `head(model, stack(embed(model, inputs)), targets)`, a pipeline over `pipe` when the plan has one.
 
     `embed(model, inputs) -> x` and `head(model, x, targets) -> mean loss` are
@@ -130,6 +131,9 @@ def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Calla
     the first stage embeds, the stack is cut into stages that run the plan's
     schedule, and every stage runs the head on its share of the sequence
     positions (see `jaxpar.pipeline`). The head must be a mean over positions.
+    Blocks that return (x, stats) (an MoE layer's router losses) give
+    (loss + aux_loss(sums), sums), sums the stats summed over the layers:
+    see `jaxpar.pipeline.Stages` for what `aux_loss` must be.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     layer_graphdef, layer_params, layer_rest = nnx.split(stack.layers, nnx.Param, ...)
@@ -147,5 +151,6 @@ def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Calla
         embed=lambda p, tokens: embed(nnx.merge(graphdef, p), tokens),
         layers=lambda s, x: scan_layers(lambda layer, h: nnx.merge(layer_graphdef, layer)(h), s, x),
         head=lambda p, x, t: head(nnx.merge(graphdef, p), x, t),
+        aux_loss=aux_loss,
     )
     return pipeline.loss(stages, outside, stacked, outside, inputs, targets)

@@ -10,15 +10,15 @@ losses, and the aux dict carries the routing metrics.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import experts, tensor, zero
+from jaxpar import experts, pipeline, tensor, zero
 from jaxpar.models import llama
-from jaxpar.plan import active_plan
 from jaxpar.rules import constrain
 from jaxpar.stack import scan_layers
 
@@ -127,19 +127,19 @@ class MoeLlama(llama.Llama):
     blocks_type = MoeBlocks
 
     def __call__(self, batch, remat: Callable | None = None, moe_layer: MoeLayer = experts.moe_ffn):
-        """(cross-entropy + the routers' auxiliary losses, metrics).
+        """(cross-entropy + the routers' auxiliary losses, metrics); a pipeline over `pipe` like the dense model.
 
         Metrics: ce_loss, load_balance_loss (and router_z_loss) summed over the
         MoE layers; dropped_fraction and expert_share [E] averaged over them.
         """
-        plan = active_plan()
-        if plan is not None and plan.shape["pipe"] > 1:
-            raise ValueError(
-                f"the MoE model does not run under pipe={plan.shape['pipe']} yet: pipeline stages would have to "
-                "return the routers' auxiliary losses and metrics; use pipe=1"
-            )
-        x = self.embed(batch["inputs"])
-        x, per_layer = run_groups(self.blocks.stacked(), x, self.cfg, remat, moe_layer)
-        ce = self.loss(x, batch["targets"])
-        aux_loss, metrics = experts.summarize(per_layer)
-        return ce + aux_loss, {"ce_loss": ce, **metrics}
+        stages = pipeline.Stages(
+            embed=llama.embed_tokens,
+            layers=functools.partial(run_groups, cfg=self.cfg, remat=remat, moe_layer=moe_layer),
+            head=functools.partial(llama.head_loss, cfg=self.cfg),
+            aux_loss=experts.aux_loss,
+        )
+        loss, sums = pipeline.loss(
+            stages, self.embedding[...], self.blocks.stacked(), self.head_params(), batch["inputs"], batch["targets"]
+        )
+        aux_loss, metrics = experts.summarize(sums, self.cfg.n_moe_layers)
+        return loss, {"ce_loss": loss - aux_loss, **metrics}

@@ -194,7 +194,8 @@ def uncovered_pairs(subset: list[Cell], cells: list[Cell]) -> set:
 # Refusals the matrix knows of: (what the cell has, a phrase of jaxpar's message). A refusal outside this
 # list is a new limitation that needs a decision, and fails the test.
 KNOWN_REFUSALS = (
-    (lambda c: c.model == "moe" and c.shape.get("pipe", 1) > 1, "pipe"),
+    # The MoE model's 4 layers are 2 groups (dense + MoE), too few for pipe=2 x 2 virtual stages.
+    (lambda c: c.model == "moe" and c.schedule == "interleaved", "do not divide into pipe=2 x virtual_stages=2"),
     (lambda c: c.model == "moe" and c.tensor_form == "explicit" and c.shape.get("tensor", 1) > 1,
      "tensor_form='annotation'"),
     (lambda c: c.tensor_form == "explicit" and c.precision != "fp32" and c.shape.get("expert", 1) > 1, "XLA:CPU"),
