@@ -47,8 +47,8 @@ def run(tmp_path_factory):
     initial = prepared.init()
     prepared.init = lambda: jax.tree.map(jnp.copy, initial)  # the step donates its input state
     cpu = train(prepared)
-    prepared = dataclasses.replace(prepared, mfu=mfu.for_run("tiny", prepared.model_config, 8, 32, "fp32",
-                                                            list(prepared.plan.mesh.devices.flat), PEAK))
+    with_peak = prepare(dataclasses.replace(config, peak_flops=PEAK), prepared.plan)  # no compile: take its MFU
+    prepared = dataclasses.replace(prepared, mfu=with_peak.mfu)
     prepared.init = lambda: jax.tree.map(jnp.copy, initial)
     printed = train(prepared, metrics=str(tmp / "m.jsonl"), tensorboard=str(tmp / "tb"))
     rows = [json.loads(line) for line in (tmp / "m.jsonl").read_text().splitlines()]
