@@ -277,7 +277,7 @@ def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
     from jaxpar.schedule import Schedule, render, save_png
 
     if plan is not None:
-        schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.microbatches, plan.virtual_stages)
+        schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.pipeline_microbatches, plan.virtual_stages)
     else:
         defaults = {f.name: f.default for f in _plan_fields()}
         name = args.schedule or defaults["schedule"]

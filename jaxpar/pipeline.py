@@ -105,7 +105,7 @@ def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, 
         y, sums = stages.run_layers(stacked, stages.embed(embed_params, inputs))
         return _result(stages.with_aux(stages.head(head_params, y, targets), sums), sums)
     usage.mark(usage.PIPELINE)
-    schedule = Schedule(plan.schedule, plan.shape[AXIS], plan.microbatches, plan.virtual_stages)
+    schedule = Schedule(plan.schedule, plan.shape[AXIS], plan.pipeline_microbatches, plan.virtual_stages)
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     check_shapes(schedule, stacked, inputs, plan.axis_size(*(a for a in plan.batch_axes if a not in manual)))
     split = microbatches({"inputs": inputs, "targets": targets}, schedule.microbatches)

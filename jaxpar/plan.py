@@ -6,9 +6,9 @@ sequence parallelism, pipelining) are options here, so switching strategy is a
 configuration change, never a model change.
 
 A Plan holds what it was given, checked; `Plan.create` converts user input
-(mesh text or a user's jax Mesh, Flax-style rule pairs, `microbatches=0`) into
-that form, and everything derived from the options (the rules sequence
-parallelism adds, the step's manual axes) is a property, so a
+(mesh text or a user's jax Mesh, Flax-style rule pairs) into that form, and
+everything derived from the options (the rules sequence parallelism adds, the
+step's manual axes, the pipeline's microbatch count) is a property, so a
 `dataclasses.replace` never carries a stale derivation.
 """
 
@@ -57,7 +57,7 @@ class Plan:
     precision: fp32, bf16 / fp16 compute with fp32 master weights, or bf16-params.
     tensor_form: Megatron layers as sharding annotations or as explicit shard_map (jaxpar.tensor).
     schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.schedule);
-        `Plan.create` reads microbatches=0 as one per pipeline stage.
+        microbatches=0 means one per pipeline stage (`pipeline_microbatches`).
     """
 
     mesh: Mesh
@@ -112,7 +112,9 @@ class Plan:
         if tuple(self.mesh.axis_names) != tuple(order):
             raise ValueError(f"the plan's mesh axes {self.mesh.axis_names} must nest as {order} (jaxpar.mesh); "
                              f"build the plan with Plan.create, which orders them")
-        schedule_lib.validate(self.schedule, self.shape["pipe"], self.microbatches, self.virtual_stages)
+        if self.microbatches < 0:
+            raise ValueError(f"microbatches must be >= 1, or 0 for one per pipe stage; got {self.microbatches}")
+        schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
                       if a != "data" and self.shape.get(a, 1) > 1]
         if (self.tensor_form == "explicit" and self.shape["tensor"] > 1 and self.precision != "fp32" and auto_batch
@@ -152,8 +154,6 @@ class Plan:
         renamed = rules_lib.as_rules(dict(axis_names or {}).items())
         given = rules_lib.as_rules(merged.get("rules", {}), rename=axis_names)
         merged["rules"] = {**rules_lib.DEFAULT_RULES, **renamed, **given}
-        if not merged.get("microbatches"):
-            merged["microbatches"] = mesh_shape(mesh)["pipe"]
         order = manual_axes(mesh_shape(mesh), merged.get("tensor_form", "annotation"))
         return cls(mesh=nesting_order(mesh, order), **merged)
 
@@ -163,6 +163,11 @@ class Plan:
         return {**self.rules, "seq_residual": "tensor"} if self.sequence_parallel else dict(self.rules)
 
     # -- sizes -------------------------------------------------------------
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Microbatches the pipeline streams per step: `microbatches`, or one per pipe stage when that is 0."""
+        return self.microbatches or self.shape["pipe"]
 
     @property
     def shape(self) -> dict[str, int]:
@@ -189,12 +194,12 @@ class Plan:
 
     def check_batch(self, global_batch: int, seq_len: int | None = None) -> None:
         """Raise ValueError before tracing when a batch of these sizes does not split over the plan."""
-        ways = self.axis_size(*self.batch_axes) * self.grad_accum * self.microbatches
+        ways = self.axis_size(*self.batch_axes) * self.grad_accum * self.pipeline_microbatches
         if global_batch % ways:
             raise ValueError(
                 f"global batch {global_batch} does not divide by the batch axes "
                 f"{', '.join(f'{a}={self.shape[a]}' for a in self.batch_axes)} x grad_accum={self.grad_accum} "
-                f"x microbatches={self.microbatches} (product {ways})"
+                f"x microbatches={self.pipeline_microbatches} (product {ways})"
             )
         if self.sequence_parallel and seq_len is not None:
             rules_lib.resolve_spec(("seq_residual",), (seq_len,), self.shape, self.logical_rules,

@@ -21,9 +21,10 @@ def test_replace_derives_the_rules_again():
 
 def test_create_converts_and_the_constructor_checks():
     plan = Plan.create("pipe=4,data=2")
-    assert plan.microbatches == 4  # create reads 0 as one per stage
-    with pytest.raises(ValueError, match="microbatches must be >= 1"):
-        Plan(mesh=plan.mesh, microbatches=0)
+    assert plan.microbatches == 0 and plan.pipeline_microbatches == 4  # 0: one per stage, derived
+    assert dataclasses.replace(plan, mesh=Plan.create("pipe=2,data=4").mesh).pipeline_microbatches == 2
+    with pytest.raises(ValueError, match="microbatches must be >= 1, or 0 for one per pipe stage; got -1"):
+        Plan(mesh=plan.mesh, microbatches=-1)
     grid = np.array(jax.devices()).reshape(1, 1, 2, 4)
     backwards = Mesh(grid, ("expert", "pipe", "tensor", "data"), axis_types=(AxisType.Auto,) * 4)
     with pytest.raises(ValueError, match="must nest as .* build the plan with Plan.create"):

@@ -92,7 +92,7 @@ def test_pipeline_options_without_a_pipeline_fail():
 
 def test_microbatches_default_to_one_per_stage_and_count_in_the_batch_check():
     plan = Plan.create("pipe=4,data=2")
-    assert plan.microbatches == 4 and Plan.create("data=8").microbatches == 1
+    assert plan.pipeline_microbatches == 4 and Plan.create("data=8").pipeline_microbatches == 1
     plan.check_batch(8)
     with pytest.raises(ValueError, match="microbatches=4"):
         plan.check_batch(12)
