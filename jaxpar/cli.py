@@ -217,13 +217,15 @@ def _add_hf_commands(sub) -> None:
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     generate.add_argument("--eos", type=int, default=None, help="token id that ends a sequence")
-    generate.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer.json (default: UTF-8 bytes)")
     generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (reference)")
     tokenize = sub.add_parser("tokenize", help="text into a .npy token file (and a JSON header) for --data")
     tokenize.add_argument("source", help="a text file or a folder of text files")
     tokenize.add_argument("--out", required=True, help="the .npy file to write (its header goes beside it as .json)")
     tokenize.add_argument("--tokenizer", default=None,
                           help="a Hugging Face tokenizer.json or a SentencePiece .model (default: UTF-8 bytes)")
+    for command in (evaluate, generate):
+        command.add_argument("--tokenizer", default=None,
+                             help="a Hugging Face tokenizer.json or a SentencePiece .model (default: UTF-8 bytes)")
     for command in (imp, evaluate, generate):
         command.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose (default 8)")
         command.add_argument("--json", action="store_true", help="print one JSON object only")
@@ -252,7 +254,7 @@ def _hf_command(args: argparse.Namespace) -> int:
             from jaxpar.generate import generation_plan
 
             result = evaluate_checkpoint(args.checkpoint_dir, generation_plan(args.mesh), args.data, args.seq_len,
-                                         args.batch_size, args.step)
+                                         args.batch_size, args.step, tokenizer=args.tokenizer)
         else:
             from jaxpar.generate import generate_from_checkpoint
 

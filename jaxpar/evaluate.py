@@ -83,28 +83,21 @@ class Evaluator:
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(count)}
 
 
-def run_evaluator(run) -> Evaluator:
-    """The evaluator of a prepared training run (jaxpar.train.Run): its data's held-out tail, its plan."""
-    from jaxpar import data as data_lib
-
-    _, heldout = split_tokens(data_lib.load_tokens(run.config.data))
-    windows = eval_windows(heldout, run.config.seq_len, run.config.batch_size)
-    return Evaluator(run.model, run.plan, windows, run.config.batch_size)
-
-
 def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None = None, batch_size: int = 8,
-                        step: int | None = None, max_batches: int = MAX_BATCHES) -> dict[str, Any]:
-    """`jaxpar eval`: held-out loss and perplexity of a training checkpoint, export or HF directory."""
-    from jaxpar import data as data_lib
+                        step: int | None = None, max_batches: int = MAX_BATCHES, tokenizer: str | None = None
+                        ) -> dict[str, Any]:
+    """`jaxpar eval`: held-out loss and perplexity of a training checkpoint, export or HF directory.
+
+    The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers), so the held-out tail is the same.
+    """
     from jaxpar import hf
     from jaxpar.models import model_factory
     from jaxpar.state import describe
+    from jaxpar.tokenize import training_tokens
 
     name, cfg = hf.saved_model_config(path)
     seq_len = seq_len or min(cfg.seq_len, 256)
-    tokens = data_lib.load_tokens(data)
-    if int(tokens.max()) >= cfg.vocab:
-        raise ValueError(f"data holds token id {int(tokens.max())} but the model's vocabulary has only {cfg.vocab} entries")
+    tokens = training_tokens(data, tokenizer, cfg.vocab)
     plan.check_batch(batch_size)
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)

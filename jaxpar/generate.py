@@ -180,15 +180,9 @@ def generate_from_checkpoint(path, prompts: Sequence[str], mesh: str | None = No
 
 
 def text_codec(tokenizer: str | None, vocab: int):
-    """(encode, decode) between text and token ids: UTF-8 bytes by default, or a Hugging Face tokenizer.json."""
-    if tokenizer is None:
-        if vocab < 256:
-            raise ValueError(f"byte tokens need a vocabulary of at least 256 entries, the model has {vocab}")
-        return (lambda text: list(text.encode("utf-8")),
-                lambda ids: bytes(i for i in ids if i < 256).decode("utf-8", errors="replace"))
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as error:
-        raise ValueError("--tokenizer needs the `tokenizers` package (pip install tokenizers)") from error
-    loaded = Tokenizer.from_file(str(tokenizer))
-    return (lambda text: loaded.encode(text).ids, lambda ids: loaded.decode(ids))
+    """(encode, decode) between text and token ids: UTF-8 bytes by default, a tokenizer.json or a SentencePiece .model."""
+    from jaxpar.tokenize import check_covers, load_tokenizer
+
+    loaded = load_tokenizer(tokenizer)
+    check_covers(loaded, vocab, "--tokenizer" if tokenizer else "byte tokens")
+    return (lambda text: [int(i) for i in loaded.encode([text])[0]]), loaded.decode

@@ -25,15 +25,17 @@ from jaxpar.data import TEXT_SUFFIXES
 
 @dataclasses.dataclass(frozen=True)
 class Tokenizer:
-    """A loaded tokenizer: what it is, its vocabulary size, its file's hash, and text -> ids per document."""
+    """A loaded tokenizer: what it is, its vocabulary size, its file's hash, text -> ids per document and ids -> text."""
 
     kind: str  # "bytes", "tokenizer.json" or "sentencepiece"
     vocab: int
     sha256: str | None
     encode: Callable[[list[str]], list[np.ndarray]]
+    decode: Callable[[list[int]], str]
 
 
-BYTES = Tokenizer("bytes", 256, None, lambda texts: [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts])
+BYTES = Tokenizer("bytes", 256, None, lambda texts: [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts],
+                  lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace"))
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
@@ -57,7 +59,8 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     except Exception as error:  # noqa: BLE001 - the Rust side raises a bare Exception on a bad file
         raise ValueError(f"--tokenizer {str(path)!r} is not a readable Hugging Face tokenizer.json: {error}") from None
     return Tokenizer("tokenizer.json", loaded.get_vocab_size(), digest,
-                     lambda texts: [np.asarray(e.ids, np.int64) for e in loaded.encode_batch(texts)])
+                     lambda texts: [np.asarray(e.ids, np.int64) for e in loaded.encode_batch(texts)],
+                     lambda ids: loaded.decode(list(ids)))
 
 
 def _sentencepiece(path: Path, digest: str) -> Tokenizer:
@@ -72,7 +75,8 @@ def _sentencepiece(path: Path, digest: str) -> Tokenizer:
     except (OSError, RuntimeError) as error:
         raise ValueError(f"--tokenizer {str(path)!r} is not a readable SentencePiece model: {error}") from None
     return Tokenizer("sentencepiece", processor.GetPieceSize(), digest,
-                     lambda texts: [np.asarray(ids, np.int64) for ids in processor.EncodeAsIds(texts)])
+                     lambda texts: [np.asarray(ids, np.int64) for ids in processor.EncodeAsIds(texts)],
+                     lambda ids: processor.DecodeIds([int(i) for i in ids]))
 
 
 def text_files(source: Path) -> list[Path]:

@@ -102,3 +102,20 @@ def test_tokenize_never_overwrites(files, capsys):
                  "--tokenizer", str(files / "tokenizer.json")]) == 2
     assert "tokenizer.json' already exists" in capsys.readouterr().err
     assert (files / "tokenizer.json").read_text() == (files / "bpe-tokenizer.json").read_text()
+
+
+def test_generate_encodes_and_decodes_with_either_tokenizer(files):
+    """`jaxpar generate --tokenizer` (and eval's) codec: the library's own ids, decoded back to the text."""
+    from jaxpar.generate import text_codec
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(files / "sp.model"))
+    encode, decode = text_codec(str(files / "sp.model"), TINY_VOCAB)
+    text = "the language reference"
+    assert encode(text) == sp.encode(text) and decode(encode(text)) == sp.decode(sp.encode(text))
+    encode, decode = text_codec(None, TINY_VOCAB)
+    assert encode("café") == list("café".encode("utf-8")) and decode(encode("café")) == "café"
+    with pytest.raises(ValueError, match="vocabulary of 400 tokens but the model's has 256"):
+        text_codec(str(files / "bpe-tokenizer.json"), TINY_VOCAB)
+    encode, decode = text_codec(str(files / "bpe-tokenizer.json"), 512)
+    assert decode(encode("the language reference")) == Tokenizer.from_file(str(files / "bpe-tokenizer.json")).decode(
+        encode("the language reference"))
