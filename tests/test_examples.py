@@ -121,6 +121,11 @@ def check_layer_gathers(compiled, plan, params: dict, stack: str, layers: int) -
     assert sorted(once) == sorted(outside)
 
 
+def uses_tensor(compiled, plan) -> bool:
+    """Whether the step splits the model over tensor: it then communicates over that axis."""
+    return any(op.axes == ("tensor",) for op in inspect.collective_ops(compiled, plan.mesh))
+
+
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
 _DOT = re.compile(r"\bdot\(%?([\w.\-]+),\s*%?[\w.\-]+\).*lhs_contracting_dims=\{([0-9,]*)\}")
 
@@ -172,11 +177,11 @@ def test_flax_guide_mlp(mlp_start, mesh, options):
     start, expected = mlp_start
     got = run(mlp, start, mesh, **options)
     check(expected, got)
-    _, state, compiled, plan = got
+    _, _, compiled, plan = got
     if options.get("zero") == 3:
         check_layer_gathers(compiled, plan, start[1].params, "layers", mlp.LAYERS)
     if "tensor" in mesh:
-        assert state.params["layers"]["layers"]["dot1"]["kernel"].shape == (mlp.LAYERS, mlp.DEPTH, mlp.DEPTH)
+        assert uses_tensor(compiled, plan)
 
 
 # -- the Flax MNIST tutorial's CNN: BatchNorm statistics and dropout ----------------------------------------------------
@@ -264,9 +269,11 @@ def test_minigpt(gpt_start, mesh, options):
     start, expected = gpt_start
     got = run(gpt, start, mesh, **options)
     check(expected, got)
-    _, state, compiled, plan = got
+    _, _, compiled, plan = got
     if options.get("zero") == 3:
         check_layer_gathers(compiled, plan, start[1].params, "transformer_blocks", gpt.num_transformer_blocks)
+    if "tensor" in mesh:
+        assert uses_tensor(compiled, plan)
 
 
 def test_minigpt_pipelines(gpt_start):
@@ -278,10 +285,9 @@ def test_minigpt_pipelines(gpt_start):
     is (m + p - 1) / (m p) = 5/8 for m = 4, p = 2: about half, plus the bubble.
     """
     start, _ = gpt_start
-    _, state, compiled, plan = run(gpt, start, PIPE[0], **PIPE[1])
+    _, _, compiled, plan = run(gpt, start, PIPE[0], **PIPE[1])
     permutes = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.kind == "collective-permute"]
     assert permutes and all(op.axes == ("pipe",) for op in permutes)
-    assert state.params["transformer_blocks"]["layers"]["linear1"]["kernel"].shape[0] == gpt.num_transformer_blocks
     pipe1 = 2 * matmul_flops(run(gpt, start, "data=4,tensor=2")[2])
     ratio = matmul_flops(compiled) / pipe1
     print(f"matmul FLOPs per device, pipe=2 / pipe=1: {ratio:.3f}")
@@ -298,7 +304,6 @@ def test_minigpt_moe(moe_start):
     start, expected = moe_start
     got = run(gpt, start, "data=2,expert=4")
     check(expected, got)
-    _, state, compiled, plan = got
-    assert state.params["transformer_blocks"]["layers"]["expert_up"].shape[1] == gpt.MOE.n_experts
+    _, _, compiled, plan = got
     all_to_all = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.kind == "all-to-all"]
     assert all_to_all and all(op.axes == ("expert",) for op in all_to_all)
