@@ -6,11 +6,11 @@ plan maps onto `tensor`, RULES; the two rank-2 names the tutorial gives rank-1
 arrays become rank 1); the list of blocks becomes a `jaxpar.Stack`; the loss
 goes through `jaxpar.pipelined_loss`, so that `pipe=2` runs the blocks as a
 pipeline; and attention has no biases, since the key's gets no gradient
-(softmax ignores a shift) and Adam would turn its round-off into full steps. The pipelined model holds parameters only: dropout stays off, as
-the tutorial trains it (`training=False`; a pipeline stage cannot carry RNG
-streams yet), and the MoE variant (`MoEMiniGPT`: the FFN replaced by
-`jaxpar.moe_ffn`, for `data=2,expert=4`) does not pipeline (its routers'
-losses would have to leave the stages).
+(softmax ignores a shift) and Adam would turn its round-off into full steps.
+The pipelined model holds parameters only: dropout stays off, as the tutorial
+trains it (`training=False`; a pipeline stage cannot carry RNG streams). The
+MoE variant (`MoEMiniGPT`: the FFN replaced by `jaxpar.moe_ffn`, run on
+`data=2,expert=4`) calls its Stack directly, without the pipeline.
 
     python examples/minigpt.py --mesh data=2,tensor=2,pipe=2 [--zero 3] [--moe]
 """
