@@ -1,7 +1,8 @@
 """Accelerator specs for the planner: memory, peak FLOP/s and link bandwidths of one device.
 
-Figures are the vendors' datasheet numbers (dense bf16 matmul peak, HBM
-capacity and bandwidth) and the usual node build: 8 GPUs on NVLink/NVSwitch,
+Figures are the vendors' datasheet numbers (HBM capacity and bandwidth; the
+peak FLOP/s come from the one table `jaxpar.mfu.PEAKS`, which training's MFU
+reads too) and the usual node build: 8 GPUs on NVLink/NVSwitch,
 one 400 Gb/s (H100/H200) or 200 Gb/s (A100) NIC per GPU; TPU v5p chips all on
 ICI within a pod. Bandwidths are what one device can send per second
 (unidirectional), the quantity ring traffic is divided by. Any other device
@@ -14,6 +15,8 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
+from jaxpar.mfu import device_peak
+
 GB = 1e9
 GiB = 2**30
 
@@ -24,7 +27,7 @@ class Device:
 
     hbm: bytes of device memory; usable: share of it a step may plan on (the rest
     is the runtime's, fragmentation, NCCL buffers); peak_flops: dense bf16
-    FLOP/s; fp32_flops: dense fp32 FLOP/s; efficiency: share of peak that large
+    FLOP/s; fp32_flops: dense FLOP/s of an fp32 matmul at JAX's default precision; efficiency: share of peak that large
     matmuls reach; hbm_bandwidth: bytes/s; intra_bandwidth / inter_bandwidth:
     bytes/s one device sends to a peer inside / outside its node;
     devices_per_node: how many devices share the fast links; widens_low_precision:
@@ -72,15 +75,20 @@ def _old_xla_cpu() -> bool:
     return (major, minor) < (0, 11)
 
 
+def _peaks(device_kind: str) -> tuple[float, float]:
+    """(bf16, fp32) peak FLOP/s of a device as `jaxpar.mfu.PEAKS` lists it (its device_kind)."""
+    return device_peak(device_kind, "bf16")[0], device_peak(device_kind, "fp32")[0]
+
+
 DEVICES: dict[str, Device] = {
-    # H100 SXM: 80 GB HBM3 at 3.35 TB/s, 989 TFLOP/s bf16, NVLink 4 (900 GB/s both ways), 400 Gb/s IB per GPU.
-    "h100": Device("H100 SXM 80GB", 80 * GB, 989e12, 67e12, 3.35e12, 450 * GB, 50 * GB, 8),
+    # H100 SXM: 80 GB HBM3 at 3.35 TB/s, NVLink 4 (900 GB/s both ways), 400 Gb/s IB per GPU.
+    "h100": Device("H100 SXM 80GB", 80 * GB, *_peaks("NVIDIA H100 80GB HBM3"), 3.35e12, 450 * GB, 50 * GB, 8),
     # H200 SXM: an H100 with 141 GB HBM3e at 4.8 TB/s.
-    "h200": Device("H200 SXM 141GB", 141 * GB, 989e12, 67e12, 4.8e12, 450 * GB, 50 * GB, 8),
-    # A100 SXM 80GB: 312 TFLOP/s bf16 (19.5 fp32 without TF32), NVLink 3 (600 GB/s both ways), 200 Gb/s HDR IB per GPU.
-    "a100": Device("A100 SXM 80GB", 80 * GB, 312e12, 19.5e12, 2.04e12, 300 * GB, 25 * GB, 8),
-    # TPU v5p: 95 GB HBM at 2.76 TB/s, 459 TFLOP/s bf16, ICI 4800 Gb/s per chip in a 3D torus of up to 8960 chips.
-    "tpu-v5p": Device("TPU v5p", 95 * GB, 459e12, 459e12 / 2, 2.76e12, 300 * GB, 25 * GB, 8960),
+    "h200": Device("H200 SXM 141GB", 141 * GB, *_peaks("NVIDIA H200"), 4.8e12, 450 * GB, 50 * GB, 8),
+    # A100 SXM 80GB: NVLink 3 (600 GB/s both ways), 200 Gb/s HDR IB per GPU.
+    "a100": Device("A100 SXM 80GB", 80 * GB, *_peaks("NVIDIA A100-SXM4-80GB"), 2.04e12, 300 * GB, 25 * GB, 8),
+    # TPU v5p: 95 GB HBM at 2.76 TB/s, ICI 4800 Gb/s per chip in a 3D torus of up to 8960 chips.
+    "tpu-v5p": Device("TPU v5p", 95 * GB, *_peaks("TPU v5"), 2.76e12, 300 * GB, 25 * GB, 8960),
     # The host CPU that the tests force into 8 XLA devices: only memory and traffic are meaningful here.
     "cpu": Device("host CPU (XLA:CPU)", 16 * GiB, 1e11, 1e11, 20 * GB, 10 * GB, 10 * GB, 8, usable=1.0,
                   efficiency=0.5, widens_low_precision=True, low_precision_in_fp32=_old_xla_cpu(),
