@@ -29,6 +29,8 @@ _OP = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s(" + "|".join(KINDS
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _CALLEE = re.compile(r"\b(body|calls|to_apply|branch_computations|true_computation|false_computation)=\{?%?([\w.\-, %]+)\}?")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
+_DOT = re.compile(r"\bdot\(%?([\w.\-]+),\s*%?[\w.\-]+\).*lhs_contracting_dims=\{([0-9,]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,11 +230,34 @@ def memory(compiled) -> dict[str, int]:
 
 
 def flops(compiled) -> float:
-    """FLOPs per device per step from XLA's cost analysis."""
+    """FLOPs per device per step from XLA's cost analysis, which counts a loop body once whatever its trip count."""
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
     return float(cost.get("flops", 0.0))
+
+
+def matmul_flops(compiled) -> float:
+    """FLOPs per device per step of the compiled step's dot instructions, each counted as often as it runs.
+
+    Unlike `flops`, loop bodies count once per trip (a layer scan, a pipeline's
+    tick scan), so steps that scan differently compare. Matmuls a backend hands
+    to a library call (cuBLAS custom calls on GPU) are not dots and not counted.
+    """
+    computations = _split_computations(_hlo_text(compiled))
+    counts = _execution_counts(computations)
+    dims = lambda text: [int(d) for d in text.split(",") if d]  # noqa: E731
+    total = 0.0
+    for name, lines in computations.items():
+        if not counts.get(name):
+            continue
+        shapes = {m.group(1): dims(m.group(2)) for m in map(_DEFINITION.match, lines) if m}
+        for line in lines:
+            dot, out = _DOT.search(line), _DEFINITION.match(line)
+            if dot and out and dot.group(1) in shapes:
+                contracted = math.prod(shapes[dot.group(1)][i] for i in dims(dot.group(2)))
+                total += counts[name] * 2.0 * math.prod(dims(out.group(2))) * contracted
+    return total
 
 
 def summary(compiled, mesh: Mesh) -> dict:
@@ -242,4 +267,5 @@ def summary(compiled, mesh: Mesh) -> dict:
         "collectives": collectives(compiled, mesh),
         "memory": memory(compiled),
         "flops": flops(compiled),
+        "matmul_flops": matmul_flops(compiled),
     }

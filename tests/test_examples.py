@@ -11,8 +11,6 @@ ZeRO-3 gathering the stacked layers one layer at a time.
 
 import collections
 import importlib.util
-import math
-import re
 from pathlib import Path
 
 import jax
@@ -124,32 +122,6 @@ def check_layer_gathers(compiled, plan, params: dict, stack: str, layers: int) -
 def uses_tensor(compiled, plan) -> bool:
     """Whether the step splits the model over tensor: it then communicates over that axis."""
     return any(op.axes == ("tensor",) for op in inspect.collective_ops(compiled, plan.mesh))
-
-
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*[a-z0-9]+\[([0-9,]*)\]")
-_DOT = re.compile(r"\bdot\(%?([\w.\-]+),\s*%?[\w.\-]+\).*lhs_contracting_dims=\{([0-9,]*)\}")
-
-
-def matmul_flops(compiled) -> float:
-    """Per-device FLOPs of the compiled step's matmuls, each counted as often as it runs.
-
-    XLA's cost analysis counts a while body once, whatever its trip count, so
-    it cannot compare a pipeline's tick scan with a layer scan; the trip
-    counts come from jaxpar.inspect's walk of the HLO call graph.
-    """
-    computations = inspect._split_computations(compiled.as_text())
-    counts = inspect._execution_counts(computations)
-    dims = lambda text: [int(d) for d in text.split(",") if d]  # noqa: E731
-    total = 0.0
-    for name, lines in computations.items():
-        shapes = {m.group(1): dims(m.group(2)) for m in map(_DEF.match, lines) if m}
-        for line in lines:
-            dot, out = _DOT.search(line), _DEF.match(line)
-            if dot and out and counts.get(name):
-                lhs = shapes[dot.group(1)]
-                inner = math.prod(lhs[i] for i in dims(dot.group(2)))
-                total += counts[name] * 2.0 * math.prod(dims(out.group(2))) * inner
-    return total
 
 
 MESHES = [("data=8", {}), ("data=8", {"zero": 3}), ("data=4,tensor=2", {})]
@@ -288,8 +260,8 @@ def test_minigpt_pipelines(gpt_start):
     _, _, compiled, plan = run(gpt, start, PIPE[0], **PIPE[1])
     permutes = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.kind == "collective-permute"]
     assert permutes and all(op.axes == ("pipe",) for op in permutes)
-    pipe1 = 2 * matmul_flops(run(gpt, start, "data=4,tensor=2")[2])
-    ratio = matmul_flops(compiled) / pipe1
+    pipe1 = 2 * inspect.matmul_flops(run(gpt, start, "data=4,tensor=2")[2])
+    ratio = inspect.matmul_flops(compiled) / pipe1
     print(f"matmul FLOPs per device, pipe=2 / pipe=1: {ratio:.3f}")
     assert ratio == pytest.approx(5 / 8, abs=0.05)
 
