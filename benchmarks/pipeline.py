@@ -15,9 +15,7 @@
 import argparse
 import dataclasses
 import json
-import math
 import os
-import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -35,37 +33,6 @@ from jaxpar.step import make_train_step  # noqa: E402
 
 STAGES = 4
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
-_DOT = re.compile(
-    r"%?([\w.\-]+) = (\w+)\[([\d,]*)\]\S* dot\((%?[\w.\-]+), %?[\w.\-]+\).*lhs_contracting_dims=\{([\d,]*)\}"
-)
-_DEF = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \w+\[([\d,]*)\]")
-
-
-def matmul_flops(compiled) -> float:
-    """2 x M x N x K of every dot, times the executions per step of its computation (loop trip counts).
-
-    XLA's cost analysis counts a while loop's body once, so scans over layers
-    and ticks would vanish from it; the loop-aware call counts come from
-    jaxpar.inspect's reading of the same HLO.
-    """
-    computations = inspect._split_computations(compiled.as_text())
-    counts = inspect._execution_counts(computations)
-    total = 0.0
-    for name, lines in computations.items():
-        if name == "__entry__" or not counts.get(name):
-            continue
-        shapes = {m.group(1): [int(d) for d in m.group(2).split(",") if d] for m in map(_DEF.match, lines) if m}
-        for line in lines:
-            dot = _DOT.search(line)
-            if not dot:
-                continue
-            out = [int(d) for d in dot.group(3).split(",") if d]
-            lhs = shapes[dot.group(4).lstrip("%")]
-            contracted = math.prod(lhs[int(d)] for d in dot.group(5).split(",") if d)
-            total += 2.0 * math.prod(out) * contracted * counts[name]
-    return total
-
-
 def compile_step(model, optimizer, plan: Plan, batch: int, seq: int):
     spec = jax.ShapeDtypeStruct((batch, seq), np.int32)
     step = make_train_step(model, lambda module, b: module(b), optimizer, plan)
@@ -83,7 +50,7 @@ def measure(model, optimizer, config, name: str, v: int, m: int, reference_flops
                 if op.kind == "collective-permute" and op.axes == ("pipe",)]
     permuted = sum(op.count * op.bytes for op in permutes if op.bytes == activation)
     relaid = sum(op.count * op.bytes for op in permutes if op.bytes != activation)
-    flops_ratio = matmul_flops(compiled) * STAGES / reference_flops
+    flops_ratio = inspect.matmul_flops(compiled) * STAGES / reference_flops
     goal = (v * m + STAGES - 1) / (v * m)
     return {
         "schedule": name, "virtual_stages": v, "microbatches": m, "ticks": schedule.ticks,
@@ -109,7 +76,7 @@ def main():
     single = Plan.create("data=1", devices=jax.devices()[:1])
     results = []
     for m in series:
-        reference_flops = matmul_flops(compile_step(model, optimizer, single, m, config.seq_len))
+        reference_flops = inspect.matmul_flops(compile_step(model, optimizer, single, m, config.seq_len))
         for name, v in SCHEDULES:
             results.append(measure(model, optimizer, config, name, v, m, reference_flops))
     temp = {name: {r["microbatches"]: r["memory"]["temp"] for r in results if r["schedule"] == name}

@@ -58,3 +58,27 @@ def test_ring_formulas():
     assert inspect.ring_traffic("all-to-all", 800, 4) == pytest.approx(600)
     assert inspect.ring_traffic("all-gather", 800, 1) == 0.0
     assert np.isclose(inspect.ring_traffic("collective-permute", 800, 2), 800)
+
+
+@pytest.mark.parametrize("layers", [2, 8])
+def test_matmul_flops_count_every_layer_of_the_scan(layers):
+    """XLA's cost analysis counts the layer scan's body once; matmul_flops counts it per layer: 6 N + attention per token."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from jaxpar import mfu
+    from jaxpar.models import model_config
+    from jaxpar.models.llama import Llama
+    from jaxpar.plan import Plan
+    from jaxpar.state import abstract_state, describe
+    from jaxpar.step import make_train_step
+
+    config = model_config("tiny", {"n_layers": layers, "seq_len": 32})
+    plan = Plan.create("data=1", devices=jax.devices()[:1])
+    model = describe(lambda: Llama(config, nnx.Rngs(0)))
+    optimizer = optax.sgd(0.1)
+    batch = {k: jax.ShapeDtypeStruct((4, 32), np.int32) for k in ("inputs", "targets")}
+    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(
+        abstract_state(model, optimizer, plan), batch).compile()
+    assert inspect.matmul_flops(compiled) == pytest.approx(mfu.model_flops_per_step("tiny", config, 4, 32), rel=0.01)
