@@ -71,11 +71,17 @@ class Optimizer:
     def loss_scale(self, state) -> jax.Array | None:
         return state.loss_scale.scale if self.policy.loss_scaling else None
 
+    def grad_norm(self, grads) -> jax.Array:
+        """The global gradient norm `apply` reports (fp32 under a master copy); without loss scaling only."""
+        if self.policy.master:
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return optax.tree.norm(grads)
+
     def apply(self, grads, state, params):
         """(new params, new state, metrics) from gradients of the (scaled) loss."""
         if not self.policy.master:
             updates, state = self.inner.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, {"grad_norm": optax.tree.norm(grads)}
+            return optax.apply_updates(params, updates), state, {"grad_norm": self.grad_norm(grads)}
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         if self.policy.loss_scaling:
             grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
