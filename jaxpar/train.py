@@ -210,6 +210,21 @@ def changed_settings(position: dict, run: Run) -> list[str]:
     return differences({k: saved.get(k) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
 
 
+def compiled_in_step(run: Run, state: TrainState, start: int):
+    """The step compiled ahead in every process, which then wait for each other before the first one runs.
+
+    On CPU each new group of processes sets up its collectives when it first
+    meets, and gives up after XLA's fixed 30 s; processes compiling at different
+    speeds (a loaded host) would reach the first step further apart than that.
+    """
+    import orbax.checkpoint as ocp
+
+    compiled = run.step_fn.lower(state, run.batch(start)).compile()
+    # The coordination service's barrier, not a collective (which would itself have the 30 s limit).
+    ocp.multihost.get_barrier_sync_fn()(key="jaxpar-step-compiled", timeout_ms=30 * 60 * 1000)
+    return compiled
+
+
 def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoints | None = None,
             nonfinite_steps: int = 0) -> Iterator[tuple[TrainState, dict]]:
     """Train from step `start` to `config.steps`, yielding the state and metrics of each step.
@@ -225,7 +240,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     """
     config = run.config
     tokens = config.batch_size * config.seq_len
-    with jax.default_device(jax.devices("cpu")[0]):  # once, on the host: no accelerator work per step for a metric
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
         lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
     metrics_file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
     board = None
@@ -238,12 +253,13 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
 
         windows = eval_windows(run.heldout, config.seq_len, config.batch_size)
         evaluator = Evaluator(run.model, run.plan, windows, config.batch_size)
+    step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
     try:
         with Preemption() as preemption:
             for step in range(start, config.steps):
                 batch = run.batch(step)
                 began = time.perf_counter()
-                state, metrics = run.step_fn(state, batch)
+                state, metrics = step_fn(state, batch)
                 row = scalar_metrics(metrics)
                 elapsed = time.perf_counter() - began
                 done = step + 1
