@@ -9,6 +9,12 @@
   also the per-step move of the layers into round-robin order and of their gradients back);
 - the temp memory of the compiled step for m = 4, 8, 16, 32 at a fixed microbatch size.
 
+zb-h1's W slot replays the stage's stored VJP for the weight gradients, which
+recomputes the input-gradient chain through the stage's layers: its tick table
+idles less than 1f1b's, but its matmul FLOPs are higher (1.41 against 1.09 of
+unpipelined at m = 32, tiny model with 8 layers, 2026-11-30); temp
+memory 5.84 MB against 1f1b's 5.51 MB, flat in m (m = 8, 16, 32).
+
     python benchmarks/pipeline.py [--microbatches 4,8,16,32] [--seq-len 32]
 """
 
@@ -32,7 +38,7 @@ from jaxpar.state import abstract_state, describe  # noqa: E402
 from jaxpar.step import make_train_step  # noqa: E402
 
 STAGES = 4
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 def compile_step(model, optimizer, plan: Plan, batch: int, seq: int):
     spec = jax.ShapeDtypeStruct((batch, seq), np.int32)
     step = make_train_step(model, lambda module, b: module(b), optimizer, plan)

@@ -10,9 +10,12 @@ with one `ppermute` each.
 
 - gpipe / interleaved: a scan of forward ticks; the backward is its autodiff,
   which keeps every tick's residuals (memory grows with the microbatches).
-- 1f1b: forward and backward slots of different microbatches share a tick;
-  each stage keeps the VJP residuals of at most 2p - 1 microbatches in a ring
-  buffer, whatever m is. Loss and gradients come out of one scan, wrapped in a
+- 1f1b and zb-h1: action tables (`Schedule.actions`) run by one executor,
+  `_table_body`: forward, backward (fused, or input- and weight-backward for
+  zb-h1) slots of different microbatches share a tick, one scan per segment of
+  ticks with the same slot kinds. Each stage keeps the VJP residuals of at most
+  2p - 1 microbatches in a ring buffer, whatever m is (zb-h1 also up to p saved
+  cotangents). Loss and gradients come out of these scans, wrapped in a
   `jax.custom_vjp` so the train step differentiates it like any loss.
 
 The embedding feeds stage 0 and the loss head runs on the last stage's outputs,
@@ -290,7 +293,7 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
     if schedule.explicit_backward:
         forward_schedule = Schedule("gpipe", schedule.stages, schedule.microbatches)
     forward = _shard(_circular_loss(stages, forward_schedule, fill, entries), (P(), P()))
-    body = _one_f_one_b_body if schedule.explicit_backward else _autodiff_body
+    body = _table_body if schedule.explicit_backward else _autodiff_body
     with_grads = _shard(body(stages, schedule, fill, entries), ((P(), P()), (P(), P(AXIS), P())))
 
     primal_axes = {}
@@ -382,12 +385,25 @@ class _ResidualRing:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
-    """1f1b: warm-up, steady and cool-down scans computing the loss and all gradients."""
+def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
+    """The executor of an action table (1f1b, zb-h1): one scan per segment, computing the loss and all gradients.
+
+    A tick runs the slots its segment has, each masked per stage by its
+    microbatch (EMPTY: idle): F (forward; its VJP residuals go into the ring),
+    the loss head on the last stage's output, B or BW (backward from the
+    stored residuals; BW also accumulates the weight gradients, B saves its
+    cotangent for a later W), and W (the stored VJP replayed on the saved
+    cotangent, parameter part only). Activations move forward after F ticks,
+    cotangents backward after B ticks, one `ppermute` each.
+    """
     p, m = schedule.stages, schedule.microbatches
     forward_ring = [(a, a + 1) for a in range(p - 1)]
     backward_ring = [(a + 1, a) for a in range(p - 1)]
-    warm, steady, _ = schedule.phases
+    actions = schedule.actions
+    back = "B" if "B" in actions else "BW"
+    ticks_of = schedule._ticks_of
+    if not (ticks_of(actions["F"])[:, p - 1] == ticks_of(actions[back])[:, p - 1]).all():
+        raise AssertionError(f"schedule {schedule.name!r}: the last stage must run a backward in its forward's tick")
 
     def body(embed_params, chunks, head_params, tokens, targets):
         stage = jax.lax.axis_index(AXIS)
@@ -411,7 +427,16 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
             stages.head, head_params, jax.ShapeDtypeStruct((act.shape[0], act.shape[1] // p, act.shape[2]), act.dtype),
             jax.ShapeDtypeStruct((act.shape[0], targets.shape[-1] // p), targets.dtype),
         ).dtype
+        loss_axes = {AXIS} | varying_axes(jax.eval_shape(
+            lambda y: stages.head(head_params, *_head_share(y, _row(targets, 0), stage, p)), x0))
         ring = _ResidualRing(lambda p, x: jax.vjp(layers, p, x, has_aux=True)[1], params, x0, schedule.in_flight, fill)
+        saved = max(schedule.cotangents_in_flight, 1)  # zb-h1: cotangents from B to W, row j mod saved
+
+        def saved_row(j):
+            return jnp.where(j != EMPTY, jnp.maximum(j, 0) % saved, saved)
+
+        def cotangent_of(dy):
+            return (dy, aux_cotangent) if weighted else dy
 
         def forward_slot(carry, j):
             """Stage forward of microbatch j (embedded here on stage 0); its VJP goes into the ring."""
@@ -424,45 +449,58 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
             return jnp.where(valid, y, jnp.full_like(y, fill))
 
         def head_slot(carry, y, j):
-            """Loss of microbatch j on each stage's share of positions: (the cotangent of the last stage's y, the loss)."""
+            """Loss of microbatch j on each stage's share of positions: the cotangent of the last stage's y."""
+            valid = j != EMPTY
             share, tgt = _head_share(y, _row(targets, j), stage, p)
             value, head_vjp = jax.vjp(lambda h, x: stages.head(h, x, tgt), head_params, share)
             d_head, d_share = head_vjp(jnp.ones_like(value) / (m * p))
-            carry["d_head"] = _add(carry["d_head"], d_head)
-            return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True), value
+            carry["d_head"] = _add(carry["d_head"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_head))
+            carry["loss"] = carry["loss"] + jnp.where(valid, value.astype(jnp.float32), 0)
+            return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True)
 
-        def backward_slot(carry, j, cotangent):
+        def backward_slot(carry, j, cotangent, fused: bool):
             """Stage backward of microbatch j from its stored residuals; stage 0 also backs into the embedding.
 
-            An empty slot's gradients are masked out below, so its aux loss needs no masked cotangent.
+            fused (BW): the weight gradients too. Otherwise (B) only the input
+            gradient, which XLA prunes the weight matmuls from; the cotangent is
+            saved for the W slot. An empty slot's gradients are masked out, so its
+            aux loss needs no masked cotangent.
             """
             valid = j != EMPTY
             dy = jnp.where(valid, cotangent, jnp.zeros_like(cotangent))
-            d_params, dx = ring.load(carry["ring"], j)((dy, aux_cotangent) if weighted else dy)
-            carry["d_stage"] = _add(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params))
+            d_params, dx = ring.load(carry["ring"], j)(cotangent_of(dy))
+            if fused:
+                carry["d_stage"] = _add(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params))
+            else:
+                carry["saved"] = jax.lax.dynamic_update_index_in_dim(carry["saved"], dy, saved_row(j), 0)
             _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
             carry["d_embed"] = _add(carry["d_embed"], embed_vjp(jnp.where(valid & (stage == 0), dx, 0))[0])
             return jnp.where(valid, dx, jnp.full_like(dx, fill))
 
-        def warm_tick(carry, row):
-            carry = dict(carry)
-            carry["fwd_in"] = jax.lax.ppermute(forward_slot(carry, row[stage]), AXIS, forward_ring)
-            return carry, None
+        def weight_slot(carry, j):
+            """Weight gradients of microbatch j: its stored VJP replayed on its saved cotangent, parameter part only."""
+            valid = j != EMPTY
+            dy = _row(carry["saved"], saved_row(j))
+            d_params, _ = ring.load(carry["ring"], j)(cotangent_of(jnp.where(valid, dy, jnp.zeros_like(dy))))
+            carry["d_stage"] = _add(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params))
 
-        def steady_tick(carry, rows):
-            fwd_row, bwd_row, head_j = rows
-            carry = dict(carry)
-            y = forward_slot(carry, fwd_row[stage])
-            dy, value = head_slot(carry, y, head_j)
-            dx = backward_slot(carry, bwd_row[stage], jnp.where(stage == p - 1, dy, carry["bwd_in"]))
-            carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
-            carry["bwd_in"] = jax.lax.ppermute(dx, AXIS, backward_ring)
-            return carry, value
-
-        def cool_tick(carry, row):
-            carry = dict(carry)
-            carry["bwd_in"] = jax.lax.ppermute(backward_slot(carry, row[stage], carry["bwd_in"]), AXIS, backward_ring)
-            return carry, None
+        def tick_of(kinds: tuple[str, ...], head: bool):
+            def tick(carry, rows):
+                carry = dict(carry)
+                if "F" in kinds:
+                    y = forward_slot(carry, rows["F"][stage])
+                    dy = head_slot(carry, y, rows["F"][p - 1]) if head else carry["bwd_in"]
+                if back in kinds:
+                    incoming = jnp.where(stage == p - 1, dy, carry["bwd_in"]) if head else carry["bwd_in"]
+                    dx = backward_slot(carry, rows[back][stage], incoming, fused=back == "BW")
+                if "W" in kinds:
+                    weight_slot(carry, rows["W"][stage])
+                if "F" in kinds:
+                    carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
+                if back in kinds:
+                    carry["bwd_in"] = jax.lax.ppermute(dx, AXIS, backward_ring)
+                return carry, None
+            return tick
 
         carry = {
             "fwd_in": _varying(jnp.full(act.shape, fill, act.dtype), act_axes),
@@ -472,12 +510,14 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
             "d_embed": jax.tree.map(_accumulator, embed_params),
             "d_head": jax.tree.map(_accumulator, head_params),
             "sums": jax.tree.map(_accumulator, sums_shape),
+            "loss": _varying(jnp.zeros((), jnp.float32), loss_axes),
         }
-        fwd, bwd = jnp.asarray(schedule.forward), jnp.asarray(schedule.backward)
-        carry, _ = jax.lax.scan(warm_tick, carry, fwd[:warm])
-        rows = (fwd[warm:warm + steady], bwd[warm:warm + steady], fwd[warm:warm + steady, p - 1])
-        carry, values = jax.lax.scan(steady_tick, carry, rows)
-        carry, _ = jax.lax.scan(cool_tick, carry, bwd[warm + steady:])
+        if "W" in actions:
+            carry["saved"] = _varying(jnp.full((saved + 1, *act.shape), fill, act.dtype), act_axes)
+        for start, stop, kinds in schedule.segments:
+            head = "F" in kinds and bool((actions["F"][start:stop, p - 1] != EMPTY).any())
+            rows = {k: jnp.asarray(actions[k][start:stop]) for k in kinds}
+            carry, _ = jax.lax.scan(tick_of(kinds, head), carry, rows)
 
         def cast(tree, like):
             return jax.tree.map(lambda a, ref: a.astype(ref.dtype), tree, like)
@@ -485,7 +525,7 @@ def _one_f_one_b_body(stages: Stages, schedule: Schedule, fill: float, entries: 
         d_stage = jax.tree.map(lambda a: a[None, None], cast(carry["d_stage"], params))
         d_embed = cast(_sum_over_stages(carry["d_embed"]), embed_params)
         d_head = cast(_sum_over_stages(carry["d_head"]), head_params)
-        loss = (jax.lax.psum(jnp.sum(values.astype(jnp.float32)), AXIS) / (m * p)).astype(loss_dtype)
+        loss = (jax.lax.psum(carry["loss"], AXIS) / (m * p)).astype(loss_dtype)
         sums = jax.tree.map(lambda s: s / m, _sum_over_stages(carry["sums"]))
         return (stages.with_aux(loss, sums), sums), (d_embed, d_stage, d_head)
 

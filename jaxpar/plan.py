@@ -76,7 +76,7 @@ class Plan:
         default="annotation", metadata={"help": "tensor-parallel layers: annotation (XLA places collectives) or explicit"}
     )
     schedule: str = dataclasses.field(
-        default="1f1b", metadata={"help": "pipeline schedule over pipe: gpipe, 1f1b or interleaved"}
+        default="1f1b", metadata={"help": "pipeline schedule over pipe: gpipe, 1f1b, interleaved or zb-h1"}
     )
     microbatches: int = dataclasses.field(
         default=0, metadata={"help": "pipeline microbatches per step (0: one per pipe stage)"}

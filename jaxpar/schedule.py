@@ -14,9 +14,20 @@ executes these tables; this module also measures their bubble and draws them.
   2p - 2 - i + j (the last stage runs the loss head and the backward in the
   tick of the forward). Ticks split into warm-up (forward only), steady
   (forward and backward) and cool-down (backward only) phases.
+- zb-h1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", lockstep form):
+  1F1B's forward and input-backward (B) slots, and each stage's weight
+  gradient (W) of j on tick 2p - 2 + j, when stage 0 runs its B of j: stage
+  i defers its W's by i ticks, which fills the ticks where 1F1B runs no
+  backward on stage 0 (W slots run on m ticks only, 1F1B's fused backward
+  on m + p - 1).
 
-Bubble fractions assume a forward and a backward slot take the same time; for
-these lockstep schedules the fraction does not depend on that ratio.
+Schedules with an explicit backward are data: `Schedule.actions` maps each
+slot kind (F forward, BW fused backward, B input-backward, W weight-backward)
+to a [ticks, stages] table of microbatches (EMPTY: idle), and
+`Schedule.segments` cuts the ticks into phases with the same slot kinds, which
+`jaxpar.pipeline` runs as one scan each. Bubble fractions weigh F, B and W
+slots alike (a fused backward counts twice); for the 1f1b and gpipe tables
+the fraction does not depend on the weights.
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import functools
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+EXPLICIT = ("1f1b", "zb-h1")  # schedules whose backward slots are in the table
+COST = {"F": 1, "B": 1, "W": 1, "BW": 2}  # slot durations in forward-slot units (equal F, B, W)
 EMPTY = -1
 
 
@@ -67,7 +80,7 @@ def validate(schedule: str, stages: int, microbatches: int, virtual_stages: int)
 class Column:
     """One slot of the timeline: a forward or backward slot of every stage (EMPTY: bubble)."""
 
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" (backward; input-backward when split), "W" (weight-backward) or "BW" (fused backward)
     microbatch: tuple[int, ...]
     chunk: tuple[int, ...]
 
@@ -87,7 +100,32 @@ class Schedule:
     @property
     def explicit_backward(self) -> bool:
         """True when the backward slots are scheduled in the table (1f1b), not left to autodiff."""
-        return self.name == "1f1b"
+        return self.name in EXPLICIT
+
+    @functools.cached_property
+    def actions(self) -> dict[str, np.ndarray]:
+        """Slot kind -> [ticks, stages] microbatch each stage runs in that slot (EMPTY: idle).
+
+        Kinds: "F" forward, "BW" fused backward (input and weight gradients),
+        "B" input-backward and "W" weight-backward. Within a tick the slots run
+        in the order F, (loss head), B or BW, W.
+        """
+        if not self.explicit_backward:
+            raise ValueError(f"schedule {self.name!r} leaves the backward to autodiff; it has no action table")
+        return _GENERATORS[self.name](self.stages, self.microbatches)
+
+    @functools.cached_property
+    def segments(self) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
+        """(start, stop, kinds): runs of ticks on which the same slot kinds hold some microbatch."""
+        kinds = [k for k in ("F", "BW", "B", "W") if k in self.actions]
+        out = []
+        for t in range(self.ticks):
+            active = tuple(k for k in kinds if (self.actions[k][t] != EMPTY).any())
+            if out and out[-1][2] == active:
+                out[-1] = (out[-1][0], t + 1, active)
+            else:
+                out.append((t, t + 1, active))
+        return tuple(out)
 
     # -- tick tables ------------------------------------------------------------
 
@@ -103,20 +141,26 @@ class Schedule:
 
     @functools.cached_property
     def backward(self) -> np.ndarray:
-        """[ticks, stages] microbatch of each stage's backward slot (1f1b only)."""
+        """[ticks, stages] microbatch of each stage's (input-)backward slot (1f1b, zb-h1)."""
         if not self.explicit_backward:
             raise ValueError(f"schedule {self.name!r} leaves the backward to autodiff; it has no backward table")
-        return self._tables[2]
+        return self.actions["B" if "B" in self.actions else "BW"]
+
+    @functools.cached_property
+    def release(self) -> np.ndarray:
+        """[ticks, stages] the microbatch whose residuals a stage uses for the last time (W or BW slot)."""
+        return self.actions["W" if "W" in self.actions else "BW"]
 
     @property
     def ticks(self) -> int:
         return self.forward.shape[0]
 
     @functools.cached_property
-    def phases(self) -> tuple[int, int, int]:
-        """1f1b: ticks of warm-up (forward only), steady (both) and cool-down (backward only)."""
-        p, m = self.stages, self.microbatches
-        return (p - 1, m, p - 1) if self.explicit_backward else (self.ticks, 0, 0)
+    def phases(self) -> tuple[int, ...]:
+        """Ticks per segment (1f1b: warm-up, steady, cool-down); (ticks, 0, 0) for an autodiff backward."""
+        if self.explicit_backward:
+            return tuple(stop - start for start, stop, _ in self.segments)
+        return (self.ticks, 0, 0)
 
     @functools.cached_property
     def output_ticks(self) -> np.ndarray:
@@ -133,12 +177,8 @@ class Schedule:
     def _tables(self):
         p, m, v = self.stages, self.microbatches, self.virtual_stages
         if self.explicit_backward:
-            ticks = m + 2 * p - 2
-            t, i = np.arange(ticks)[:, None], np.arange(p)[None, :]
-            fwd, bwd = t - i, t - (2 * p - 2 - i)
-            fwd = np.where((fwd >= 0) & (fwd < m), fwd, EMPTY)
-            bwd = np.where((bwd >= 0) & (bwd < m), bwd, EMPTY)
-            return fwd, np.zeros_like(fwd), bwd
+            fwd = self.actions["F"]
+            return fwd, np.zeros_like(fwd), None
         # Circular: u = t - i counts the slots a stage has seen; u = g*(v*p) + k*p + s means group g,
         # chunk k, position s in the group, so microbatch j = g*p + s enters chunk k on this tick.
         groups = -(-m // p)
@@ -158,12 +198,9 @@ class Schedule:
 
         columns = []
         if self.explicit_backward:
-            warm, steady, _ = self.phases
-            for t in range(self.ticks):
-                if t < warm + steady:
-                    columns.append(column("F", self.forward[t], self.chunk[t]))
-                if t >= warm:
-                    columns.append(column("B", self.backward[t], self.chunk[t]))
+            for start, stop, kinds in self.segments:
+                for t in range(start, stop):
+                    columns += [column(k, self.actions[k][t], self.chunk[t]) for k in kinds]
             return columns
         columns = [column("F", self.forward[t], self.chunk[t]) for t in range(self.ticks)]
         columns += [column("B", self.forward[t], self.chunk[t]) for t in reversed(range(self.ticks))]
@@ -171,23 +208,48 @@ class Schedule:
 
     @property
     def bubble(self) -> float:
-        """Fraction of stage slots that are idle, counted on the tick table."""
-        cells = [j for col in self.timeline() for j in col.microbatch]
-        return sum(j == EMPTY for j in cells) / len(cells)
+        """Fraction of stage time that is idle on the tick table (slots weighed by `COST`)."""
+        cells = [(COST.get(col.kind, 1), j) for col in self.timeline() for j in col.microbatch]
+        return sum(c for c, j in cells if j == EMPTY) / sum(c for c, _ in cells)
 
     @property
     def bubble_formula(self) -> float:
-        """(p - 1) / (v*m + p - 1): the textbook idle fraction of GPipe, 1F1B and interleaved 1F1B."""
+        """(p - 1) / (v*m + p - 1): the textbook idle fraction of GPipe, 1F1B and interleaved 1F1B.
+
+        zb-h1 in lockstep: 2(p - 1) / (3m + 2(p - 1)) at equal F, B, W (the
+        warm-up's p - 1 forward and the cool-down's p - 1 input-backward slots).
+        """
         p, m, v = self.stages, self.microbatches, self.virtual_stages
+        if self.name == "zb-h1" and p > 1:
+            return 2 * (p - 1) / (3 * m + 2 * (p - 1))
         return (p - 1) / (v * m + p - 1)
 
-    @property
+    @staticmethod
+    def _live(start: np.ndarray, stop: np.ndarray) -> int:
+        """Most microbatches a stage holds at once from tick start[j] to stop[j], both included."""
+        ticks = np.arange(max(stop.max(), start.max()) + 1)[:, None, None]
+        return int(((start[None] <= ticks) & (ticks <= stop[None])).sum(axis=1).max())
+
+    def _ticks_of(self, table: np.ndarray) -> np.ndarray:
+        """[microbatches, stages] the tick of each microbatch's slot in `table`."""
+        out = np.full((self.microbatches, self.stages), EMPTY)
+        t, i = np.nonzero(table != EMPTY)
+        out[table[t, i], i] = t
+        return out
+
+    @functools.cached_property
     def in_flight(self) -> int:
-        """Most microbatches whose forward a stage has run and whose backward it has not."""
+        """Most microbatches whose forward a stage has run and whose residuals it still needs (ring rows)."""
         if not self.explicit_backward:
             return self.microbatches
-        p, m = self.stages, self.microbatches
-        return min(m, 2 * p - 1)
+        return self._live(self._ticks_of(self.actions["F"]), self._ticks_of(self.release))
+
+    @functools.cached_property
+    def cotangents_in_flight(self) -> int:
+        """zb-h1: most cotangents a stage keeps from its B slot to its W slot (0 when the backward is fused)."""
+        if not self.explicit_backward or "W" not in self.actions:
+            return 0
+        return self._live(self._ticks_of(self.actions["B"]), self._ticks_of(self.actions["W"]))
 
     def summary(self) -> dict:
         return {
@@ -197,21 +259,48 @@ class Schedule:
         }
 
 
+# -- table generators (explicit backward) --------------------------------------------------------------
+
+
+def _steps(ticks: int, stages: int, m: int, first) -> np.ndarray:
+    """[ticks, stages]: microbatch t - first[i] on stage i, EMPTY outside 0..m-1."""
+    j = np.arange(ticks)[:, None] - np.asarray(first)[None, :]
+    return np.where((j >= 0) & (j < m), j, EMPTY)
+
+
+def _one_f_one_b(p: int, m: int) -> dict[str, np.ndarray]:
+    """F of j on stage i at tick i + j; its fused backward at 2p - 2 - i + j."""
+    ticks, i = m + 2 * p - 2, np.arange(p)
+    return {"F": _steps(ticks, p, m, i), "BW": _steps(ticks, p, m, 2 * p - 2 - i)}
+
+
+def _zb_h1(p: int, m: int) -> dict[str, np.ndarray]:
+    """1F1B's F and B ticks; W of j on every stage at 2p - 2 + j (stage i defers its W's by i ticks)."""
+    ticks, i = m + 2 * p - 2, np.arange(p)
+    return {"F": _steps(ticks, p, m, i), "B": _steps(ticks, p, m, 2 * p - 2 - i),
+            "W": _steps(ticks, p, m, np.full(p, 2 * p - 2))}
+
+
+_GENERATORS = {"1f1b": _one_f_one_b, "zb-h1": _zb_h1}
+
+
 # -- pictures ----------------------------------------------------------------
 
 _FORWARD_COLOURS = ("#4c72b0", "#8172b2", "#64b5cd", "#2a4a80")  # blues, one shade per virtual chunk
 _BACKWARD_COLOURS = ("#55a868", "#2f7d4a", "#8cc084", "#1b5e20")  # greens
+_WEIGHT_COLOURS = ("#dd8452", "#c44e52", "#e6a06f", "#8c3a1b")  # oranges: weight-backward slots
 
 
 def _colour(kind: str, chunk: int) -> str:
-    palette = _FORWARD_COLOURS if kind == "F" else _BACKWARD_COLOURS
+    palette = {"F": _FORWARD_COLOURS, "W": _WEIGHT_COLOURS}.get(kind, _BACKWARD_COLOURS)
     return palette[chunk % len(palette)]
 
 
 def _title(schedule: Schedule) -> str:
     v = f", v={schedule.virtual_stages}" if schedule.virtual_stages > 1 else ""
+    formula = "2(p-1)/(3m+2(p-1))" if schedule.name == "zb-h1" else "(p-1)/(vm+p-1)"
     return (f"{schedule.name}: p={schedule.stages}, m={schedule.microbatches}{v}; "
-            f"bubble {schedule.bubble:.1%} (formula (p-1)/(vm+p-1) = {schedule.bubble_formula:.1%})")
+            f"bubble {schedule.bubble:.1%} (formula {formula} = {schedule.bubble_formula:.1%})")
 
 
 def render(schedule: Schedule):
@@ -232,7 +321,11 @@ def render(schedule: Schedule):
         text.append("\n")
     text.append("forward ", style=f"white on {_FORWARD_COLOURS[0]}")
     text.append(" ")
-    text.append("backward", style=f"white on {_BACKWARD_COLOURS[0]}")
+    split = schedule.explicit_backward and "W" in schedule.actions
+    text.append("input-backward" if split else "backward", style=f"white on {_BACKWARD_COLOURS[0]}")
+    if split:
+        text.append(" ")
+        text.append("weight-backward", style=f"white on {_WEIGHT_COLOURS[0]}")
     text.append("  · bubble; numbers are microbatches")
     if schedule.virtual_stages > 1:
         text.append("; shades are virtual chunks")
@@ -262,9 +355,12 @@ def save_png(schedule: Schedule, path: str) -> None:
     ax.set_yticks([s + 0.45 for s in range(schedule.stages)], [f"stage {s}" for s in range(schedule.stages)])
     ax.set_xlabel("time slot (one forward or backward slot of one chunk)")
     ax.set_title(_title(schedule), fontsize=9)
-    ax.legend(handles=[Patch(color=_FORWARD_COLOURS[0], label="forward"),
-                       Patch(color=_BACKWARD_COLOURS[0], label="backward")],
-              loc="upper right", fontsize=7, bbox_to_anchor=(1.0, -0.25), ncol=2, frameon=False)
+    split = schedule.explicit_backward and "W" in schedule.actions
+    handles = [Patch(color=_FORWARD_COLOURS[0], label="forward"),
+               Patch(color=_BACKWARD_COLOURS[0], label="input-backward" if split else "backward")]
+    if split:
+        handles.append(Patch(color=_WEIGHT_COLOURS[0], label="weight-backward"))
+    ax.legend(handles=handles, loc="upper right", fontsize=7, bbox_to_anchor=(1.0, -0.25), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -59,7 +59,7 @@ def relative(a, b) -> float:
 
 @pytest.mark.parametrize("per_stage", [1, 4], ids=["m=p", "m=4p"])
 @pytest.mark.parametrize("pipe", [2, 4])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1"])
 def test_schedule_matches_single_device(references, name, pipe, per_stage):
     v = 2 if name == "interleaved" else 1
     model, state, _, batch, ref_loss, ref_grads = references(DEEP if v > 1 else CONFIG)

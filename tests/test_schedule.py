@@ -7,7 +7,9 @@ from jaxpar.plan import Plan
 from jaxpar.schedule import EMPTY, Schedule, render, save_png
 
 CASES = [("gpipe", 2, 2, 1), ("gpipe", 4, 16, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
-         ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 16, 3)]
+         ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 16, 3),
+         ("zb-h1", 2, 2, 1), ("zb-h1", 4, 4, 1), ("zb-h1", 4, 16, 1)]
+EXPLICIT = [c for c in CASES if c[0] in ("1f1b", "zb-h1")]
 
 
 def forward_ticks(s: Schedule) -> dict[tuple[int, int], int]:
@@ -34,35 +36,72 @@ def test_forward_visits_every_position_in_order_one_hop_per_tick(name, p, m, v):
     assert [ticks[(j, p * v - 1)] for j in range(m)] == list(s.output_ticks)
 
 
-@pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[0] == "1f1b"])
-def test_1f1b_backward_follows_its_forward_and_the_next_stage(name, p, m, v):
-    s = Schedule(name, p, m, v)
-    fwd, bwd = {}, {}
-    for t in range(s.ticks):
+def slot_ticks(table, m, p) -> dict[tuple[int, int], int]:
+    """(microbatch, stage) -> tick of its slot in an action table; each exactly once."""
+    out = {}
+    for t in range(table.shape[0]):
         for stage in range(p):
-            if s.forward[t, stage] != EMPTY:
-                fwd[int(s.forward[t, stage]), stage] = t
-            if s.backward[t, stage] != EMPTY:
-                bwd[int(s.backward[t, stage]), stage] = t
+            if table[t, stage] != EMPTY:
+                assert (int(table[t, stage]), stage) not in out
+                out[int(table[t, stage]), stage] = t
+    assert len(out) == m * p
+    return out
+
+
+@pytest.mark.parametrize("name,p,m,v", EXPLICIT)
+def test_backward_follows_its_forward_and_the_next_stage(name, p, m, v):
+    s = Schedule(name, p, m, v)
+    fwd, bwd, release = (slot_ticks(table, m, p) for table in (s.forward, s.backward, s.release))
     for j in range(m):
         assert bwd[j, p - 1] == fwd[j, p - 1]  # the head's cotangent is ready in the same tick
         for stage in range(p - 1):
             assert bwd[j, stage] == bwd[j, stage + 1] + 1
+        for stage in range(p):
+            assert release[j, stage] >= bwd[j, stage]  # W runs in B's tick (after it) or later
     slots = s.in_flight  # the ring buffer: a forward overwrites slot j % slots in the tick it runs
     assert slots == min(m, 2 * p - 1)
     for stage in range(p):
         for j in range(m - slots):
-            assert fwd[j + slots, stage] > bwd[j, stage], "a forward would overwrite residuals still needed"
+            assert fwd[j + slots, stage] > release[j, stage], "a forward would overwrite residuals still needed"
+    starts = [start for start, _, _ in s.segments]
+    assert starts == sorted(starts) and s.segments[-1][1] == s.ticks == m + 2 * p - 2
+    for start, stop, kinds in s.segments:  # a segment's slot kinds are the ones with work in its ticks
+        for kind, table in s.actions.items():
+            assert (kind in kinds) == bool((table[start:stop] != EMPTY).any())
+
+
+def test_1f1b_phases_are_warm_up_steady_and_cool_down():
+    p, m = 4, 16
+    s = Schedule("1f1b", p, m)
+    assert [kinds for _, _, kinds in s.segments] == [("F",), ("F", "BW"), ("BW",)]
     warm, steady, cool = s.phases
-    assert (warm, steady, cool) == (p - 1, m, p - 1) and warm + steady + cool == s.ticks
-    assert (s.backward[:warm] == EMPTY).all() and (s.forward[warm + steady:] == EMPTY).all()
+    assert (warm, steady, cool) == (p - 1, m, p - 1)
     assert (s.forward[warm:warm + steady, p - 1] != EMPTY).all()
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 8), (4, 32)])
+def test_zb_h1_fills_1f1b_cool_down_with_deferred_weight_gradients(p, m):
+    """B on 1F1B's backward ticks, W of j on every stage at 2p-2+j: W slots on m ticks, not m+p-1."""
+    zb, ref = Schedule("zb-h1", p, m), Schedule("1f1b", p, m)
+    assert (zb.forward == ref.forward).all() and (zb.backward == ref.backward).all()
+    bwd, weight = slot_ticks(zb.actions["B"], m, p), slot_ticks(zb.actions["W"], m, p)
+    assert all(weight[j, i] - bwd[j, i] == i for j in range(m) for i in range(p))  # stage i defers W by i
+    assert sum(1 for t in range(zb.ticks) if (zb.actions["W"][t] != EMPTY).any()) == m
+    assert zb.in_flight == ref.in_flight  # as many residual rows as 1F1B
+    assert zb.cotangents_in_flight == min(p, m)
+    saved = zb.cotangents_in_flight
+    for i in range(p):
+        for j in range(m - saved):
+            assert bwd[j + saved, i] > weight[j, i], "a B would overwrite a cotangent its W still needs"
+    assert zb.bubble == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)), abs=1e-12)
+    assert zb.bubble < ref.bubble
 
 
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_bubble_is_the_textbook_fraction(name, p, m, v):
     s = Schedule(name, p, m, v)
-    assert s.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    if name != "zb-h1":
+        assert s.bubble == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
     assert s.bubble == pytest.approx(s.bubble_formula, abs=1e-12)
 
 
@@ -109,6 +148,14 @@ def test_render_draws_every_stage_and_the_bubble():
     assert "bubble 27.3%" in text
 
 
+def test_zb_h1_render_shows_three_slot_kinds():
+    s = Schedule("zb-h1", 4, 8)
+    rows = [line for line in render(s).plain.splitlines() if line.startswith("stage ")]
+    cells = [row.split()[2:] for row in rows]
+    assert all(len(c) == len(s.timeline()) == 3 * 8 + 2 * 3 for c in cells)
+    assert sum(c.count("·") for c in cells) == round(s.bubble * 4 * len(s.timeline()))
+
+
 def test_png_is_written(tmp_path):
     path = tmp_path / "schedule.png"
     save_png(Schedule("interleaved", 4, 8, 2), str(path))
@@ -120,6 +167,10 @@ def test_jaxpar_inspect_draws_a_schedule(tmp_path, capsys):
     assert main(["inspect", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--png", str(path)]) == 0
     out = capsys.readouterr().out
     assert "1f1b: p=4, m=8; bubble 27.3%" in out and out.count("stage ") >= 4
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert main(["inspect", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--png", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "zb-h1: p=4, m=8; bubble 20.0%" in out and "weight-backward" in out
     assert path.read_bytes()[:4] == b"\x89PNG"
     flags = ["--schedule", "interleaved", "--stages", "4", "--microbatches", "6", "--virtual-stages", "2"]
     assert main(["inspect", *flags]) == 2
