@@ -264,6 +264,7 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
     update_shardings = plan.shardings(plan.gradient_specs(model.logical))
 
     def step(state: TrainState, batch: dict):
+        usage.mark_tensor_params(plan.param_specs(model.logical))
         scale = optimizer.loss_scale(state.opt_state)
         loss, aux, grads, variables = loss_and_grads(model, loss_fn, state.params, batch, plan, scale,
                                                      state.variables, state.step, seed)

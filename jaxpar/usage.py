@@ -15,10 +15,14 @@ import contextlib
 import contextvars
 import warnings
 
+import jax
+from jax.sharding import PartitionSpec
+
 TENSOR = "tensor"  # a Megatron layer split its weights over tensor axes (jaxpar.tensor)
 EXPERTS = "experts"  # an MoE layer dispatched tokens to experts (jaxpar.experts.moe_ffn)
 STACK = "stack"  # a stacked-layer block ran its scan (applies the remat policy and ZeRO per-layer gathers)
 PIPELINE = "pipeline"  # the model's layers ran as pipeline stages over `pipe`
+TENSOR_PARAMS = "tensor params"  # a parameter is sharded over tensor (by its logical names or a Megatron layer)
 
 EXPLICIT_UNUSED = (
     "tensor_form='explicit' runs the model once per tensor rank, which only jaxpar's tensor-parallel layers "
@@ -31,6 +35,14 @@ _record: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("jaxpa
 
 class PlanOptionUnused(UserWarning):
     """A plan option that changes nothing for this model."""
+
+
+def mark_tensor_params(specs) -> None:
+    """Mark TENSOR_PARAMS if any PartitionSpec in `specs` (the parameters') shards over tensor."""
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+        if any(entry == "tensor" or (isinstance(entry, tuple) and "tensor" in entry) for entry in spec):
+            mark(TENSOR_PARAMS)
+            return
 
 
 def mark(feature: str) -> None:
@@ -67,6 +79,13 @@ def problems(plan, used: set[str]) -> tuple[list[str], list[str]]:
         elif plan.tensor_form == "explicit":
             notes.append("tensor_form='explicit' has no effect: the model ran no tensor-parallel layer "
                          "(jaxpar.tensor) splitting weights over tensor")
+        if (plan.tensor_form == "annotation" and shape["tensor"] > 1 and TENSOR_PARAMS not in used
+                and "tensor" not in plan.batch_axes):
+            notes.append(
+                f"tensor={shape['tensor']} splits nothing: no parameter has a logical name the rules map to tensor "
+                f"and the model ran no tensor-parallel layer, so every tensor rank repeats the whole model. Name "
+                f"the weights' dimensions (e.g. 'mlp', 'heads') or give those devices to data"
+            )
         if plan.sequence_parallel:
             notes.append("sequence_parallel=True has no effect: the model ran no tensor-parallel layer "
                          "(jaxpar.tensor) splitting weights over tensor")

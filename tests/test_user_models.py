@@ -197,6 +197,24 @@ def test_options_that_do_nothing_warn(mesh, options, message):
         lower(mesh, **options)
 
 
+def test_a_tensor_axis_that_splits_no_parameter_warns():
+    """An unannotated model on tensor=2: every tensor rank would repeat the work, and the step says so."""
+    class Unnamed(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.up, self.down = nnx.Linear(8, 32, rngs=rngs), nnx.Linear(32, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.relu(self.up(x)))
+
+    plan = jaxpar.Plan.create("data=4,tensor=2")
+    model, state = jaxpar.init_state(lambda: Unnamed(nnx.Rngs(0)), optax.sgd(0.1), plan)
+    with pytest.warns(PlanOptionUnused, match="tensor=2 splits nothing: no parameter has a logical name"):
+        jaxpar.make_train_step(model, loss_fn, optax.sgd(0.1), plan).lower(state, DATA[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PlanOptionUnused)
+        lower("data=4,tensor=2")  # the annotated MLP splits its width over tensor
+
+
 def test_options_that_act_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error", PlanOptionUnused)
