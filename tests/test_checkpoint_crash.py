@@ -27,7 +27,7 @@ def flags(tmp_path, name):
 
 
 def start(command):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # conftest's XLA_FLAGS: 8 devices, fast compiles
     return subprocess.Popen([sys.executable, "-m", "jaxpar.cli", *command], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
