@@ -8,15 +8,18 @@ tensor and expert sharding inside a stage keep working through GSPMD. Each tick
 is one `lax.scan` iteration; activations go forward and cotangents backward
 with one `ppermute` each.
 
-- gpipe / interleaved: a scan of forward ticks; the backward is its autodiff,
-  which keeps every tick's residuals (memory grows with the microbatches).
-- 1f1b and zb-h1: action tables (`Schedule.actions`) run by one executor,
-  `_table_body`: forward, backward (fused, or input- and weight-backward for
-  zb-h1) slots of different microbatches share a tick, one scan per segment of
-  ticks with the same slot kinds. Each stage keeps the VJP residuals of at most
-  2p - 1 microbatches in a ring buffer, whatever m is (zb-h1 also up to p saved
-  cotangents). Loss and gradients come out of these scans, wrapped in a
-  `jax.custom_vjp` so the train step differentiates it like any loss.
+- gpipe: a scan of forward ticks; the backward is its autodiff, which keeps
+  every tick's residuals (memory grows with the microbatches).
+- 1f1b, interleaved and zb-h1: action tables (`Schedule.actions`) run by one
+  executor, `_table_body`: forward, backward (fused, or input- and
+  weight-backward for zb-h1) slots of different microbatches and chunks share
+  a tick, one scan per segment of ticks with the same slot kinds. Each stage
+  keeps the VJP residuals of its (microbatch, chunk) pairs in flight in a ring
+  buffer whose rows the table assigns (2p - 1 for 1f1b, about 2p chunk-sized
+  ones for interleaved), whatever m is (zb-h1 also up to p saved cotangents).
+  Loss and gradients come out of these scans, wrapped in a `jax.custom_vjp`
+  so the train step differentiates it like any loss. Without differentiation
+  only the forward ticks run (`_forward_loss`).
 
 The embedding feeds stage 0 and the loss head runs on the last stage's outputs,
 split over the pipe stages by sequence positions (a reduce-scatter of the
@@ -231,8 +234,8 @@ def _sum_over_stages(tree):
     return jax.tree.map(total, tree)
 
 
-def _circular_loss(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
-    """gpipe and interleaved: the embedding, forward ticks in a scan (the backward is its autodiff), the head.
+def _forward_loss(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
+    """The embedding, the schedule's forward ticks in a scan, the head (gpipe's backward is its autodiff).
 
     Autodiff keeps every tick's residuals anyway, so the m microbatches are
     embedded before the scan, and the table's gradient is one scatter-add.
@@ -257,7 +260,8 @@ def _circular_loss(stages: Stages, schedule: Schedule, fill: float, entries: lis
             return jax.lax.ppermute(y, AXIS, ring), (y, _masked(sums, valid))
 
         start = _varying(jnp.full(embedded.shape[1:], fill, embedded.dtype), _activation_axes(embedded, targets))
-        table = (jnp.asarray(schedule.forward), jnp.asarray(schedule.chunk))
+        ticks = schedule.forward_ticks
+        table = (jnp.asarray(schedule.forward[:ticks]), jnp.asarray(schedule.chunk[:ticks]))
         _, (ys, sums) = jax.lax.scan(tick, start, table)
         outputs = jnp.swapaxes(ys[schedule.output_ticks], 0, 1)
         value = stages.head(head_params, *_head_share(outputs, jnp.swapaxes(targets, 0, 1), stage, p))
@@ -289,10 +293,7 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
     VJP that stashes the gradients and scales them by the incoming cotangent),
     so no transpose of the pipeline is left to JAX.
     """
-    forward_schedule = schedule
-    if schedule.explicit_backward:
-        forward_schedule = Schedule("gpipe", schedule.stages, schedule.microbatches)
-    forward = _shard(_circular_loss(stages, forward_schedule, fill, entries), (P(), P()))
+    forward = _shard(_forward_loss(stages, schedule, fill, entries), (P(), P()))
     body = _table_body if schedule.explicit_backward else _autodiff_body
     with_grads = _shard(body(stages, schedule, fill, entries), ((P(), P()), (P(), P(AXIS), P())))
 
@@ -322,8 +323,8 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
 
 
 def _autodiff_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
-    """gpipe and interleaved: the forward ticks and their autodiff, inside the pipe shard_map."""
-    forward = _circular_loss(stages, schedule, fill, entries)
+    """gpipe: the forward ticks and their autodiff, inside the pipe shard_map."""
+    forward = _forward_loss(stages, schedule, fill, entries)
 
     def body(embed_params, chunks, head_params, tokens, targets):
         embed_params, head_params = _varying((embed_params, head_params), {AXIS})
@@ -346,18 +347,18 @@ def _add(total, part):
 
 
 class _ResidualRing:
-    """Where a stage keeps the VJP residuals of its microbatches in flight: row j mod `slots`.
+    """Where a stage keeps the VJP residuals of its slots in flight: the ring row the schedule assigns.
 
-    The stage's VJP closes over its parameters and over per-microbatch values;
-    only the latter are stored (the parameters are the same on every tick). One
-    scratch row takes the writes and reads of empty slots.
+    A slot's VJP closes over its chunk's parameters and over per-microbatch
+    values; only the latter are stored (the parameters are sliced from the
+    stage's chunks again when the VJP is replayed). One scratch row takes the
+    writes and reads of empty slots.
     """
 
     def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float):
         probe = vjp_of(params, x)
         leaves, self.treedef = jax.tree.flatten(probe)
-        self.params = jax.tree.leaves(params)
-        position = {id(a): n for n, a in enumerate(self.params)}
+        position = {id(a): n for n, a in enumerate(jax.tree.leaves(params))}
         self.param_of_leaf = [position.get(id(leaf)) for leaf in leaves]
         self.slots = slots
 
@@ -367,56 +368,75 @@ class _ResidualRing:
 
         self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
 
-    def _row(self, j):
-        return jnp.where(j != EMPTY, jnp.maximum(j, 0) % self.slots, self.slots)
+    def _row(self, j, row):
+        return jnp.where(j != EMPTY, row, self.slots)
 
-    def store(self, buffers: list, j, vjp) -> list:
-        leaves = jax.tree.leaves(vjp)
-        if len(leaves) != len(self.param_of_leaf):
+    def store(self, buffers: list, j, row, vjp, params) -> list:
+        leaves, params = jax.tree.leaves(vjp), jax.tree.leaves(params)
+        if len(leaves) != len(self.param_of_leaf) or any(
+                n is not None and leaf is not params[n] for leaf, n in zip(leaves, self.param_of_leaf)):
             raise AssertionError("the stage's VJP changed structure between ticks")
         kept = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
-        row = self._row(j)
+        row = self._row(j, row)
         return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
 
-    def load(self, buffers: list, j) -> Callable:
-        """The VJP of microbatch j's forward, rebuilt from its stored residuals and the parameters."""
-        stored = iter(_row(buf, self._row(j)) for buf in buffers)
-        leaves = [self.params[n] if n is not None else next(stored) for n in self.param_of_leaf]
+    def load(self, buffers: list, j, row, params) -> Callable:
+        """The VJP of a slot's forward, rebuilt from its stored residuals and its chunk's parameters."""
+        params = jax.tree.leaves(params)
+        stored = iter(_row(buf, self._row(j, row)) for buf in buffers)
+        leaves = [params[n] if n is not None else next(stored) for n in self.param_of_leaf]
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def _add_at(total, part, k, v: int):
+    """total[k] += part leaf by leaf: `total` stacks the gradients of a stage's v chunks."""
+    if v == 1:
+        return jax.tree.map(lambda t, g: t + g.astype(t.dtype)[None], total, part)
+    return jax.tree.map(
+        lambda t, g: jax.lax.dynamic_update_index_in_dim(t, _row(t, k) + g.astype(t.dtype), k, 0), total, part)
+
+
 def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
-    """The executor of an action table (1f1b, zb-h1): one scan per segment, computing the loss and all gradients.
+    """The executor of an action table (1f1b, interleaved, zb-h1): one scan per segment, loss and all gradients.
 
     A tick runs the slots its segment has, each masked per stage by its
-    microbatch (EMPTY: idle): F (forward; its VJP residuals go into the ring),
-    the loss head on the last stage's output, B or BW (backward from the
-    stored residuals; BW also accumulates the weight gradients, B saves its
-    cotangent for a later W), and W (the stored VJP replayed on the saved
-    cotangent, parameter part only). Activations move forward after F ticks,
-    cotangents backward after B ticks, one `ppermute` each.
+    microbatch (EMPTY: idle) and run on its chunk: F (forward; its VJP
+    residuals go into the ring row the table gives), the loss head on the last
+    stage's output of the last chunk, B or BW (backward from the stored
+    residuals; BW also accumulates the weight gradients, B saves its cotangent
+    for a later W), and W (the stored VJP replayed on the saved cotangent,
+    parameter part only). Activations move forward after F ticks, cotangents
+    backward after B ticks, one `ppermute` each; with v > 1 chunks the rings
+    close (device p - 1's chunk k feeds device 0's chunk k + 1).
     """
-    p, m = schedule.stages, schedule.microbatches
-    forward_ring = [(a, a + 1) for a in range(p - 1)]
-    backward_ring = [(a + 1, a) for a in range(p - 1)]
-    actions = schedule.actions
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    hops = range(p) if v > 1 else range(p - 1)
+    forward_ring = [(a, (a + 1) % p) for a in hops]
+    backward_ring = [((a + 1) % p, a) for a in hops]
+    actions, chunks, rows = schedule.actions, schedule.chunks, schedule.rows
     back = "B" if "B" in actions else "BW"
-    ticks_of = schedule._ticks_of
-    if not (ticks_of(actions["F"])[:, p - 1] == ticks_of(actions[back])[:, p - 1]).all():
-        raise AssertionError(f"schedule {schedule.name!r}: the last stage must run a backward in its forward's tick")
+    saved_rows = schedule.cotangent_rows if "W" in actions else {}
+    f_ticks, b_ticks = schedule._slot_ticks("F"), schedule._slot_ticks(back)
+    if any(f_ticks[p - 1, j, v - 1] != b_ticks[p - 1, j, v - 1] for j in range(m)):
+        raise AssertionError(f"schedule {schedule.name!r}: the last chunk must run a backward in its forward's tick")
 
-    def body(embed_params, chunks, head_params, tokens, targets):
+    def body(embed_params, chunk_params, head_params, tokens, targets):
         stage = jax.lax.axis_index(AXIS)
         embed_params, head_params = _varying((embed_params, head_params), {AXIS})
-        params = jax.tree.map(lambda a: a[0, 0], chunks)
+        local = jax.tree.map(lambda a: a[0], chunk_params)  # [v, layers per chunk, ...]
+        first = jax.tree.map(lambda a: a[0], local)
+
+        def params_of(k):
+            return first if v == 1 else jax.tree.map(lambda a: _row(a, k), local)
+
         act = jax.eval_shape(stages.embed, embed_params, tokens[0])
         act_axes = _activation_axes(act, targets)
         x0 = _varying(jnp.zeros(act.shape, act.dtype), act_axes)
         run = lambda q, x: stages.run_layers(_stage_layers(q, entries), x)  # noqa: E731
-        sums_shape = jax.eval_shape(lambda q, x: run(q, x)[1], params, x0)
+        sums_shape = jax.eval_shape(lambda q, x: run(q, x)[1], first, x0)
         weighted = stages.aux_loss is not None and bool(jax.tree.leaves(sums_shape))
         if weighted:  # each slot's aux loss enters the loss with weight 1/m (typed like the aux loss itself)
-            aux_shape = jax.eval_shape(lambda q, x: stages.aux_loss(run(q, x)[1]), params, x0)
+            aux_shape = jax.eval_shape(lambda q, x: stages.aux_loss(run(q, x)[1]), first, x0)
             aux_cotangent = _varying(jnp.full(aux_shape.shape, 1 / m, aux_shape.dtype), varying_axes(aux_shape))
 
         def layers(q, x):
@@ -429,22 +449,20 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         ).dtype
         loss_axes = {AXIS} | varying_axes(jax.eval_shape(
             lambda y: stages.head(head_params, *_head_share(y, _row(targets, 0), stage, p)), x0))
-        ring = _ResidualRing(lambda p, x: jax.vjp(layers, p, x, has_aux=True)[1], params, x0, schedule.in_flight, fill)
-        saved = max(schedule.cotangents_in_flight, 1)  # zb-h1: cotangents from B to W, row j mod saved
-
-        def saved_row(j):
-            return jnp.where(j != EMPTY, jnp.maximum(j, 0) % saved, saved)
+        ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill)
+        saved = max(schedule.cotangents_in_flight, 1)  # zb-h1: cotangents from B to W, in the table's rows
 
         def cotangent_of(dy):
             return (dy, aux_cotangent) if weighted else dy
 
-        def forward_slot(carry, j):
-            """Stage forward of microbatch j (embedded here on stage 0); its VJP goes into the ring."""
+        def forward_slot(carry, j, k, row):
+            """Forward of microbatch j through chunk k (embedded here on stage 0's chunk 0); its VJP goes into the ring."""
             valid = j != EMPTY
-            x = jnp.where(stage == 0, stages.embed(embed_params, _row(tokens, j)), carry["fwd_in"])
-            out, vjp, sums = jax.vjp(layers, params, jnp.where(valid, x, jnp.zeros_like(x)), has_aux=True)
+            q = params_of(k)
+            x = jnp.where((stage == 0) & (k == 0), stages.embed(embed_params, _row(tokens, j)), carry["fwd_in"])
+            out, vjp, sums = jax.vjp(layers, q, jnp.where(valid, x, jnp.zeros_like(x)), has_aux=True)
             y = out[0] if weighted else out
-            carry["ring"] = ring.store(carry["ring"], j, vjp)
+            carry["ring"] = ring.store(carry["ring"], j, row, vjp, q)
             carry["sums"] = _add(carry["sums"], _masked(sums, valid))
             return jnp.where(valid, y, jnp.full_like(y, fill))
 
@@ -458,8 +476,9 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             carry["loss"] = carry["loss"] + jnp.where(valid, value.astype(jnp.float32), 0)
             return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True)
 
-        def backward_slot(carry, j, cotangent, fused: bool):
-            """Stage backward of microbatch j from its stored residuals; stage 0 also backs into the embedding.
+        def backward_slot(carry, j, k, row, saved_row, cotangent, fused: bool):
+            """Backward of microbatch j through chunk k from its stored residuals; stage 0's chunk 0 also backs
+            into the embedding.
 
             fused (BW): the weight gradients too. Otherwise (B) only the input
             gradient, which XLA prunes the weight matmuls from; the cotangent is
@@ -468,33 +487,44 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             """
             valid = j != EMPTY
             dy = jnp.where(valid, cotangent, jnp.zeros_like(cotangent))
-            d_params, dx = ring.load(carry["ring"], j)(cotangent_of(dy))
+            d_params, dx = ring.load(carry["ring"], j, row, params_of(k))(cotangent_of(dy))
             if fused:
-                carry["d_stage"] = _add(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params))
+                carry["d_stage"] = _add_at(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params),
+                                           k, v)
             else:
-                carry["saved"] = jax.lax.dynamic_update_index_in_dim(carry["saved"], dy, saved_row(j), 0)
+                carry["saved"] = jax.lax.dynamic_update_index_in_dim(
+                    carry["saved"], dy, jnp.where(valid, saved_row, saved), 0)
             _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
-            carry["d_embed"] = _add(carry["d_embed"], embed_vjp(jnp.where(valid & (stage == 0), dx, 0))[0])
+            carry["d_embed"] = _add(carry["d_embed"], embed_vjp(jnp.where(valid & (stage == 0) & (k == 0), dx, 0))[0])
             return jnp.where(valid, dx, jnp.full_like(dx, fill))
 
-        def weight_slot(carry, j):
+        def weight_slot(carry, j, k, row, saved_row):
             """Weight gradients of microbatch j: its stored VJP replayed on its saved cotangent, parameter part only."""
             valid = j != EMPTY
-            dy = _row(carry["saved"], saved_row(j))
-            d_params, _ = ring.load(carry["ring"], j)(cotangent_of(jnp.where(valid, dy, jnp.zeros_like(dy))))
-            carry["d_stage"] = _add(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params))
+            dy = _row(carry["saved"], jnp.where(valid, saved_row, saved))
+            d_params, _ = ring.load(carry["ring"], j, row, params_of(k))(
+                cotangent_of(jnp.where(valid, dy, jnp.zeros_like(dy))))
+            carry["d_stage"] = _add_at(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params), k, v)
 
         def tick_of(kinds: tuple[str, ...], head: bool):
-            def tick(carry, rows):
+            def tick(carry, tables):
                 carry = dict(carry)
+                slot = {kind: {name: table[stage] for name, table in tables[kind].items()} for kind in kinds}
                 if "F" in kinds:
-                    y = forward_slot(carry, rows["F"][stage])
-                    dy = head_slot(carry, y, rows["F"][p - 1]) if head else carry["bwd_in"]
+                    y = forward_slot(carry, slot["F"]["j"], slot["F"]["k"], slot["F"]["row"])
+                    if head:
+                        last = tables["F"]
+                        j_head = jnp.where(last["k"][p - 1] == v - 1, last["j"][p - 1], EMPTY)
+                        dy = head_slot(carry, y, j_head)
                 if back in kinds:
-                    incoming = jnp.where(stage == p - 1, dy, carry["bwd_in"]) if head else carry["bwd_in"]
-                    dx = backward_slot(carry, rows[back][stage], incoming, fused=back == "BW")
+                    b = slot[back]
+                    incoming = carry["bwd_in"]
+                    if head:
+                        incoming = jnp.where((stage == p - 1) & (b["k"] == v - 1), dy, incoming)
+                    dx = backward_slot(carry, b["j"], b["k"], b["row"], b.get("saved"), incoming, fused=back == "BW")
                 if "W" in kinds:
-                    weight_slot(carry, rows["W"][stage])
+                    w = slot["W"]
+                    weight_slot(carry, w["j"], w["k"], w["row"], w["saved"])
                 if "F" in kinds:
                     carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
                 if back in kinds:
@@ -506,7 +536,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             "fwd_in": _varying(jnp.full(act.shape, fill, act.dtype), act_axes),
             "bwd_in": _varying(jnp.full(act.shape, fill, act.dtype), act_axes),
             "ring": ring.empty,
-            "d_stage": jax.tree.map(_accumulator, params),
+            "d_stage": jax.tree.map(_accumulator, local),
             "d_embed": jax.tree.map(_accumulator, embed_params),
             "d_head": jax.tree.map(_accumulator, head_params),
             "sums": jax.tree.map(_accumulator, sums_shape),
@@ -515,18 +545,24 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         if "W" in actions:
             carry["saved"] = _varying(jnp.full((saved + 1, *act.shape), fill, act.dtype), act_axes)
         for start, stop, kinds in schedule.segments:
-            head = "F" in kinds and bool((actions["F"][start:stop, p - 1] != EMPTY).any())
-            rows = {k: jnp.asarray(actions[k][start:stop]) for k in kinds}
-            carry, _ = jax.lax.scan(tick_of(kinds, head), carry, rows)
+            last = slice(start, stop), p - 1
+            head = "F" in kinds and bool(((actions["F"][last] != EMPTY) & (chunks["F"][last] == v - 1)).any())
+            tables = {}
+            for kind in kinds:
+                columns = {"j": actions[kind], "k": chunks[kind], "row": rows[kind]}
+                if kind in saved_rows:
+                    columns["saved"] = saved_rows[kind]
+                tables[kind] = {name: jnp.asarray(table[start:stop]) for name, table in columns.items()}
+            carry, _ = jax.lax.scan(tick_of(kinds, head), carry, tables)
 
         def cast(tree, like):
             return jax.tree.map(lambda a, ref: a.astype(ref.dtype), tree, like)
 
-        d_stage = jax.tree.map(lambda a: a[None, None], cast(carry["d_stage"], params))
+        d_chunks = jax.tree.map(lambda a: a[None], cast(carry["d_stage"], local))
         d_embed = cast(_sum_over_stages(carry["d_embed"]), embed_params)
         d_head = cast(_sum_over_stages(carry["d_head"]), head_params)
         loss = (jax.lax.psum(carry["loss"], AXIS) / (m * p)).astype(loss_dtype)
         sums = jax.tree.map(lambda s: s / m, _sum_over_stages(carry["sums"]))
-        return (stages.with_aux(loss, sums), sums), (d_embed, d_stage, d_head)
+        return (stages.with_aux(loss, sums), sums), (d_embed, d_chunks, d_head)
 
     return body

@@ -7,13 +7,19 @@ executes these tables; this module also measures their bubble and draws them.
 
 - gpipe: forward of j at stage i on tick i + j, then the backward by autodiff of
   that scan, i.e. the same table run in reverse.
-- interleaved (circular): each device holds v chunks of layers; groups of p
-  microbatches go round the ring of devices v times, so the backward (again by
-  autodiff) and forward each take m*v + p - 1 chunk-sized ticks.
 - 1f1b: forward of j at stage i on tick i + j and its backward on tick
   2p - 2 - i + j (the last stage runs the loss head and the backward in the
   tick of the forward). Ticks split into warm-up (forward only), steady
   (forward and backward) and cool-down (backward only) phases.
+- interleaved (Megatron's interleaved 1F1B in lockstep): each device holds v
+  chunks, ring position k*p + i on device i. Microbatches go round the ring in
+  groups of p: stage i runs the forward of slot u = t - i, u = g*v*p + k*p + s
+  meaning microbatch g*p + s on chunk k, so an activation moves one hop per
+  tick (device p - 1 hands chunk k to device 0's chunk k + 1). Backwards
+  mirror it with the chunks reversed, starting in the tick the last ring
+  position runs its forward; v = 1 is 1f1b. Chunk-sized ticks make the
+  warm-up and cool-down p - 1 + (v - 1)p chunk slots, and the bubble
+  (p - 1)/(v*m + p - 1) of the step.
 - zb-h1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", lockstep form):
   1F1B's forward and input-backward (B) slots, and each stage's weight
   gradient (W) of j on tick 2p - 2 + j, when stage 0 runs its B of j: stage
@@ -23,7 +29,9 @@ executes these tables; this module also measures their bubble and draws them.
 
 Schedules with an explicit backward are data: `Schedule.actions` maps each
 slot kind (F forward, BW fused backward, B input-backward, W weight-backward)
-to a [ticks, stages] table of microbatches (EMPTY: idle), and
+to a [ticks, stages] table of microbatches (EMPTY: idle), `Schedule.chunks`
+to the chunk each slot runs, `Schedule.rows` to the residual-ring row it
+writes or reads (rows reused as soon as a slot is free), and
 `Schedule.segments` cuts the ticks into phases with the same slot kinds, which
 `jaxpar.pipeline` runs as one scan each. Bubble fractions weigh F, B and W
 slots alike (a fused backward counts twice); for the 1f1b and gpipe tables
@@ -38,7 +46,7 @@ import functools
 import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-EXPLICIT = ("1f1b", "zb-h1")  # schedules whose backward slots are in the table
+EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # schedules whose backward slots are in the table
 COST = {"F": 1, "B": 1, "W": 1, "BW": 2}  # slot durations in forward-slot units (equal F, B, W)
 EMPTY = -1
 
@@ -99,10 +107,16 @@ class Schedule:
 
     @property
     def explicit_backward(self) -> bool:
-        """True when the backward slots are scheduled in the table (1f1b), not left to autodiff."""
+        """True when the backward slots are scheduled in the table (all but gpipe), not left to autodiff."""
         return self.name in EXPLICIT
 
     @functools.cached_property
+    def _generated(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        if not self.explicit_backward:
+            raise ValueError(f"schedule {self.name!r} leaves the backward to autodiff; it has no action table")
+        return _GENERATORS[self.name](self.stages, self.microbatches, self.virtual_stages)
+
+    @property
     def actions(self) -> dict[str, np.ndarray]:
         """Slot kind -> [ticks, stages] microbatch each stage runs in that slot (EMPTY: idle).
 
@@ -110,9 +124,14 @@ class Schedule:
         "B" input-backward and "W" weight-backward. Within a tick the slots run
         in the order F, (loss head), B or BW, W.
         """
+        return self._generated[0]
+
+    @property
+    def chunks(self) -> dict[str, np.ndarray]:
+        """Slot kind -> [ticks, stages] the virtual chunk (0..v-1) of that slot (0 where idle)."""
         if not self.explicit_backward:
-            raise ValueError(f"schedule {self.name!r} leaves the backward to autodiff; it has no action table")
-        return _GENERATORS[self.name](self.stages, self.microbatches)
+            return {"F": self._forward_tables[1]}
+        return self._generated[1]
 
     @functools.cached_property
     def segments(self) -> tuple[tuple[int, int, tuple[str, ...]], ...]:
@@ -129,19 +148,19 @@ class Schedule:
 
     # -- tick tables ------------------------------------------------------------
 
-    @functools.cached_property
+    @property
     def forward(self) -> np.ndarray:
         """[ticks, stages] microbatch of each stage's forward slot, EMPTY for a bubble."""
-        return self._tables[0]
+        return self.actions["F"] if self.explicit_backward else self._forward_tables[0]
 
-    @functools.cached_property
+    @property
     def chunk(self) -> np.ndarray:
         """[ticks, stages] virtual chunk (0..v-1) of each forward slot; ring position is chunk * p + stage."""
-        return self._tables[1]
+        return self.chunks["F"]
 
     @functools.cached_property
     def backward(self) -> np.ndarray:
-        """[ticks, stages] microbatch of each stage's (input-)backward slot (1f1b, zb-h1)."""
+        """[ticks, stages] microbatch of each stage's (input-)backward slot."""
         if not self.explicit_backward:
             raise ValueError(f"schedule {self.name!r} leaves the backward to autodiff; it has no backward table")
         return self.actions["B" if "B" in self.actions else "BW"]
@@ -154,6 +173,11 @@ class Schedule:
     @property
     def ticks(self) -> int:
         return self.forward.shape[0]
+
+    @functools.cached_property
+    def forward_ticks(self) -> int:
+        """Ticks up to the last forward slot: what a forward-only run (no gradients) scans."""
+        return int(np.nonzero((self.forward != EMPTY).any(axis=1))[0].max()) + 1
 
     @functools.cached_property
     def phases(self) -> tuple[int, ...]:
@@ -174,20 +198,11 @@ class Schedule:
         return ticks
 
     @functools.cached_property
-    def _tables(self):
-        p, m, v = self.stages, self.microbatches, self.virtual_stages
-        if self.explicit_backward:
-            fwd = self.actions["F"]
-            return fwd, np.zeros_like(fwd), None
-        # Circular: u = t - i counts the slots a stage has seen; u = g*(v*p) + k*p + s means group g,
-        # chunk k, position s in the group, so microbatch j = g*p + s enters chunk k on this tick.
-        groups = -(-m // p)
-        ticks = (groups - 1) * v * p + (v - 1) * p + (m - 1 - (groups - 1) * p) + p
-        u = np.arange(ticks)[:, None] - np.arange(p)[None, :]
-        g, k, s = u // (v * p), (u // p) % v, u % p
-        j = g * p + s
-        valid = (u >= 0) & (j < m)
-        return np.where(valid, j, EMPTY), np.where(valid, k, 0), None
+    def _forward_tables(self):
+        """gpipe: forward of j on stage i at tick i + j, chunk 0."""
+        p, m = self.stages, self.microbatches
+        fwd = _steps(m + p - 1, p, m, np.arange(p))
+        return fwd, np.zeros_like(fwd)
 
     # -- timeline and bubble --------------------------------------------------
 
@@ -200,7 +215,7 @@ class Schedule:
         if self.explicit_backward:
             for start, stop, kinds in self.segments:
                 for t in range(start, stop):
-                    columns += [column(k, self.actions[k][t], self.chunk[t]) for k in kinds]
+                    columns += [column(k, self.actions[k][t], self.chunks[k][t]) for k in kinds]
             return columns
         columns = [column("F", self.forward[t], self.chunk[t]) for t in range(self.ticks)]
         columns += [column("B", self.forward[t], self.chunk[t]) for t in reversed(range(self.ticks))]
@@ -224,38 +239,82 @@ class Schedule:
             return 2 * (p - 1) / (3 * m + 2 * (p - 1))
         return (p - 1) / (v * m + p - 1)
 
-    @staticmethod
-    def _live(start: np.ndarray, stop: np.ndarray) -> int:
-        """Most microbatches a stage holds at once from tick start[j] to stop[j], both included."""
-        ticks = np.arange(max(stop.max(), start.max()) + 1)[:, None, None]
-        return int(((start[None] <= ticks) & (ticks <= stop[None])).sum(axis=1).max())
+    def _slot_ticks(self, kind: str) -> dict[tuple[int, int, int], int]:
+        """(stage, microbatch, chunk) -> the tick of its `kind` slot."""
+        t, i = np.nonzero(self.actions[kind] != EMPTY)
+        return {(int(s), int(self.actions[kind][a, s]), int(self.chunks[kind][a, s])): int(a) for a, s in zip(t, i)}
 
-    def _ticks_of(self, table: np.ndarray) -> np.ndarray:
-        """[microbatches, stages] the tick of each microbatch's slot in `table`."""
-        out = np.full((self.microbatches, self.stages), EMPTY)
-        t, i = np.nonzero(table != EMPTY)
-        out[table[t, i], i] = t
+    def _rows(self, first: str, last: str) -> tuple[int, dict[tuple[int, int, int], int]]:
+        """(rows, (stage, j, k) -> row): rows of a buffer a slot holds from its `first` to its `last` tick.
+
+        Greedy by first tick, which needs no more rows than the most slots live
+        at once (an interval graph). Both ends are inclusive: a `first` slot
+        writes before a `last` slot of the same tick reads.
+        """
+        start, stop = self._slot_ticks(first), self._slot_ticks(last)
+        free_after, rows = {}, {}
+        for key in sorted(start, key=lambda key: (key[0], start[key])):
+            stage = key[0]
+            taken = free_after.setdefault(stage, [])
+            row = next((r for r, busy in enumerate(taken) if busy < start[key]), len(taken))
+            if row == len(taken):
+                taken.append(0)
+            taken[row], rows[key] = stop[key], row
+        return max(len(taken) for taken in free_after.values()), rows
+
+    def _row_tables(self, rows: dict, kinds) -> dict[str, np.ndarray]:
+        out = {}
+        for kind in kinds:
+            table = np.zeros_like(self.actions[kind])
+            for (stage, j, k), t in self._slot_ticks(kind).items():
+                table[t, stage] = rows[stage, j, k]
+            out[kind] = table
         return out
 
     @functools.cached_property
+    def _residual_rows(self):
+        back = "B" if "B" in self.actions else "BW"
+        return self._rows("F", "W" if "W" in self.actions else "BW"), back
+
+    @functools.cached_property
+    def rows(self) -> dict[str, np.ndarray]:
+        """Slot kind -> [ticks, stages] the residual-ring row its (microbatch, chunk) uses, from F to BW or W."""
+        (_, rows), _ = self._residual_rows
+        return self._row_tables(rows, self.actions)
+
+    @functools.cached_property
+    def cotangent_rows(self) -> dict[str, np.ndarray]:
+        """zb-h1: "B", "W" -> [ticks, stages] the row of the saved cotangent a B writes and its W reads."""
+        return self._row_tables(self._rows("B", "W")[1], ("B", "W"))
+
+    @functools.cached_property
     def in_flight(self) -> int:
-        """Most microbatches whose forward a stage has run and whose residuals it still needs (ring rows)."""
+        """Most (microbatch, chunk) residual sets a stage keeps at once: the rows of its residual ring.
+
+        gpipe (autodiff) keeps every microbatch's.
+        """
         if not self.explicit_backward:
             return self.microbatches
-        return self._live(self._ticks_of(self.actions["F"]), self._ticks_of(self.release))
+        return self._residual_rows[0][0]
 
     @functools.cached_property
     def cotangents_in_flight(self) -> int:
         """zb-h1: most cotangents a stage keeps from its B slot to its W slot (0 when the backward is fused)."""
         if not self.explicit_backward or "W" not in self.actions:
             return 0
-        return self._live(self._ticks_of(self.actions["B"]), self._ticks_of(self.actions["W"]))
+        return self._rows("B", "W")[0]
+
+    @property
+    def live_microbatches(self) -> float:
+        """in_flight in whole-stage units (a chunk's residuals are 1/v of a stage's)."""
+        return self.in_flight / self.virtual_stages
 
     def summary(self) -> dict:
         return {
             "schedule": self.name, "stages": self.stages, "microbatches": self.microbatches,
             "virtual_stages": self.virtual_stages, "ticks": self.ticks, "bubble": self.bubble,
             "bubble_formula": self.bubble_formula, "in_flight": self.in_flight,
+            "live_microbatches": self.live_microbatches,
         }
 
 
@@ -268,20 +327,36 @@ def _steps(ticks: int, stages: int, m: int, first) -> np.ndarray:
     return np.where((j >= 0) & (j < m), j, EMPTY)
 
 
-def _one_f_one_b(p: int, m: int) -> dict[str, np.ndarray]:
-    """F of j on stage i at tick i + j; its fused backward at 2p - 2 - i + j."""
-    ticks, i = m + 2 * p - 2, np.arange(p)
-    return {"F": _steps(ticks, p, m, i), "BW": _steps(ticks, p, m, 2 * p - 2 - i)}
+def _round_robin(ticks: int, p: int, m: int, v: int, first, reverse: bool):
+    """(microbatch, chunk) tables of slot u = t - first[i]: u = g*v*p + c*p + s runs g*p + s on chunk c.
+
+    reverse: chunk v - 1 - c (the backward walks the ring the other way).
+    """
+    u = np.arange(ticks)[:, None] - np.asarray(first)[None, :]
+    g, c, s = u // (v * p), (u // p) % v, u % p
+    j = g * p + s
+    valid = (u >= 0) & (j < m)
+    k = v - 1 - c if reverse else c
+    return np.where(valid, j, EMPTY), np.where(valid, k, 0)
 
 
-def _zb_h1(p: int, m: int) -> dict[str, np.ndarray]:
+def _interleaved(p: int, m: int, v: int):
+    """F of (j, chunk k) on stage i at i + u; its fused backward mirrored, from the tick of the last F (v = 1: 1f1b)."""
+    ticks, i = v * m + v * p + p - 2, np.arange(p)
+    f, fk = _round_robin(ticks, p, m, v, i, reverse=False)
+    b, bk = _round_robin(ticks, p, m, v, (v - 1) * p + 2 * p - 2 - i, reverse=True)
+    return {"F": f, "BW": b}, {"F": fk, "BW": bk}
+
+
+def _zb_h1(p: int, m: int, v: int):
     """1F1B's F and B ticks; W of j on every stage at 2p - 2 + j (stage i defers its W's by i ticks)."""
     ticks, i = m + 2 * p - 2, np.arange(p)
-    return {"F": _steps(ticks, p, m, i), "B": _steps(ticks, p, m, 2 * p - 2 - i),
-            "W": _steps(ticks, p, m, np.full(p, 2 * p - 2))}
+    actions = {"F": _steps(ticks, p, m, i), "B": _steps(ticks, p, m, 2 * p - 2 - i),
+               "W": _steps(ticks, p, m, np.full(p, 2 * p - 2))}
+    return actions, {k: np.zeros_like(a) for k, a in actions.items()}
 
 
-_GENERATORS = {"1f1b": _one_f_one_b, "zb-h1": _zb_h1}
+_GENERATORS = {"1f1b": _interleaved, "interleaved": _interleaved, "zb-h1": _zb_h1}
 
 
 # -- pictures ----------------------------------------------------------------

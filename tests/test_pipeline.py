@@ -96,7 +96,8 @@ def cli_losses(tmp_path, name, *flags):
 def test_jaxpar_train_defaults_to_3d_with_zero1_and_matches_data_parallel(tmp_path):
     """Without --mesh, 8 devices train as data=2 x tensor=2 x pipe=2 with ZeRO-1 (1F1B), losses as on data=8."""
     _, options, mesh = resolve(build_parser().parse_args(["train"]))
-    assert mesh.shape == {"data": 2, "pipe": 2, "expert": 1, "tensor": 2} and options == {"zero": 1}
+    assert {axis: n for axis, n in mesh.shape.items() if n > 1} == {"data": 2, "pipe": 2, "tensor": 2}
+    assert options == {"zero": 1}
     with pipeline.bubble_fill(NAN):
         three_d = cli_losses(tmp_path, "3d")
     data_parallel = cli_losses(tmp_path, "dp", "--mesh", "data=8")
