@@ -1,7 +1,8 @@
-"""The named device mesh: four axes that always exist, sizes from text, TOML or Python.
+"""The named device mesh: five axes that always exist, sizes from text, TOML or Python.
 
-Axis order puts `tensor` innermost so that on GPU/TPU hosts it lands on the
-fastest links (NVLink / ICI neighbours); `data` is outermost so that on several
+Axis order puts `tensor` innermost, then `context`, so that on GPU/TPU hosts
+the axes with the most traffic per step land on the fastest links (NVLink /
+ICI neighbours); `data` is outermost so that on several
 hosts it is the axis that crosses the slower network (DCN).
 
 The order of the axis names also decides how jaxpar's shard_maps may nest:
@@ -9,7 +10,8 @@ XLA requires the manual axes of a nested shard_map to be sorted by mesh
 position, so a nested one may only add axes that come later in the mesh. The
 step's shard_map is manual over its own axes from the outset (`data`, every
 axis of size 1, `tensor` under the explicit form: `Plan.step_manual_axes`);
-a pipeline inside it adds `pipe`, an MoE layer `expert`, an annotation-form
+a pipeline inside it adds `pipe`, an MoE layer `expert`, context-parallel
+attention `context` (inside a pipeline stage too), an annotation-form
 collective `tensor`. `nesting_order` puts the axes in that order; it transposes
 the device grid along with the names, so no device changes place.
 """
@@ -26,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "pipe", "expert", "tensor")  # outermost first; a new axis is one more name here
+AXES = ("data", "pipe", "expert", "context", "tensor")  # outermost first; a new axis is one more name here
 
 
 @dataclasses.dataclass(frozen=True, init=False)

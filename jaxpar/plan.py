@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import context
+from jaxpar import attention as attention_lib
 from jaxpar import precision as precision_lib
 from jaxpar import rules as rules_lib
 from jaxpar import schedule as schedule_lib
@@ -56,6 +57,7 @@ class Plan:
     remat: activation checkpointing per block: none, full or selective.
     precision: fp32, bf16 / fp16 compute with fp32 master weights, or bf16-params.
     tensor_form: Megatron layers as sharding annotations or as explicit shard_map (jaxpar.tensor).
+    context_form: how context-parallel attention gets its keys and values: all-gather or ring (jaxpar.attention).
     schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.schedule);
         microbatches=0 means one per pipeline stage (`pipeline_microbatches`).
     """
@@ -74,6 +76,11 @@ class Plan:
     precision: str = dataclasses.field(default="fp32", metadata={"help": "fp32, bf16, fp16 or bf16-params"})
     tensor_form: str = dataclasses.field(
         default="annotation", metadata={"help": "tensor-parallel layers: annotation (XLA places collectives) or explicit"}
+    )
+    context_form: str = dataclasses.field(
+        default="all-gather",
+        metadata={"help": "context-parallel attention: all-gather (K/V gathered over context) or ring (K/V passed "
+                          "around the context ranks with ppermute, online softmax)"},
     )
     schedule: str = dataclasses.field(
         default="1f1b", metadata={"help": "pipeline schedule over pipe: gpipe, 1f1b, interleaved or zb-h1"}
@@ -98,6 +105,8 @@ class Plan:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         if self.tensor_form not in tensor_lib.FORMS:
             raise ValueError(f"tensor_form must be one of {tensor_lib.FORMS}, got {self.tensor_form!r}")
+        if self.context_form not in attention_lib.FORMS:
+            raise ValueError(f"context_form must be one of {attention_lib.FORMS}, got {self.context_form!r}")
         if not isinstance(self.rules, Mapping) or "batch" not in self.rules:
             raise ValueError(f"rules must be a mapping with a 'batch' rule (Plan.create converts pairs), got {self.rules!r}")
         for name, rule in self.rules.items():
@@ -114,6 +123,12 @@ class Plan:
                              f"build the plan with Plan.create, which orders them")
         if self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 1, or 0 for one per pipe stage; got {self.microbatches}")
+        if self.shape["pipe"] > 1 and self.shape[attention_lib.AXIS] > 1:
+            raise ValueError(
+                f"pipe={self.shape['pipe']} with context={self.shape['context']} is not supported yet: the pipeline "
+                "splits the loss head's targets along the sequence before jaxpar's loss can put them in the "
+                "context-parallel order (jaxpar.attention); use one of the two axes"
+            )
         schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
                       if a != "data" and self.shape.get(a, 1) > 1]
@@ -159,8 +174,16 @@ class Plan:
 
     @property
     def logical_rules(self) -> dict[str, rules_lib.Rule]:
-        """The rules every spec and constraint resolves with: `rules`, plus `seq_residual` over tensor under SP."""
-        return {**self.rules, "seq_residual": "tensor"} if self.sequence_parallel else dict(self.rules)
+        """The rules every spec and constraint resolves with: `rules`, plus `seq_residual` over tensor under SP.
+
+        Under SP the residual sequence is split over its own axes (`context`)
+        first and `tensor` inside them, so gathering it over `tensor` on
+        entering a region leaves each context rank its own part of the sequence.
+        """
+        if not self.sequence_parallel:
+            return dict(self.rules)
+        residual = rules_lib.mesh_axes_of(self.rules.get("seq_residual"))
+        return {**self.rules, "seq_residual": (*(a for a in residual if a != "tensor"), "tensor")}
 
     # -- sizes -------------------------------------------------------------
 
@@ -201,6 +224,8 @@ class Plan:
                 f"{', '.join(f'{a}={self.shape[a]}' for a in self.batch_axes)} x grad_accum={self.grad_accum} "
                 f"x microbatches={self.pipeline_microbatches} (product {ways})"
             )
+        if seq_len is not None:
+            attention_lib.check_sequence(seq_len, self.shape[attention_lib.AXIS])
         if self.sequence_parallel and seq_len is not None:
             rules_lib.resolve_spec(("seq_residual",), (seq_len,), self.shape, self.logical_rules,
                                    path="batch sequence")

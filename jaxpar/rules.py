@@ -25,12 +25,14 @@ from jaxpar.context import active_plan
 Rule = str | tuple[str, ...] | None
 Rules = Mapping[str, Rule]
 
-# `seq_residual` is the sequence dimension of the residual stream (norms, adds):
-# replicated by default, sharded over `tensor` under sequence parallelism.
+# `seq` is the sequence dimension of every activation, split over `context`
+# (context parallelism: jaxpar.attention); `seq_residual` is the sequence
+# dimension of the residual stream (norms, adds), over `context` and, under
+# sequence parallelism, `tensor` as well.
 DEFAULT_RULES: dict[str, Rule] = {
     "batch": ("data", "expert"),
-    "seq": None,
-    "seq_residual": None,
+    "seq": "context",
+    "seq_residual": "context",
     "embed": None,
     "mlp": "tensor",
     "heads": "tensor",

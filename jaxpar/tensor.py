@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import usage
+from jaxpar.attention import context_order
 from jaxpar.context import active_plan
 from jaxpar.rules import constrain, mesh_axes_of, resolve_spec, rule_axes, specs_over, varying_axes
 
@@ -125,7 +126,12 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
 
 
 def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logical=RESIDUAL):
-    """Rows of `table` for `tokens`; a table split along the vocabulary is looked up shard by shard and summed."""
+    """Rows of `table` for `tokens`; a table split along the vocabulary is looked up shard by shard and summed.
+
+    Under context parallelism the tokens are first put in the load-balanced
+    sequence order the rest of the model runs in (jaxpar.attention).
+    """
+    tokens = context_order(tokens, usage.CONTEXT_TOKENS)
     axes = _region_axes(table_logical[:1])
     if axes:
         usage.mark(usage.TENSOR)
@@ -142,7 +148,10 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     Only the softmax normaliser's max and sum and the target logit ([batch,
     seq] each) cross devices. Columns at or beyond `vocab_size` (padding that
     makes the vocabulary divide by the tensor size) are masked out of the softmax.
+    Under context parallelism the targets are put in the order the embedding
+    gave the tokens (jaxpar.attention).
     """
+    targets = context_order(targets, usage.CONTEXT_TARGETS)
     eq = _Einsum.parse("bsd,dv->bsv")
     logits_logical = ("batch", "seq", "vocab")
     w_names = eq.weight_names(in_logical, logits_logical)
@@ -425,8 +434,12 @@ def _region_axes(split_names) -> tuple[str, ...]:
 
 
 def _replicated_over(names, axes) -> tuple:
-    """The names with every dimension split over the tensor axes made whole (entering a region)."""
-    return tuple(None if set(rule_axes(n)) & set(axes) else n for n in names)
+    """The names with every dimension split over the tensor axes made whole (entering a region).
+
+    The residual stream's sequence becomes any activation's (`seq`): whole
+    over tensor, still split over `context` (jaxpar.attention).
+    """
+    return tuple(("seq" if n == "seq_residual" else None) if set(rule_axes(n)) & set(axes) else n for n in names)
 
 
 def _manual_axes() -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 
 jaxpar's layers call `mark` when they run under a plan: the tensor-parallel
 layers (`TENSOR`), the MoE layer (`EXPERTS`), the stacked-layer block
-(`STACK`) and the pipeline (`PIPELINE`). The step traces the model inside
+(`STACK`), the pipeline (`PIPELINE`) and the three parts of context
+parallelism (`CONTEXT_PARTS`). The step traces the model inside
 `recording()` and then calls `check`, which raises where an option would make
 the result wrong or wasteful (`pipe > 1` with no pipeline: every pipe rank
 repeats the whole model) and warns where it merely does nothing. All of this
@@ -23,6 +24,15 @@ EXPERTS = "experts"  # an MoE layer dispatched tokens to experts (jaxpar.experts
 STACK = "stack"  # a stacked-layer block ran its scan (applies the remat policy and ZeRO per-layer gathers)
 PIPELINE = "pipeline"  # the model's layers ran as pipeline stages over `pipe`
 TENSOR_PARAMS = "tensor params"  # a parameter is sharded over tensor (by its logical names or a Megatron layer)
+# Context parallelism (jaxpar.attention): the three places that must agree on the load-balanced sequence order.
+CONTEXT_ATTENTION = "context attention"  # jaxpar's causal attention ran split over context
+CONTEXT_TOKENS = "context tokens"  # jaxpar's embedding lookup put the tokens in context order
+CONTEXT_TARGETS = "context targets"  # jaxpar's loss put the targets in context order
+CONTEXT_PARTS = {
+    CONTEXT_ATTENTION: "causal attention (jaxpar.attention.causal_attention)",
+    CONTEXT_TOKENS: "embedding lookup (jaxpar.embedding_lookup)",
+    CONTEXT_TARGETS: "loss (jaxpar.vocab_parallel_cross_entropy)",
+}
 
 EXPLICIT_UNUSED = (
     "tensor_form='explicit' runs the model once per tensor rank, which only jaxpar's tensor-parallel layers "
@@ -92,12 +102,40 @@ def problems(plan, used: set[str]) -> tuple[list[str], list[str]]:
     if shape["expert"] > 1 and EXPERTS not in used:
         notes.append(f"expert={shape['expert']} acts as more data parallelism: the model ran no MoE layer "
                      f"(jaxpar.experts.moe_ffn)")
+    context_errors, context_notes = _context_problems(plan, used)
+    errors, notes = errors + context_errors, notes + context_notes
     if plan.zero and shape["data"] == 1:
         notes.append(f"zero={plan.zero} has no effect: the data axis has size 1, so parameters, gradients and "
                      f"optimizer state stay whole on every device")
     if plan.remat != "none" and STACK not in used:
         notes.append(f"remat={plan.remat!r} has no effect: the model ran no stacked-layer block for it to wrap")
     return errors, notes
+
+
+def _context_problems(plan, used: set[str]) -> tuple[list[str], list[str]]:
+    """Context parallelism needs jaxpar's embedding, attention and loss together: each alone computes wrong results.
+
+    The embedding and the loss reorder the sequence for load balancing and
+    attention derives its positions from that order; a model whose own layer
+    stands in for one of them would mix two orders.
+    """
+    ways = plan.shape["context"]
+    if ways == 1:
+        form = [f"context_form={plan.context_form!r} has no effect: the context axis has size 1"] \
+            if plan.context_form != "all-gather" else []
+        return [], form
+    ran = [part for part in CONTEXT_PARTS if part in used]
+    if not ran:
+        return [], [f"context={ways} splits the sequence of the model's activations, but the model ran none of "
+                    f"jaxpar's context-parallel layers (jaxpar.attention.causal_attention, embedding_lookup, "
+                    f"vocab_parallel_cross_entropy): the compiler gathers the sequence wherever the model mixes "
+                    f"positions, so attention memory does not fall"]
+    missing = [text for part, text in CONTEXT_PARTS.items() if part not in ran]
+    if missing:
+        return [f"context={ways} needs jaxpar's embedding lookup, causal attention and loss together (they agree "
+                f"on a load-balanced order of the sequence), but the model ran its own {', '.join(missing)}: its "
+                f"results would be wrong. Use jaxpar's, or drop context from the mesh"], []
+    return [], []
 
 
 @contextlib.contextmanager

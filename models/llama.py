@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar import attention as attention_lib
 from jaxpar import pipeline, tensor
 from jaxpar.rules import constrain
 from jaxpar.stack import scan_layers
@@ -142,22 +143,16 @@ RESIDUAL = ("batch", "seq_residual", "embed")
 
 
 def attention(p, x, cfg: LlamaConfig):
-    """Causal grouped-query attention; heads split over the plan's `heads` axes."""
+    """Causal grouped-query attention (jaxpar.attention: split over `context` too); heads over the `heads` axes."""
     q_names, kv_names = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
     q, k, v = tensor.column_parallel(
         x, (p["wq"], p["wk"], p["wv"]), "bsd,dhk->bshk", (q_names, kv_names, kv_names)
     )
-    b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
-    positions, inv_freq = jnp.arange(s), rope_frequencies(cfg, q.shape[-1])
+    # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
+    # jaxpar.attention keeps it (load-balanced under context parallelism): positions say which is which.
+    positions, inv_freq = attention_lib.positions(q.shape[1]), rope_frequencies(cfg, q.shape[-1])
     q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
-    kv_heads = k.shape[2]
-    q = q.reshape(b, s, kv_heads, q.shape[2] // kv_heads, q.shape[3])
-    scores = jnp.einsum("bqngk,bsnk->bngqs", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(b, s, -1, q.shape[-1])
-    out = constrain(out, q_names)
+    out = constrain(attention_lib.causal_attention(q, k, v), q_names)
     return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", q_names)
 
 
@@ -350,6 +345,8 @@ def _logits_of(model: "Llama", x):
 
 
 def _check_dense(model: "Llama") -> None:
+    if attention_lib.context_ways() > 1:
+        raise ValueError("inference (logits, decode) does not run context-parallel; use a plan with context=1")
     if type(model.blocks) is not Blocks:
         raise ValueError(f"inference (logits, decode) supports the dense Llama blocks, not {type(model.blocks).__name__}")
 
