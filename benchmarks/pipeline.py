@@ -2,20 +2,32 @@
 
 - each schedule's bubble fraction from its tick table, against (p-1)/(v*m+p-1);
 - matmul FLOPs of the pipelined step (per device x p) over those of the unpipelined step on
-  one device, against (v*m+p-1)/(v*m): the bubble ticks are the only extra work;
+  one device, against (v*m+p-1)/(v*m): the bubble ticks are the only extra work, so
+  1 - 1/ratio is the bubble the compiled step shows (`flops_bubble`);
 - bytes passed between stages (collective-permutes over pipe, per device and direction) against
   v x m x one microbatch's activation bytes (each of a device's v chunks hands every microbatch on
   once), and every other collective over pipe (with v > 1
   also the per-step move of the layers into round-robin order and of their gradients back);
-- the temp memory of the compiled step for m = 4, 8, 16, 32 at a fixed microbatch size.
+- the temp memory of the compiled step for m = 8, 16, 32 at a fixed microbatch size, side by side.
 
-zb-h1's W slot replays the stage's stored VJP for the weight gradients, which
-recomputes the input-gradient chain through the stage's layers: its tick table
-idles less than 1f1b's, but its matmul FLOPs are higher (1.41 against 1.09 of
-unpipelined at m = 32, tiny model with 8 layers, 2026-11-30); temp
-memory 5.84 MB against 1f1b's 5.51 MB, flat in m (m = 8, 16, 32).
+Measured 2026-11-30 (jax 0.10.2, XLA:CPU, tiny model with 8 layers, seq 32):
 
-    python benchmarks/pipeline.py [--microbatches 4,8,16,32] [--seq-len 32]
+                temp MiB, m = 8 / 16 / 32   m=32 / m=8   matmul FLOPs / unpipelined (formula), m = 8 / 16 / 32
+    gpipe        10.06 / 16.11 / 28.21       2.80        1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
+    1f1b          5.25 /  5.25 /  5.25       1.001       1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
+    interleaved   4.11 /  4.11 /  4.11       1.001       1.202 / 1.125 / 1.086  (1.188 / 1.094 / 1.047)
+    zb-h1         5.64 /  5.64 /  5.65       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
+
+Residual rings: 1f1b and zb-h1 keep 7 stage-sized sets, interleaved 11 chunk-sized ones (5.5
+stages' worth), gpipe every tick's. The FLOPs ratios sit below the formula where the head and
+embedding (not multiplied by the bubble) weigh in; interleaved's sit above it (+1.3 / +2.9 / +3.8%)
+because its loss head runs, masked, on every steady tick while only one tick in v has a last
+chunk's output (the tiny model's head is ~4% of its step); zb-h1's W slot replays the stage's
+stored VJP, which recomputes the input-gradient chain, so its table idles less than 1f1b's but
+its FLOPs are higher. interleaved also moves its layers into round-robin order and back each
+step (layer_relayout_bytes: 591872 per device).
+
+    python benchmarks/pipeline.py [--microbatches 8,16,32] [--seq-len 32]
 """
 
 import argparse
@@ -39,6 +51,8 @@ from jaxpar.step import make_train_step  # noqa: E402
 
 STAGES = 4
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+
+
 def compile_step(model, optimizer, plan: Plan, batch: int, seq: int):
     spec = jax.ShapeDtypeStruct((batch, seq), np.int32)
     step = make_train_step(model, lambda module, b: module(b), optimizer, plan)
@@ -62,18 +76,19 @@ def measure(model, optimizer, config, name: str, v: int, m: int, reference_flops
         "schedule": name, "virtual_stages": v, "microbatches": m, "ticks": schedule.ticks,
         "bubble": schedule.bubble, "bubble_formula": schedule.bubble_formula,
         "flops_ratio": flops_ratio, "flops_ratio_formula": goal, "flops_within_goal": flops_ratio <= goal * 1.05,
+        "flops_bubble": 1 - 1 / flops_ratio,
         "stage_bytes_per_direction": permuted / 2, "ideal_stage_bytes_per_direction": v * m * activation,
         "stage_bytes_over_ideal": permuted / 2 / (v * m * activation),
         "layer_relayout_bytes": relaid,
         "collectives_over_pipe": over_pipe,
         "memory": inspect.memory(compiled),
-        "in_flight_microbatches": schedule.in_flight,
+        "in_flight_chunk_sets": schedule.in_flight, "live_microbatches": schedule.live_microbatches,
     }
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--microbatches", default="4,8,16,32", help="comma-separated m values for the series")
+    parser.add_argument("--microbatches", default="8,16,32", help="comma-separated m values for the series")
     parser.add_argument("--seq-len", type=int, default=32)
     args = parser.parse_args()
     series = [int(m) for m in args.microbatches.split(",")]
@@ -87,11 +102,15 @@ def main():
             results.append(measure(model, optimizer, config, name, v, m, reference_flops))
     temp = {name: {r["microbatches"]: r["memory"]["temp"] for r in results if r["schedule"] == name}
             for name, _ in SCHEDULES}
+    bubbles = {name: {r["microbatches"]: {"flops": r["flops_bubble"], "table": r["bubble"],
+                                          "formula": r["bubble_formula"]}
+                      for r in results if r["schedule"] == name} for name, _ in SCHEDULES}
     print(json.dumps({
         "benchmark": "pipeline", "stages": STAGES, "layers": config.n_layers, "seq_len": config.seq_len,
         "microbatch_sequences": 1, "activation_bytes": config.seq_len * config.d_model * 4,
         "temp_memory_series": temp,
         "temp_growth_m_last_over_first": {name: s[series[-1]] / s[series[0]] for name, s in temp.items()},
+        "bubble_series": bubbles,
         "results": results,
     }, indent=1))
 

@@ -4,7 +4,9 @@ Collectives come from the optimized HLO text: each op's kind, the mesh axes its
 replica groups span, its buffer sizes, and how many times it runs (ops inside
 `while` loops, i.e. scans, are multiplied by the loop's known trip count).
 `bytes` is the size of the whole buffer a call reduces or gathers; `traffic` is
-what one device sends under a bandwidth-optimal ring algorithm.
+what one device sends under a bandwidth-optimal ring algorithm. A pipelined
+plan adds its schedule's figures: bubble, live microbatches and the bytes of
+the residual ring its tick loops carry (`pipeline_figures`).
 """
 
 from __future__ import annotations
@@ -260,12 +262,54 @@ def matmul_flops(compiled) -> float:
     return total
 
 
-def summary(compiled, mesh: Mesh) -> dict:
-    """The JSON that `jaxpar inspect --json` prints (without the model's own fields)."""
+def residual_ring_bytes(compiled, rows: int) -> int:
+    """Bytes per device of the pipeline's residual ring (`rows` rows and one scratch row), 0 without one.
+
+    The ring's buffers are the arrays `jaxpar.pipeline` creates under its
+    `RING_SCOPE`; XLA may merge equal initial values, so they are counted as
+    the tick loops carry them: each array of a ring shape in the loop state.
+    """
+    from jaxpar.pipeline import RING_SCOPE
+
+    lines = _hlo_text(compiled).splitlines()
+    shapes = {(d, dims) for line in lines if RING_SCOPE in line
+              for d, dims in _arrays(line.split("=", 1)[1].split("(", 1)[0]) if dims[:1] == (rows + 1,)}
+    carried = [_arrays(line.split("=", 1)[1].split(" while(", 1)[0]) for line in lines if " while(" in line]
+    return max((sum(math.prod(dims) * _DTYPE_BYTES[d] for d, dims in state if (d, dims) in shapes)
+                for state in carried), default=0)
+
+
+def pipeline_figures(compiled, plan) -> dict | None:
+    """The schedule's bubble, the live-microbatch bound and the residual ring's bytes (None without a pipeline).
+
+    live_microbatches counts whole stages' residual sets (a chunk's are 1/v);
+    peak_residual_bytes is the ring without its scratch row, read from the
+    compiled step (None for gpipe, whose residuals autodiff keeps per tick).
+    """
+    from jaxpar.schedule import Schedule
+
+    if plan.shape["pipe"] == 1:
+        return None
+    schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.pipeline_microbatches, plan.virtual_stages)
+    rows = schedule.in_flight
+    ring = residual_ring_bytes(compiled, rows) if schedule.explicit_backward else None
     return {
+        "schedule": schedule.name, "stages": schedule.stages, "microbatches": schedule.microbatches,
+        "virtual_stages": schedule.virtual_stages, "bubble": schedule.bubble,
+        "live_microbatches": schedule.live_microbatches, "ring_rows": rows if ring is not None else None,
+        "peak_residual_bytes": ring * rows // (rows + 1) if ring is not None else None,
+    }
+
+
+def summary(compiled, mesh: Mesh, plan=None) -> dict:
+    """The JSON that `jaxpar inspect --json` prints (without the model's own fields); with the plan, its pipeline."""
+    out = {
         "mesh": {a: int(s) for a, s in zip(mesh.axis_names, mesh.devices.shape)},
         "collectives": collectives(compiled, mesh),
         "memory": memory(compiled),
         "flops": flops(compiled),
         "matmul_flops": matmul_flops(compiled),
     }
+    if plan is not None and (figures := pipeline_figures(compiled, plan)) is not None:
+        out["pipeline"] = figures
+    return out

@@ -51,6 +51,7 @@ from jaxpar.schedule import EMPTY, Schedule
 from jaxpar.step import microbatches
 
 AXIS = "pipe"
+RING_SCOPE = "pipeline_residual_ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +367,8 @@ class _ResidualRing:
             value = fill if jnp.issubdtype(leaf.dtype, jnp.floating) else 0
             return _varying(jnp.full((slots + 1, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
 
-        self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        with jax.named_scope(RING_SCOPE):  # names the buffers in the compiled step for `inspect.residual_ring`
+            self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
 
     def _row(self, j, row):
         return jnp.where(j != EMPTY, row, self.slots)

@@ -404,7 +404,16 @@ def render(schedule: Schedule):
     text.append("  · bubble; numbers are microbatches")
     if schedule.virtual_stages > 1:
         text.append("; shades are virtual chunks")
+    text.append(f"\n{_residuals(schedule)}")
     return text
+
+
+def _residuals(schedule: Schedule) -> str:
+    """The live-microbatch bound in words: how many stages' worth of residuals a stage keeps at the peak."""
+    if not schedule.explicit_backward:
+        return f"residuals kept: all {schedule.microbatches} microbatches' (autodiff of the tick scan)"
+    chunks = f" ({schedule.in_flight} chunk-sized sets)" if schedule.virtual_stages > 1 else ""
+    return f"residuals kept: at most {schedule.live_microbatches:g} microbatches' per stage{chunks}"
 
 
 def save_png(schedule: Schedule, path: str) -> None:

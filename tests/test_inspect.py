@@ -82,3 +82,39 @@ def test_matmul_flops_count_every_layer_of_the_scan(layers):
     compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(
         abstract_state(model, optimizer, plan), batch).compile()
     assert inspect.matmul_flops(compiled) == pytest.approx(mfu.model_flops_per_step("tiny", config, 4, 32), rel=0.01)
+
+
+def test_pipeline_figures_come_from_the_schedule_and_the_compiled_ring():
+    """pipe=4, 8 layers: bubble and live-microbatch bound from the tick tables; the residual ring's bytes read from
+    the compiled step, flat in m; a set is its input activation and its layers' residuals, so a chunk's (one layer,
+    v = 2) holds half the layer residuals of a whole stage's (two layers, 1f1b)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from jaxpar.models import model_config
+    from jaxpar.models.llama import Llama
+    from jaxpar.plan import Plan
+    from jaxpar.schedule import Schedule
+    from jaxpar.state import abstract_state, describe
+    from jaxpar.step import make_train_step
+
+    config = model_config("tiny", {"n_layers": 8, "seq_len": 32})
+    model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
+
+    def figures(schedule, m, v=1):
+        plan = Plan.create("pipe=4", devices=jax.devices()[:4], schedule=schedule, microbatches=m, virtual_stages=v)
+        batch = {k: jax.ShapeDtypeStruct((m, 32), np.int32) for k in ("inputs", "targets")}
+        compiled = make_train_step(model, lambda mod, b: mod(b), optimizer, plan).lower(
+            abstract_state(model, optimizer, plan), batch).compile()
+        out = inspect.summary(compiled, plan.mesh, plan)["pipeline"]
+        assert out["peak_residual_bytes"] < inspect.memory(compiled)["temp"]
+        assert out["bubble"] == Schedule(schedule, 4, m, v).bubble
+        return out
+
+    small, large, whole = figures("interleaved", 8, 2), figures("interleaved", 16, 2), figures("1f1b", 8)
+    assert (small["ring_rows"], small["live_microbatches"], whole["ring_rows"], whole["live_microbatches"]) == \
+        (11, 5.5, 7, 7)
+    assert small["peak_residual_bytes"] == large["peak_residual_bytes"] > 0
+    per_chunk, per_stage = small["peak_residual_bytes"] / 11, whole["peak_residual_bytes"] / 7
+    assert 2 * per_chunk - per_stage == 32 * config.d_model * 4  # one [1, 32, d] fp32 activation
