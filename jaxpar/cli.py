@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             return _draw_schedule(args, console)
         config, options, mesh = resolve(args)
         plan = Plan.create(mesh, **options)
+        plan.check_batch(config.batch_size, config.seq_len)  # batch and sequence against the mesh, before any data
         if args.command == "inspect" and args.png and plan.shape["pipe"] == 1:
             raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)

@@ -95,6 +95,16 @@ def test_bad_config_files_are_named(tmp_path, capsys, text, fragments):
     assert_refused(*refused_in_process(capsys, "--config", str(config)), str(config), *fragments)
 
 
+def test_a_sequence_that_context_parallelism_cannot_split_is_refused(capsys):
+    assert_refused(*refused_in_process(capsys, "--mesh", "data=2,context=4", "--seq-len", "12"),
+                   "sequence length 12 does not divide by 2 x context=4 = 8")
+
+
+def test_an_unknown_context_form_is_refused(capsys):
+    assert_refused(*refused_in_process(capsys, "--mesh", "context=2,data=4", "--context-form", "ulysses"),
+                   "context_form must be one of ('all-gather', 'ring')")
+
+
 def test_a_mesh_file_typo_is_named(tmp_path, capsys):
     mesh = tmp_path / "mesh.toml"
     mesh.write_text("[mesh]\ndata = 8\nexperts = 1\n")
