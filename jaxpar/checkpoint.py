@@ -41,13 +41,16 @@ import optax
 import orbax.checkpoint as ocp
 from jax import lax
 
+from jaxpar import precision
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, abstract_state
 
 FORMAT = "jaxpar-checkpoint/1"
 ARRAY_ITEMS = ("params", "opt_state", "variables")
 TEMPORARY = ".orbax-checkpoint-tmp"  # how Orbax marks a step directory still being written
-MASTER = "master"  # the fp32 copy of the parameters in the optimizer state under bf16/fp16 (jaxpar.precision)
+# Older bf16/fp16 checkpoints hold 2-byte `params` and the fp32 parameters here in the optimizer state
+# ({master, inner, loss_scale}); today's hold fp32 `params` once (jaxpar.precision). Both restore and export.
+MASTER = "master"
 CHECKSUMS = "checksums"  # meta key: `item/path` -> checksum of each saved array (see `checksums`)
 SET_ASIDE = ".corrupted"  # suffix of a damaged step directory that a training run moved out of its way
 READ_ERRORS = (ValueError, OSError, KeyError, RuntimeError, TypeError, EOFError)  # what damaged files raise
@@ -381,6 +384,9 @@ class Checkpoints:
         """
         step = self._step(step)
         target = abstract_state(model, optimizer, plan)
+        saved_optimizer = self._array_metadata(step, "opt_state")
+        if isinstance(saved_optimizer, dict) and MASTER in saved_optimizer:
+            return self._restore_with_master(step, target, saved_optimizer)
         self.check_fits(target, step)
         arrays = {
             item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
@@ -392,12 +398,29 @@ class Checkpoints:
         items = {item: restored[item] if item in arrays else getattr(target, item) for item in ARRAY_ITEMS}
         return TrainState(**items, step=counter), restored.meta
 
-    def read_params(self, step: int | None = None) -> dict:
-        """The parameters saved at `step` as whole host numpy arrays, for export.
+    def _restore_with_master(self, step: int, target: TrainState, saved: dict) -> tuple[TrainState, dict]:
+        """A checkpoint of the older bf16/fp16 layout restored into today's: its fp32 master becomes the
+        params (its 2-byte params, a cast of the master, are not read), its inner state the optimizer's."""
+        scaled = isinstance(target.opt_state, precision.ScaledState)
+        inner = target.opt_state.inner if scaled else target.opt_state
+        legacy = {MASTER: target.params, "inner": inner, "loss_scale": target.opt_state.loss_scale if scaled else None}
+        wrong = mismatches({"opt_state": saved}, {"opt_state": legacy})
+        if wrong:
+            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
+        trees = {"opt_state": legacy, **({"variables": target.variables} if "variables" in _filled(target) else {})}
+        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                  for item, tree in trees.items()}
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        opt = restored["opt_state"]
+        opt_state = precision.ScaledState(opt["inner"], opt["loss_scale"]) if scaled else opt["inner"]
+        counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
+        variables = restored["variables"] if "variables" in arrays else target.variables
+        return TrainState(opt[MASTER], opt_state, counter, variables), restored.meta
 
-        Under bf16/fp16 with a master copy that is the fp32 master, the exact
-        weights; otherwise the parameters as the model computed with them.
-        """
+    def read_params(self, step: int | None = None) -> dict:
+        """The parameters saved at `step` as whole host numpy arrays, for export: the exact fp32 weights
+        under bf16/fp16 (the master of an older checkpoint), else the parameters as held."""
         step = self._step(step)
         optimizer = self._array_metadata(step, "opt_state")
         if isinstance(optimizer, dict) and MASTER in optimizer:

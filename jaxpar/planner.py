@@ -281,10 +281,18 @@ def _fmt(v) -> str:
 def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
     """(P, G, K): bytes per parameter of the parameters, gradients and AdamW state (ZeRO's notation).
 
-    fp32: 4 + 4 + 8 (two moments). bf16/fp16: 2 + 2 + 12 (fp32 master copy and
-    moments; ZeRO's K = 12). bf16-params: 2 + 2 + 4 (bf16 moments, no master).
+    fp32, and bf16/fp16, which hold fp32 parameters and compute with 2-byte
+    casts (jaxpar.precision): 4 + 4 + 8 (two moments). The paper's mixed
+    precision (2 + 2 + 12: a 2-byte copy beside an fp32 master) totals the
+    same; holding fp32 costs more only where the parameters stay whole while
+    the optimizer state is sharded (ZeRO-1). bf16-params: 2 + 2 + 4.
     """
-    return {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12), "bf16-params": (2, 2, 4)}[precision]
+    return {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "fp16": (4, 4, 8), "bf16-params": (2, 2, 4)}[precision]
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes of a parameter as the model computes with it: what ZeRO-2/3 gathers and reduce-scatters."""
+    return 4 if precision == "fp32" else 2
 
 
 def zero_table(psi: float, n: int, k: int = 12, p: int = 2, g: int = 2) -> dict[str, float]:
@@ -474,6 +482,8 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
     """Every collective of one step, per device: what the compiled step runs, by jaxpar's own layers."""
     inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
     p_bytes, g_bytes, _ = state_bytes_per_param(layout.precision)
+    if layout.zero >= 2:  # the layers gather their compute-dtype casts; autodiff reduce-scatters in that dtype
+        p_bytes = g_bytes = compute_bytes(layout.precision)
     wide = 4 if device.widens_low_precision else None
     p_comm, g_comm = wide or p_bytes, wide or g_bytes
     act = DTYPE_BYTES[layout.precision] if layout.precision != "bf16-params" else 2
@@ -690,8 +700,9 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     z = layout.zero if n > 1 else 0
     # ZeRO-2 keeps parameters sharded between steps but gathers every layer's for the whole step (held, as in
     # the paper's P_os+g); ZeRO-3 holds its shard and gathers one layer at a time.
+    C = compute_bytes(layout.precision)  # what ZeRO-2/3 gather: the compute-dtype casts
     at_rest = P * (inv.sharded if z >= 2 else inv.local)
-    params = P * (inv.sharded if z == 3 else inv.local)
+    params = P * inv.sharded if z == 3 else C * inv.local if z == 2 else at_rest
     optimizer = K * (inv.sharded if z >= 1 else inv.local)
     # ZeRO's gradient: the whole local gradient under ZeRO-0/1 (reduced once per step), the data shard under
     # ZeRO-2/3, which reduce-scatter each layer's gradient as soon as the backward pass produces it.
@@ -704,10 +715,10 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
         transient += (4 - G) * inv.local  # the fp32 copy of the whole gradient a widened reduction takes
     act_bytes = 4 if layout.precision == "fp32" or device.low_precision_in_fp32 else 2
     b, s = microbatch_sequences(layout, work), work.seq_len
-    activations = activation_bytes(model, layout, work, act_bytes, P * inv.stacked_local)
+    activations = activation_bytes(model, layout, work, act_bytes, (C if z == 2 else P) * inv.stacked_local)
     gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
     if z == 3:
-        gathered = P * (per_layer + (inv.local - inv.stacked_local) - (inv.sharded - inv.stacked_sharded))
+        gathered = C * (per_layer + (inv.local - inv.stacked_local) - (inv.sharded - inv.stacked_sharded))
     workspace = transient + layer_workspace(model, layout, work) + update_workspace(inv, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
     arguments = at_rest + optimizer + batch

@@ -1,11 +1,13 @@
-"""Mixed precision: the dtype the model computes in, an fp32 master copy, and dynamic loss scaling.
+"""Mixed precision: the dtype the state holds the parameters in, the dtype the model computes in, loss scaling.
 
-The train state's `params` are the copy the model computes with. Under `bf16`
-and `fp16` they are low precision and an fp32 master copy lives in the
-optimizer state, so ZeRO shards it with the Adam moments (stage 1 and up) and
-the step all-gathers only the 2-byte parameters. `fp16` also scales the loss
-so small gradients survive its narrow range, skipping a step (and halving the
-scale) whenever a gradient overflows. `bf16-params` keeps no master copy at all.
+Under `bf16` and `fp16` the train state holds the parameters once, in fp32,
+and the optimizer updates them there; the model computes with a 2-byte cast
+made where each parameter is used (jaxpar.zero.gather_params: per layer
+inside the layer scan, and before ZeRO's all-gathers, so those move 2-byte
+values). A persistent 2-byte copy beside an fp32 master would cost 2 bytes
+per parameter of state on every device. `fp16` also scales the loss so small
+gradients survive its narrow range, skipping a step (and halving the scale)
+whenever a gradient overflows. `bf16-params` holds and updates bf16 parameters.
 """
 
 from __future__ import annotations
@@ -21,16 +23,21 @@ from flax import nnx
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    param_dtype: Any  # dtype of the train state's params, which the model computes in
-    master: bool  # keep an fp32 master copy in the optimizer state
+    param_dtype: Any  # dtype of the train state's params, which the optimizer updates
+    compute_dtype: Any  # dtype the model computes in: the params are cast to it where they are used
     loss_scaling: bool  # dynamic loss scaling (fp16)
+
+    @property
+    def cast_at_use(self):
+        """The dtype the step casts the parameters to for the model (None: they are used as held)."""
+        return None if self.compute_dtype == self.param_dtype else self.compute_dtype
 
 
 POLICIES = {
-    "fp32": Policy(jnp.float32, master=False, loss_scaling=False),
-    "bf16": Policy(jnp.bfloat16, master=True, loss_scaling=False),
-    "fp16": Policy(jnp.float16, master=True, loss_scaling=True),
-    "bf16-params": Policy(jnp.bfloat16, master=False, loss_scaling=False),
+    "fp32": Policy(jnp.float32, jnp.float32, loss_scaling=False),
+    "bf16": Policy(jnp.float32, jnp.bfloat16, loss_scaling=False),
+    "fp16": Policy(jnp.float32, jnp.float16, loss_scaling=True),
+    "bf16-params": Policy(jnp.bfloat16, jnp.bfloat16, loss_scaling=False),
 }
 
 
@@ -39,10 +46,9 @@ class LossScale(NamedTuple):
     good_steps: jax.Array  # int32 steps since the last overflow or growth
 
 
-class MasterState(NamedTuple):
-    master: Any  # fp32 copy of the parameters, updated by the wrapped optimizer
+class ScaledState(NamedTuple):
     inner: Any  # the wrapped optimizer's own state
-    loss_scale: LossScale | None
+    loss_scale: LossScale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,47 +61,37 @@ class Optimizer:
     growth_interval: int = 2000  # overflow-free steps before the loss scale doubles
 
     def cast(self, params):
-        """The parameters in the dtype the model computes in."""
+        """The parameters in the dtype the train state holds them in."""
         return jax.tree.map(lambda p: p.astype(self.policy.param_dtype), params)
 
     def init(self, params):
         """Optimizer state from the model's (fp32) initial parameters."""
-        if not self.policy.master:
-            return self.inner.init(self.cast(params))
-        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-        scale = None
-        if self.policy.loss_scaling:
-            scale = LossScale(jnp.asarray(self.initial_scale, jnp.float32), jnp.zeros((), jnp.int32))
-        return MasterState(master, self.inner.init(master), scale)
+        inner = self.inner.init(self.cast(params))
+        if not self.policy.loss_scaling:
+            return inner
+        return ScaledState(inner, LossScale(jnp.asarray(self.initial_scale, jnp.float32), jnp.zeros((), jnp.int32)))
 
     def loss_scale(self, state) -> jax.Array | None:
         return state.loss_scale.scale if self.policy.loss_scaling else None
 
     def grad_norm(self, grads) -> jax.Array:
-        """The global gradient norm `apply` reports (fp32 under a master copy); without loss scaling only."""
-        if self.policy.master:
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        """The global gradient norm `apply` reports; without loss scaling only."""
         return optax.tree.norm(grads)
 
     def apply(self, grads, state, params):
         """(new params, new state, metrics) from gradients of the (scaled) loss."""
-        if not self.policy.master:
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        if not self.policy.loss_scaling:
             updates, state = self.inner.update(grads, state, params)
             return optax.apply_updates(params, updates), state, {"grad_norm": self.grad_norm(grads)}
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        if self.policy.loss_scaling:
-            grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
-        updates, inner = self.inner.update(grads, state.inner, state.master)
-        master = optax.apply_updates(state.master, updates)
-        metrics = {"grad_norm": optax.tree.norm(grads)}
-        if not self.policy.loss_scaling:
-            return self.cast(master), MasterState(master, inner, None), metrics
+        grads = jax.tree.map(lambda g: g / state.loss_scale.scale, grads)
+        updates, inner = self.inner.update(grads, state.inner, params)
+        new = optax.apply_updates(params, updates)
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        master, inner = keep(master, state.master), keep(inner, state.inner)
+        keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
+        metrics = {"grad_norm": optax.tree.norm(grads), "loss_scale": state.loss_scale.scale}
         scale = self._next_scale(state.loss_scale, finite)
-        metrics |= {"loss_scale": state.loss_scale.scale}
-        return self.cast(master), MasterState(master, inner, scale), metrics
+        return keep(new, params), ScaledState(keep(inner, state.inner), scale), metrics
 
     def _next_scale(self, current: LossScale, finite) -> LossScale:
         """Halve on overflow (not below 1); double after `growth_interval` finite steps in a row."""

@@ -181,7 +181,7 @@ def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan) -> t
 
 
 def _initial_state(params, variables, optimizer, plan: Plan) -> TrainState:
-    """Step 0 from the model's parameters, in the plan's precision (e.g. bf16 params, fp32 master copy)."""
+    """Step 0 from the model's parameters, held in the plan's parameter dtype (fp32 but under bf16-params)."""
     optimizer = precision.wrap(optimizer, plan.precision)
     return TrainState(optimizer.cast(params), optimizer.init(params), jnp.zeros((), jnp.int32), variables)
 

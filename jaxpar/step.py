@@ -127,7 +127,10 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     the parameters arrive sharded and each layer's are gathered inside the
     layer scan, so autodiff reduce-scatters each layer's gradients as the
     backward scan produces them: no full-size gradient ever exists.
-    `loss_scale` multiplies the loss before differentiation (fp16).
+    `loss_scale` multiplies the loss before differentiation (fp16). The
+    model computes with the parameters cast to the plan's compute dtype where
+    they are used (`jaxpar.zero.gather_params`), so the gradients come back
+    in the dtype the parameters are held in.
 
     A model with variables besides its parameters (BatchNorm statistics) or
     random numbers (dropout, a loss_fn taking `rngs`) runs on the global
@@ -165,14 +168,13 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     share = share / (k * ranks) if k * ranks > 1 else share
     step_key = jax.random.fold_in(jax.random.key(seed), step) if takes_rngs(loss_fn) else None
 
+    dtype = precision.POLICIES[plan.precision].cast_at_use  # bf16/fp16: fp32 params, 2-byte compute
+
     def compute(p, b, carried, j):
-        if over_data:
-            with zero.layer_registry():
-                module = model.merge(zero.gather_params(p, param_specs), carried[1], rngs=carried[0])
-                loss, aux = call_loss(loss_fn, module, b)
-        else:
-            module = model.merge(p, carried[1], rngs=carried[0])
-            key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)
+        key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)  # None over data
+        with zero.layer_registry():
+            module = model.merge(zero.gather_params(p, param_specs if over_data else None, dtype), carried[1],
+                                 rngs=carried[0])
             loss, aux = call_loss(loss_fn, module, b, key)
         return (loss if loss_scale is None and k * ranks == 1 else loss * share), (loss, aux, model.carried_of(module))
 

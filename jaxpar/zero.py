@@ -27,8 +27,10 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
@@ -194,24 +196,47 @@ def layer_registry():
         _registry.reset(token)
 
 
-def gather_params(params, specs):
-    """Every parameter sharded over data at rest, gathered whole, so any model computes with whole parameters.
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """How one layer of a stacked array reaches the block: cast to `dtype` (None: as held), then gathered over
+    data by its spec `entries` (None: it is whole already)."""
 
-    A gathered array whose leading dimension is not the one over data (a
-    stack of layers) is remembered with its shard: `jaxpar.scan_layers` then
-    gathers it one layer at a time instead, the whole gather goes unused, and
-    XLA drops it. A model that runs such an array in its own scan still gets
-    it whole: correct, with every layer gathered at once.
+    entries: tuple | None
+    dtype: Any = None
+
+    def __call__(self, x):
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        return x if self.entries is None else gather(x, (None,) * (x.ndim - len(self.entries)) + tuple(self.entries))
+
+
+def gather_params(params, specs=None, dtype=None):
+    """Every parameter whole and in the compute dtype `dtype` (None: as held), as any model computes with them.
+
+    `specs`: the parameters' specs inside the step's shard_map over data (None:
+    nothing is manual over data, so nothing is gathered). A parameter is cast
+    before it is gathered, so the gather moves `dtype`'s bytes. A cast or
+    gathered array that may be a stack of layers is remembered with its
+    source: `jaxpar.scan_layers` then casts and gathers it one layer at a time
+    instead, the whole-stack result goes unused and XLA drops it (no
+    full-size copy). A model that runs such an array in its own scan still
+    gets it whole: correct, with every layer cast or gathered at once.
     """
     def one(x, spec):
         entries = _entries(spec, x.ndim)
+        cast = dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else None
+        low = x if cast is None else x.astype(cast)
         if not _over_data(entries):
-            return x
-        whole = gather(x, entries)
+            if cast is not None and x.ndim > 1:
+                _remember(low, x, Use(None, cast))
+            return low
+        whole = gather(low, entries)
         if x.ndim > 1 and _dim_over_data(entries) != 0:
-            _remember(whole, x, entries[1:])
+            _remember(whole, x, Use(entries[1:], cast))
         return whole
 
+    if specs is None:
+        return jax.tree.map(lambda x: one(x, P()), params)
     return jax.tree.map(one, params, specs, is_leaf=lambda v: isinstance(v, P))
 
 
@@ -243,15 +268,15 @@ def sum_gradients(grads, grad_specs, param_specs):
 
 # -- stacked layers gathered one at a time (jaxpar.stack.scan_layers) ---------------------------
 
-# id(array) -> (array, its shard over data, the spec entries of one layer). The
-# array itself is kept so that its id cannot be reused while the trace runs.
+# id(array) -> (array, what it was made from (its fp32 shard over data), the `Use` that makes one layer of
+# it). The array itself is kept so that its id cannot be reused while the trace runs.
 _registry: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar("jaxpar_zero_layers", default=None)
 
 
-def _remember(array, shard, entries: tuple) -> None:
+def _remember(array, source, use: Use) -> None:
     registry = _registry.get()
     if registry is not None:
-        registry[id(array)] = (array, shard, entries)
+        registry[id(array)] = (array, source, use)
 
 
 def _lookup(array):
@@ -260,11 +285,12 @@ def _lookup(array):
 
 
 def layer_sources(stacked):
-    """(what to scan over, a list of per-layer entries aligned with its leaves) for a tree of stacked arrays.
+    """(what to scan over, a list of per-layer `Use`s aligned with its leaves) for a tree of stacked arrays.
 
-    A stacked parameter that `gather_params` gathered whole is replaced by its
-    shard over data, with the entries `gather_layer` gathers each layer by;
-    other arrays are scanned as they are (entries None).
+    A stacked parameter that `gather_params` cast or gathered whole is
+    replaced by what it was made from (the held fp32 array or shard), with the
+    `Use` that `gather_layer` makes each layer by; other arrays are scanned as
+    they are (None).
     """
     leaves, treedef = jax.tree.flatten(stacked)
     found = [_lookup(leaf) for leaf in leaves]
@@ -272,34 +298,35 @@ def layer_sources(stacked):
     return jax.tree.unflatten(treedef, sources), [None if f is None else f[1] for f in found]
 
 
-def mark_layers(stacked, entries: list) -> None:
-    """Declare each array of `stacked` a shard over data whose layers `gather_layer` gathers (None: whole).
+def mark_layers(stacked, uses: list) -> None:
+    """Declare each array of `stacked` a source whose layers `gather_layer` makes by its `Use` (None: as it is).
 
     For code that reshapes or re-slices what `layer_sources` gave (the pipeline's stage chunks).
     """
-    for leaf, e in zip(jax.tree.leaves(stacked), entries):
-        if e is not None:
-            _remember(leaf, leaf, e)
+    for leaf, use in zip(jax.tree.leaves(stacked), uses):
+        if use is not None:
+            _remember(leaf, leaf, use)
 
 
 def regroup(stacked, groups: int):
-    """[L, ...] -> [groups, L / groups, ...] for every stacked array, keeping per-layer ZeRO gathers.
+    """[L, ...] -> [groups, L / groups, ...] for every stacked array, keeping per-layer casts and ZeRO gathers.
 
-    Scanning over the groups then gathers a whole group (its L / groups layers) at a time.
+    Scanning over the groups then casts and gathers a whole group (its L / groups layers) at a time.
     """
     def one(leaf):
         grouped = leaf.reshape(groups, leaf.shape[0] // groups, *leaf.shape[1:])
         found = _lookup(leaf)
         if found is not None:
-            shard, entries = found
-            _remember(grouped, shard.reshape(groups, shard.shape[0] // groups, *shard.shape[1:]), (None, *entries))
+            source, use = found
+            entries = None if use.entries is None else (None, *use.entries)
+            _remember(grouped, source.reshape(groups, source.shape[0] // groups, *source.shape[1:]),
+                      Use(entries, use.dtype))
         return grouped
 
     return jax.tree.map(one, stacked)
 
 
-def gather_layer(layer, entries: list):
-    """One layer's parameters (a slice of `layer_sources`' sources), each shard gathered over data by its entries."""
+def gather_layer(layer, uses: list):
+    """One layer's parameters (a slice of `layer_sources`' sources), each cast and gathered by its `Use`."""
     leaves, treedef = jax.tree.flatten(layer)
-    whole = [x if e is None else gather(x, (None,) * (x.ndim - len(e)) + tuple(e)) for x, e in zip(leaves, entries)]
-    return jax.tree.unflatten(treedef, whole)
+    return jax.tree.unflatten(treedef, [x if use is None else use(x) for x, use in zip(leaves, uses)])

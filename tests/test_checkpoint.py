@@ -10,6 +10,7 @@ real processes are in test_checkpoint_crash.py.
 import dataclasses
 import json
 import shutil
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -239,18 +240,52 @@ def test_export_loads_into_a_plain_flax_model_with_the_same_logits(trained_dir, 
     assert load_params(out)[1]["model"]["config"]["d_model"] == 32
 
 
-def test_export_of_a_bf16_run_holds_the_fp32_master_weights(tmp_path):
+def test_export_of_a_bf16_run_holds_the_fp32_weights(tmp_path):
+    """A bf16 run holds its parameters in fp32 (it computes with bf16 casts): the export holds them exactly."""
     config = dataclasses.replace(TINY, **SMALL, seq_len=16)
     plan = Plan.create("data=4,tensor=2", zero=1, precision="bf16")
     model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), OPTIMIZER, plan)
-    assert state.params["head"].dtype == jnp.bfloat16
+    assert state.params["head"].dtype == jnp.float32
     with Checkpoints(tmp_path / "run") as checkpoints:
         checkpoints.save(1, state)
     export(tmp_path / "run", tmp_path / "model.npz")
     params, exported = load_params(tmp_path / "model.npz")
     assert set(exported["dtypes"].values()) == {"float32"}
-    master = jax.device_get(state.opt_state.master)
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, master)))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, jax.device_get(state.params))))
+
+
+class OlderMasterState(typing.NamedTuple):
+    """The optimizer state older bf16/fp16 checkpoints hold: an fp32 master beside their 2-byte params."""
+
+    master: typing.Any
+    inner: typing.Any
+    loss_scale: typing.Any
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_an_older_checkpoint_with_a_master_copy_restores_its_master_as_the_params(tmp_path, name):
+    """The 2-byte params of the older layout are a cast of its master: the master is what restores and exports."""
+    config = dataclasses.replace(TINY, **SMALL, seq_len=16)
+    plan = Plan.create("data=4", zero=1, precision=name, devices=jax.devices()[:4])
+    model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), OPTIMIZER, plan)
+    master = jax.tree.map(lambda p: p + 1e-3, state.params)  # not representable in 2 bytes
+    inner, scale = (state.opt_state.inner, state.opt_state.loss_scale) if name == "fp16" else (state.opt_state, None)
+    low = jax.tree.map(lambda p: p.astype(jnp.bfloat16 if name == "bf16" else jnp.float16), master)
+    with Checkpoints(tmp_path / "old") as checkpoints:
+        checkpoints.save(5, dataclasses.replace(state, params=low, opt_state=OlderMasterState(master, inner, scale)))
+    with Checkpoints(tmp_path / "old", read_only=True) as checkpoints:
+        restored, meta = checkpoints.restore(model, OPTIMIZER, Plan.create("data=8", zero=3, precision=name))
+        exported = checkpoints.read_params()
+    assert meta["step"] == 5 and int(restored.step) == 5
+    host = jax.device_get(master)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(restored.params), host)))
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, exported, host)))
+    assert jax.tree.structure(restored.opt_state) == jax.tree.structure(state.opt_state)
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, jax.device_get(restored.opt_state),
+                                            jax.device_get(state.opt_state))))
+    with Checkpoints(tmp_path / "old", read_only=True) as checkpoints:
+        with pytest.raises(ValueError, match="does not fit the model"):
+            checkpoints.restore(model, OPTIMIZER, Plan.create("data=8", precision="bf16" if name == "fp16" else "fp16"))
 
 
 def test_restoring_into_a_model_of_other_shapes_lists_every_mismatch(trained_dir):

@@ -1,4 +1,4 @@
-"""Mixed precision: bf16/fp16 compute with an fp32 master copy sharded like the Adam moments, fp16 loss scaling."""
+"""Mixed precision: fp32 parameters held once and cast to bf16/fp16 where used, fp16 loss scaling."""
 
 import jax
 import jax.numpy as jnp
@@ -49,28 +49,47 @@ def test_fp16_with_loss_scaling_trains_like_fp32(fp32_losses):
 
 
 @pytest.mark.parametrize(
-    "name, param_dtype, master",
-    [("fp32", jnp.float32, False), ("bf16", jnp.bfloat16, True), ("fp16", jnp.float16, True),
+    "name, param_dtype, scaled",
+    [("fp32", jnp.float32, False), ("bf16", jnp.float32, False), ("fp16", jnp.float32, True),
      ("bf16-params", jnp.bfloat16, False)],
 )
-def test_state_layout_per_policy(name, param_dtype, master):
-    """Params in the compute dtype, replicated under ZeRO-1; the fp32 master copy sharded with the moments."""
+def test_state_layout_per_policy(name, param_dtype, scaled):
+    """Params held once, replicated under ZeRO-1 (fp32 but under bf16-params); the Adam moments sharded, alike.
+
+    No 2-byte copy beside an fp32 master: the state holds three parameter-shaped arrays per parameter.
+    """
     optimizer = optax.adamw(1e-3)
     model = describe(lambda: Llama(CONFIG, nnx.Rngs(0)))
     state = abstract_state(model, optimizer, Plan.create("data=8", zero=1, precision=name))
     wq = state.params["blocks"]["wq"]
     assert wq.dtype == param_dtype and wq.sharding.spec == jax.sharding.PartitionSpec()
     opt = state.opt_state
-    assert isinstance(opt, precision.MasterState) == master
-    if master:
-        assert opt.master["blocks"]["wq"].dtype == jnp.float32
-        assert opt.master["blocks"]["wq"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
-        adam = opt.inner[0]
-        assert (opt.loss_scale is not None) == (name == "fp16")
-    else:
-        adam = opt[0]
+    assert isinstance(opt, precision.ScaledState) == scaled
+    adam = opt.inner[0] if scaled else opt[0]
     assert adam.mu["blocks"]["wq"].sharding.spec == jax.sharding.PartitionSpec(None, "data")
-    assert adam.mu["blocks"]["wq"].dtype == (jnp.float32 if master else param_dtype)
+    assert adam.mu["blocks"]["wq"].dtype == param_dtype
+    shaped = [a for a in jax.tree.leaves(state) if a.shape == wq.shape]
+    assert len(shaped) == 3 and {a.dtype for a in shaped} == {jnp.dtype(param_dtype)}
+
+
+def test_the_model_computes_in_the_compute_dtype_from_fp32_params():
+    """bf16: the fp32 params reach the model cast to bf16 (its matmuls are bf16), the gradients come back fp32."""
+    from jaxpar.step import loss_and_grads
+
+    model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optax.adamw(1e-3), single_device_plan())
+    batch = batches(batch_size=8, seq_len=CONFIG.seq_len)[0]
+    out = {}
+    for name in ("fp32", "bf16"):
+        plan = single_device_plan(precision=name)
+        with plan.activate():
+            loss, _, grads, _ = jax.jit(lambda p, b: loss_and_grads(model, lambda m, x: m(x), p, b, plan))(
+                state.params, batch)
+            text = jax.jit(lambda p, b: loss_and_grads(model, lambda m, x: m(x), p, b, plan)).lower(
+                state.params, batch).as_text()
+        assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+        out[name] = (float(loss), sum("bf16" in line for line in text.splitlines() if "dot_general" in line))
+    assert out["fp32"][1] == 0 and out["bf16"][1] > 0  # matmuls on bf16 weights
+    assert out["bf16"][0] != out["fp32"][0] and abs(out["bf16"][0] / out["fp32"][0] - 1) < 0.02
 
 
 def test_dynamic_loss_scale_skips_overflows_and_grows():
@@ -80,12 +99,12 @@ def test_dynamic_loss_scale_skips_overflows_and_grows():
     apply = jax.jit(opt.apply)
 
     params, state, metrics = apply({"w": jnp.array([8.0, 8.0], jnp.float16)}, state, params)  # unscaled: 1.0
-    assert params["w"].tolist() == [0.5, 1.5] and state.master["w"].dtype == jnp.float32
+    assert params["w"].tolist() == [0.5, 1.5] and params["w"].dtype == jnp.float32
     assert float(metrics["loss_scale"]) == 8.0 and int(state.loss_scale.good_steps) == 1
 
     overflow = {"w": jnp.array([jnp.inf, 1.0], jnp.float16)}
     kept, state, metrics = apply(overflow, state, params)
-    assert kept["w"].tolist() == [0.5, 1.5] and state.master["w"].tolist() == [0.5, 1.5]
+    assert kept["w"].tolist() == [0.5, 1.5]
     assert not np.isfinite(float(metrics["grad_norm"]))
     assert float(state.loss_scale.scale) == 4.0 and int(state.loss_scale.good_steps) == 0
 
