@@ -15,8 +15,10 @@ Two forms, `Plan.context_form`, give the same numbers:
 - all-gather: each rank all-gathers K and V over `context` and attends its
   queries to every key;
 - ring: K/V blocks travel around the ring of context ranks with `ppermute`
-  (C - 1 hops, the next block's transfer issued before the current block is
-  used) and each rank folds one block at a time into an online softmax.
+  (C - 1 hops) and each rank folds one block at a time into an online
+  softmax; thanks to the mirrored chunks every block after a rank's own is
+  half visible, so the ring multiplies only those halves (half the pairs of
+  the all-gather form, which masks whole blocks).
 Either is a custom VJP whose forward and backward are each one `jax.shard_map`
 over `context`; the backward recomputes the forward, as flash attention does,
 so no [queries, keys] score matrix outlives its layer.
@@ -106,10 +108,14 @@ def _attend(q, k, v, q_pos, k_pos):
 
 def _scores(q, k, q_pos, k_pos):
     """Masked scores [batch, kv_heads, group, queries, keys] in fp32; masked entries are fp32's minimum."""
+    return jnp.where(q_pos[:, None] >= k_pos[None, :], _raw_scores(q, k), jnp.finfo(jnp.float32).min)
+
+
+def _raw_scores(q, k):
+    """Scaled scores [batch, kv_heads, group, queries, keys] in fp32, unmasked."""
     b, s, h, d = q.shape
     grouped = q.reshape(b, s, k.shape[2], h // k.shape[2], d)
-    scores = jnp.einsum("bqngk,bsnk->bngqs", grouped, k).astype(jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
-    return jnp.where(q_pos[:, None] >= k_pos[None, :], scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bqngk,bsnk->bngqs", grouped, k).astype(jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
 
 
 def _weighted(weights, v, q_shape):
@@ -136,29 +142,56 @@ def _gathered(q, k, v, ways: int):
 
 
 def _ring(q, k, v, ways: int):
-    """Ring form on one rank's shard: K/V blocks from rank c, c − 1, ... folded into an online softmax."""
+    """Ring form on one rank's shard: K/V blocks from rank c, c − 1, ... folded into an online softmax.
+
+    Mirrored chunks make every block after the rank's own half-visible in a
+    fixed way: one from an earlier rank j < c is seen whole by both query
+    chunks in its first chunk only (its second, 2C − 1 − j, lies beyond both);
+    one from a later rank is seen whole by the second query chunk only. So each
+    of those steps multiplies half the pairs, unmasked, on every rank alike.
+    """
     chunk = q.shape[1] // 2
     rank = jax.lax.axis_index(AXIS)
-    q_pos = _rank_positions(rank, ways, chunk)
     shift = [(j, (j + 1) % ways) for j in range(ways)]
-    block, peak, total, acc = (k, v), None, None, None
-    for step in range(ways):
-        upcoming = jax.lax.ppermute(block, AXIS, shift) if step < ways - 1 else None
-        k_pos = _rank_positions((rank - step) % ways, ways, chunk)
-        scores = _scores(q, block[0], q_pos, k_pos)
-        # The first block is the rank's own: every query sees at least itself, so the running peak is finite
-        # from the start and masked entries of later blocks weigh exp(min - peak) = 0.
-        new_peak = jnp.max(scores, axis=-1) if peak is None else jnp.maximum(peak, jnp.max(scores, axis=-1))
-        weights = jnp.exp(scores - new_peak[..., None])
-        part = jnp.einsum("bngqs,bsnk->bngqk", weights.astype(v.dtype), block[1]).astype(jnp.float32)
-        if peak is None:
-            total, acc = jnp.sum(weights, axis=-1), part
-        else:
-            fade = jnp.exp(peak - new_peak)
-            total, acc = total * fade + jnp.sum(weights, axis=-1), acc * fade[..., None] + part
-        peak, block = new_peak, upcoming
+    own = _rank_positions(rank, ways, chunk)
+    # The rank's own block first: every query sees at least itself, so the running peak is finite from the start.
+    scores = _scores(q, k, own, own)
+    peak = jnp.max(scores, axis=-1)
+    weights = jnp.exp(scores - peak[..., None])
+    state = (peak, jnp.sum(weights, axis=-1), _values(weights, v))
+    block = (k, v)
+    for step in range(1, ways):
+        block = jax.lax.ppermute(block, AXIS, shift)  # depends on the last block only: free to overlap its use
+        state = jax.lax.cond((rank - step) % ways < rank, _from_earlier, _from_later, state, q, *block)
+    _, total, acc = state
     out = (acc / total[..., None]).astype(v.dtype)  # [b, kv_heads, group, q, head_dim]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(q.shape)
+
+
+def _from_earlier(state, q, k, v):
+    """A block of an earlier rank: every query sees its first chunk, none its second."""
+    chunk = q.shape[1] // 2
+    return _fold(state, _raw_scores(q, k[:, :chunk]), v[:, :chunk])
+
+
+def _from_later(state, q, k, v):
+    """A block of a later rank: the second query chunk sees all of it, the first none."""
+    chunk = q.shape[1] // 2
+    folded = _fold(tuple(x[:, :, :, chunk:] for x in state), _raw_scores(q[:, chunk:], k), v)
+    return tuple(x.at[:, :, :, chunk:].set(f) for x, f in zip(state, folded))
+
+
+def _values(weights, v):
+    """Softmax weights [b, kv_heads, group, q, s] times values [b, s, kv_heads, head_dim], in fp32."""
+    return jnp.einsum("bngqs,bsnk->bngqk", weights.astype(v.dtype), v).astype(jnp.float32)
+
+
+def _fold(state, scores, v):
+    """The online-softmax state (running peak, weight total, weighted values) with one more block of keys."""
+    peak, total, acc = state
+    new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+    weights, fade = jnp.exp(scores - new_peak[..., None]), jnp.exp(peak - new_peak)
+    return new_peak, total * fade + jnp.sum(weights, axis=-1), acc * fade[..., None] + _values(weights, v)
 
 
 def _context_parallel(local, q, k, v):
