@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import usage, zero
@@ -546,16 +547,30 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         }
         if "W" in actions:
             carry["saved"] = _varying(jnp.full((saved + 1, *act.shape), fill, act.dtype), act_axes)
-        for start, stop, kinds in schedule.segments:
-            last = slice(start, stop), p - 1
-            head = "F" in kinds and bool(((actions["F"][last] != EMPTY) & (chunks["F"][last] == v - 1)).any())
+        def tables_of(kinds, ticks):
+            """The slot tables of `kinds` at `ticks` (an index array: [ticks] or [rounds, ticks])."""
             tables = {}
             for kind in kinds:
                 columns = {"j": actions[kind], "k": chunks[kind], "row": rows[kind]}
                 if kind in saved_rows:
                     columns["saved"] = saved_rows[kind]
-                tables[kind] = {name: jnp.asarray(table[start:stop]) for name, table in columns.items()}
-            carry, _ = jax.lax.scan(tick_of(kinds, head), carry, tables)
+                tables[kind] = {name: jnp.asarray(table[ticks]) for name, table in columns.items()}
+            return tables
+
+        for start, repeats, runs in schedule.loops:
+            period, offsets = sum(n for n, _, _ in runs), np.cumsum([0] + [n for n, _, _ in runs])
+            rounds = start + period * np.arange(repeats)[:, None]
+            xs = [tables_of(kinds, rounds + np.arange(o, o + n)) for (n, kinds, _), o in zip(runs, offsets)]
+
+            def one_round(carry, xs, runs=runs):
+                for (_, kinds, head), tables in zip(runs, xs):
+                    carry, _ = jax.lax.scan(tick_of(kinds, head), carry, tables)
+                return carry, None
+
+            if repeats == 1:
+                carry, _ = one_round(carry, [jax.tree.map(lambda a: a[0], x) for x in xs])
+            else:
+                carry, _ = jax.lax.scan(one_round, carry, xs)
 
         def cast(tree, like):
             return jax.tree.map(lambda a, ref: a.astype(ref.dtype), tree, like)

@@ -146,6 +146,41 @@ class Schedule:
                 out.append((t, t + 1, active))
         return tuple(out)
 
+    @functools.cached_property
+    def head(self) -> np.ndarray:
+        """[ticks] whether the last stage's forward slot holds the last chunk: the loss head runs in that tick."""
+        last = self.stages - 1
+        return (self.forward[:, last] != EMPTY) & (self.chunk[:, last] == self.virtual_stages - 1)
+
+    @functools.cached_property
+    def loops(self) -> tuple[tuple[int, int, tuple[tuple[int, tuple[str, ...], bool], ...]], ...]:
+        """(start, repeats, runs): the ticks as scans, a run being (ticks, slot kinds, whether the head runs).
+
+        Runs are the ticks cut where the slot kinds or the head change. A pair
+        of runs repeated back to back (interleaved's steady ticks: the head on
+        p ticks in every v*p) folds into one loop of `repeats` rounds, so ticks
+        without a last-chunk output compute no head, and the number of scans
+        does not grow with m.
+        """
+        runs = []
+        for start, stop, kinds in self.segments:
+            for t in range(start, stop):
+                key = (kinds, bool("F" in kinds and self.head[t]))
+                if runs and runs[-1][1:] == key:
+                    runs[-1] = (runs[-1][0] + 1, *key)
+                else:
+                    runs.append((1, *key))
+        out, i, t = [], 0, 0
+        while i < len(runs):
+            pair, repeats = tuple(runs[i:i + 2]), 1
+            while len(pair) == 2 and tuple(runs[i + 2 * repeats:i + 2 * repeats + 2]) == pair:
+                repeats += 1
+            block = pair if repeats > 1 else pair[:1]
+            out.append((t, repeats, block))
+            i += len(block) * repeats
+            t += repeats * sum(run[0] for run in block)
+        return tuple(out)
+
     # -- tick tables ------------------------------------------------------------
 
     @property

@@ -70,20 +70,28 @@ def test_schedule_matches_single_device(references, name, pipe, per_stage):
     assert max_relative_error(grads, ref_grads) <= 1e-5
 
 
+def forward_only_loss(model, state, batch, plan) -> float:
+    """The loss without differentiation (only the forward ticks run), bubbles filled with NaN."""
+    params = jax.device_put(copy_state(state.params), plan.shardings(plan.param_specs(model.logical)))
+    with plan.activate(), pipeline.bubble_fill(NAN):
+        return float(jax.jit(lambda p, b: loss_fn(model.merge(p), b)[0])(params, batch))
+
+
 def test_forward_only_loss_matches_and_a_bubble_read_shows_as_nan(references, monkeypatch):
     """Without differentiation the schedule runs its forward ticks; reading one tick early hits the NaN fill."""
     model, state, _, batch, ref_loss, _ = references(CONFIG)
     plan = Plan.create("pipe=2,data=4", schedule="1f1b", microbatches=4)
-    params = jax.device_put(copy_state(state.params), plan.shardings(plan.param_specs(model.logical)))
-
-    def evaluate():
-        with plan.activate(), pipeline.bubble_fill(NAN):
-            return float(jax.jit(lambda p, b: loss_fn(model.merge(p), b)[0])(params, batch))
-
-    assert relative(evaluate(), ref_loss) <= 1e-5
+    assert relative(forward_only_loss(model, state, batch, plan), ref_loss) <= 1e-5
     early = schedule.Schedule.output_ticks.func
     monkeypatch.setattr(schedule.Schedule, "output_ticks", property(lambda s: early(s) - 1))
-    assert math.isnan(evaluate())
+    assert math.isnan(forward_only_loss(model, state, batch, plan))
+
+
+def test_interleaved_forward_only_loss_matches(references):
+    """The round-robin forward ticks alone (v = 2 chunks per device, the ring closed) give one device's loss."""
+    model, state, _, batch, ref_loss, _ = references(CONFIG)
+    plan = Plan.create("pipe=2,data=4", schedule="interleaved", microbatches=4, virtual_stages=2)
+    assert relative(forward_only_loss(model, state, batch, plan), ref_loss) <= 1e-5
 
 
 def cli_losses(tmp_path, name, *flags):
