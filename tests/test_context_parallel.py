@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import max_relative_error
+from helpers import ResidualMLP, max_relative_error
 from jaxpar import attention, inspect, rules, tensor
 from jaxpar.plan import Plan
 from jaxpar.state import abstract_state, describe
@@ -159,6 +159,14 @@ def test_a_model_with_its_own_embedding_is_refused():
     tokens = jnp.zeros((4, 16), jnp.int32)
     with pytest.raises(ValueError, match=r"ran its own embedding lookup \(jaxpar.embedding_lookup\)"):
         step.lower(abstract_state(model, OPTIMIZER, plan), {"inputs": tokens, "targets": tokens})
+
+
+def test_a_model_without_jaxpar_attention_is_warned_that_context_only_splits_by_annotation():
+    model = describe(lambda: ResidualMLP(nnx.Rngs(0)))
+    plan = make_plan("context=2")
+    step = make_train_step(model, lambda m, b: jnp.mean(m(b["x"]) ** 2), OPTIMIZER, plan)
+    with pytest.warns(PlanOptionUnused, match="ran none of jaxpar's context-parallel layers"):
+        step.lower(abstract_state(model, OPTIMIZER, plan), {"x": jnp.zeros((4, 16, 32))})
 
 
 def test_default_rules_split_the_sequence_over_context():
