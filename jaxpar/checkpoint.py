@@ -41,7 +41,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax import lax
 
-from jaxpar import precision
+from jaxpar import offload, precision
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, abstract_state
 
@@ -148,8 +148,17 @@ _checksum_tree = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
 
 
 def checksums(arrays: dict) -> dict[str, int]:
-    """`item/path` -> checksum of every array in `{item: tree}` (what `save` writes and restores verify)."""
-    return {path: int(value) for path, value in _leaves(jax.device_get(_checksum_tree(arrays))).items()}
+    """`item/path` -> checksum of every array in `{item: tree}` (what `save` writes and restores verify).
+
+    Arrays kept in host memory (jaxpar.offload) visit the device one at a time,
+    so a checksum never needs the whole offloaded state in device memory.
+    """
+    leaves = _leaves(arrays)
+    on_host = {path for path, x in leaves.items() if offload.in_host_memory(x)}
+    sums = _leaves(jax.device_get(_checksum_tree({p: x for p, x in leaves.items() if p not in on_host})))
+    sums.update({path: jax.device_get(_checksum_tree(offload.to_device(leaves[path], leaves[path].sharding)))
+                 for path in on_host})
+    return {path: int(sums[path]) for path in leaves}
 
 
 def mismatches(saved, target, dtypes: bool = True) -> list[str]:

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import context
 from jaxpar import attention as attention_lib
+from jaxpar import offload as offload_lib
 from jaxpar import precision as precision_lib
 from jaxpar import rules as rules_lib
 from jaxpar import schedule as schedule_lib
@@ -60,6 +61,8 @@ class Plan:
     context_form: how context-parallel attention gets its keys and values: all-gather or ring (jaxpar.attention).
     schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.schedule);
         microbatches=0 means one per pipeline stage (`pipeline_microbatches`).
+    offload: `optimizer` keeps the optimizer state (and any fp32 master copy) in
+        host memory between steps (jaxpar.offload).
     """
 
     mesh: Mesh
@@ -90,6 +93,9 @@ class Plan:
     )
     virtual_stages: int = dataclasses.field(
         default=1, metadata={"help": "layer chunks per pipe device (the interleaved schedule needs >= 2)"}
+    )
+    offload: str = dataclasses.field(
+        default="none", metadata={"help": "keep in host memory between steps: none or optimizer (ZeRO-Offload)"}
     )
 
     def __post_init__(self):
@@ -130,6 +136,7 @@ class Plan:
                 "context-parallel order (jaxpar.attention); use one of the two axes"
             )
         schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
+        offload_lib.check(self.offload, self.mesh)
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
                       if a != "data" and self.shape.get(a, 1) > 1]
         if (self.tensor_form == "explicit" and self.shape["tensor"] > 1 and self.precision != "fp32" and auto_batch

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar import precision
+from jaxpar import offload, precision
 from jaxpar.plan import Plan
 from jaxpar.rules import LogicalArray, is_logical
 
@@ -164,13 +164,21 @@ def state_specs(model: ModelDef, optimizer, plan: Plan) -> TrainState:
     )
 
 
+def state_shardings(model: ModelDef, optimizer, plan: Plan) -> TrainState:
+    """Shardings of the whole train state under `plan`; under offload the optimizer state's name host memory."""
+    shardings = plan.shardings(state_specs(model, optimizer, plan))
+    if plan.offload == "optimizer":
+        shardings = dataclasses.replace(shardings, opt_state=offload.on_host(shardings.opt_state))
+    return shardings
+
+
 def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan) -> tuple[ModelDef, TrainState]:
     """Build the model and optimizer state directly into their shards (never whole on one device).
 
     `optimizer`: an optax transformation, or an `nnx.Optimizer` (its `tx`; it must update `nnx.Param`).
     """
     model = describe(make_model)
-    shardings = plan.shardings(state_specs(model, optimizer, plan))
+    shardings = state_shardings(model, optimizer, plan)
 
     def build():
         with nnx.use_eager_sharding(False):
@@ -188,7 +196,7 @@ def _initial_state(params, variables, optimizer, plan: Plan) -> TrainState:
 
 def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """Copy an existing state onto `plan`'s shardings (e.g. the same initial parameters on two meshes)."""
-    return jax.device_put(state, plan.shardings(state_specs(model, optimizer, plan)))
+    return jax.device_put(state, state_shardings(model, optimizer, plan))
 
 
 def abstract_state(model: ModelDef, optimizer, plan: Plan) -> TrainState:
@@ -197,5 +205,5 @@ def abstract_state(model: ModelDef, optimizer, plan: Plan) -> TrainState:
                                          is_leaf=is_logical)
     state = jax.eval_shape(lambda p, v: _initial_state(p, v, optimizer, plan), shape_of(model.logical),
                            shape_of(model.variables))
-    shardings = plan.shardings(state_specs(model, optimizer, plan))
+    shardings = state_shardings(model, optimizer, plan)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -20,10 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import precision, usage, zero
+from jaxpar import offload, precision, usage, zero
 from jaxpar.plan import Plan
 from jaxpar.rules import specs_over, varying_axes
-from jaxpar.state import ModelDef, TrainState, state_specs
+from jaxpar.state import ModelDef, TrainState, state_shardings
 
 LossFn = Callable[..., Any]  # (model, batch[, rngs=]) -> loss or (loss, aux dict)
 
@@ -261,17 +262,22 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
     until the layers gather them.
     """
     optimizer = precision.wrap(optimizer, plan.precision)
-    state_shardings = plan.shardings(state_specs(model, optimizer, plan))
+    shardings = state_shardings(model, optimizer, plan)
+    if plan.offload == "optimizer" and not jax.tree.leaves(shardings.opt_state):
+        warnings.warn("offload='optimizer' moves nothing: this optimizer keeps no state (and the precision no "
+                      "master copy)", usage.PlanOptionUnused, stacklevel=2)
     batch_sharding = plan.sharding(plan.batch_spec(1))
     update_shardings = plan.shardings(plan.gradient_specs(model.logical))
 
     def step(state: TrainState, batch: dict):
         usage.mark_tensor_params(plan.param_specs(model.logical))
-        scale = optimizer.loss_scale(state.opt_state)
+        opt_state = offload.to_device(state.opt_state, shardings.opt_state) if plan.offload == "optimizer" \
+            else state.opt_state
+        scale = optimizer.loss_scale(opt_state)
         loss, aux, grads, variables = loss_and_grads(model, loss_fn, state.params, batch, plan, scale,
                                                      state.variables, state.step, seed)
         if optimizer.policy.loss_scaling:  # the optimizer skips overflowing updates itself (and lowers its scale)
-            params, opt_state, stats = optimizer.apply(grads, state.opt_state, state.params)
+            params, opt_state, stats = optimizer.apply(grads, opt_state, state.params)
             params = jax.lax.with_sharding_constraint(params, update_shardings)
             new = TrainState(params, opt_state, state.step + 1, variables)
             return keep_finite(state, new, {"loss": loss, **stats, **aux}, True)
@@ -282,7 +288,7 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
             params, opt_state, _ = optimizer.apply(grads, opt_state, params)
             return jax.lax.with_sharding_constraint(params, update_shardings), opt_state
 
-        params, opt_state = guarded_update(finite, update, state.params, state.opt_state)
+        params, opt_state = guarded_update(finite, update, state.params, opt_state)
         metrics = {"loss": loss, **stats, **aux, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
         keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
         return TrainState(params, opt_state, state.step + 1, keep(variables, state.variables)), metrics
@@ -291,7 +297,7 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
         step,
         plan,
         check_args=lambda state, batch: check_batch(plan, batch),
-        in_shardings=(state_shardings, batch_sharding),
-        out_shardings=(state_shardings, None),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, None),
         donate_argnums=0,
     )
