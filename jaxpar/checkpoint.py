@@ -156,8 +156,7 @@ def checksums(arrays: dict) -> dict[str, int]:
     leaves = _leaves(arrays)
     on_host = {path for path, x in leaves.items() if offload.in_host_memory(x)}
     sums = _leaves(jax.device_get(_checksum_tree({p: x for p, x in leaves.items() if p not in on_host})))
-    sums.update({path: jax.device_get(_checksum_tree(offload.to_device(leaves[path], leaves[path].sharding)))
-                 for path in on_host})
+    sums.update({path: jax.device_get(_checksum_tree(offload.fetched(leaves[path]))) for path in on_host})
     return {path: int(sums[path]) for path in leaves}
 
 

@@ -1,9 +1,11 @@
 """ZeRO-Offload: the optimizer state lives in host memory between steps and visits the device for its update.
 
-Adam's two moments, and the fp32 master copy under mixed precision, are two to
-three times the parameter bytes, yet each step touches them once, in the
-update. Keeping them in host memory (JAX memory kinds) frees that much device
-memory for one host-to-device and one device-to-host copy of them per step.
+Adam's two moments, and the fp32 master parameters under mixed precision
+(jaxpar.precision: the state's parameters themselves, cast to 2 bytes at
+use), are two to three times the parameter bytes, yet a step needs them only
+around its update. Keeping them in host memory (JAX memory kinds) frees that
+much device memory between steps for one host-to-device and one
+device-to-host copy of them per step.
 The shardings do not change, only the memory they name: ZeRO still splits the
 state over `data`, so each process moves its own shard only.
 """
@@ -39,6 +41,17 @@ def on_host(shardings):
 def to_device(tree, shardings):
     """`tree`, resident in host memory, copied to device memory in its own layout (in a jitted step or eagerly)."""
     return jax.device_put(tree, jax.tree.map(lambda s: s.with_memory_kind(DEVICE), shardings, is_leaf=_is_sharding))
+
+
+def fetched(tree):
+    """`tree` with its arrays in host memory copied to device memory: for work outside the step (evaluation)."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(DEVICE)) if in_host_memory(x) else x,
+                        tree)
+
+
+def moved(shardings) -> bool:
+    """Whether any leaf of a tree of shardings names host memory."""
+    return any(s.memory_kind == HOST for s in jax.tree.leaves(shardings, is_leaf=_is_sharding))
 
 
 def in_host_memory(x) -> bool:

@@ -165,11 +165,17 @@ def state_specs(model: ModelDef, optimizer, plan: Plan) -> TrainState:
 
 
 def state_shardings(model: ModelDef, optimizer, plan: Plan) -> TrainState:
-    """Shardings of the whole train state under `plan`; under offload the optimizer state's name host memory."""
+    """Shardings of the whole train state under `plan`, in host memory where `plan.offload` puts it.
+
+    Offloading the optimizer state takes the fp32 master with it: under bf16 and
+    fp16 that is the parameters themselves, which the step casts at use.
+    """
     shardings = plan.shardings(state_specs(model, optimizer, plan))
-    if plan.offload == "optimizer":
-        shardings = dataclasses.replace(shardings, opt_state=offload.on_host(shardings.opt_state))
-    return shardings
+    if plan.offload != "optimizer":
+        return shardings
+    master = precision.POLICIES[plan.precision].cast_at_use is not None
+    return dataclasses.replace(shardings, opt_state=offload.on_host(shardings.opt_state),
+                               params=offload.on_host(shardings.params) if master else shardings.params)
 
 
 def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan) -> tuple[ModelDef, TrainState]:

@@ -263,21 +263,22 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
     """
     optimizer = precision.wrap(optimizer, plan.precision)
     shardings = state_shardings(model, optimizer, plan)
-    if plan.offload == "optimizer" and not jax.tree.leaves(shardings.opt_state):
-        warnings.warn("offload='optimizer' moves nothing: this optimizer keeps no state (and the precision no "
-                      "master copy)", usage.PlanOptionUnused, stacklevel=2)
+    if plan.offload == "optimizer" and not offload.moved(shardings):
+        warnings.warn(f"offload='optimizer' moves nothing: this optimizer keeps no state and precision="
+                      f"{plan.precision!r} no separate fp32 master", usage.PlanOptionUnused, stacklevel=2)
     batch_sharding = plan.sharding(plan.batch_spec(1))
     update_shardings = plan.shardings(plan.gradient_specs(model.logical))
 
     def step(state: TrainState, batch: dict):
         usage.mark_tensor_params(plan.param_specs(model.logical))
-        opt_state = offload.to_device(state.opt_state, shardings.opt_state) if plan.offload == "optimizer" \
-            else state.opt_state
+        params, opt_state = state.params, state.opt_state
+        if plan.offload == "optimizer":  # what lives in host memory comes to the device for this step
+            params, opt_state = offload.to_device((params, opt_state), (shardings.params, shardings.opt_state))
         scale = optimizer.loss_scale(opt_state)
-        loss, aux, grads, variables = loss_and_grads(model, loss_fn, state.params, batch, plan, scale,
+        loss, aux, grads, variables = loss_and_grads(model, loss_fn, params, batch, plan, scale,
                                                      state.variables, state.step, seed)
         if optimizer.policy.loss_scaling:  # the optimizer skips overflowing updates itself (and lowers its scale)
-            params, opt_state, stats = optimizer.apply(grads, opt_state, state.params)
+            params, opt_state, stats = optimizer.apply(grads, opt_state, params)
             params = jax.lax.with_sharding_constraint(params, update_shardings)
             new = TrainState(params, opt_state, state.step + 1, variables)
             return keep_finite(state, new, {"loss": loss, **stats, **aux}, True)
@@ -288,7 +289,7 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
             params, opt_state, _ = optimizer.apply(grads, opt_state, params)
             return jax.lax.with_sharding_constraint(params, update_shardings), opt_state
 
-        params, opt_state = guarded_update(finite, update, state.params, opt_state)
+        params, opt_state = guarded_update(finite, update, params, opt_state)
         metrics = {"loss": loss, **stats, **aux, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
         keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
         return TrainState(params, opt_state, state.step + 1, keep(variables, state.variables)), metrics

@@ -20,6 +20,7 @@ import optax
 
 from jaxpar import data as data_lib
 from jaxpar import mfu as mfu_lib
+from jaxpar import offload
 from jaxpar.checkpoint import Checkpoints, CorruptCheckpoint, Preemption, differences, run_config
 from jaxpar.distributed import is_leader
 from jaxpar.models import model_config, model_factory
@@ -283,7 +284,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 if preempted:
                     row["preempted"] = True
                 if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
-                    row.update(evaluator(state.params))
+                    row.update(evaluator(offload.fetched(state.params)))
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()

@@ -6,6 +6,7 @@ and from the compiled step's entry layout (memory space S(5) is host memory);
 `benchmarks/offload.py` shows the device bytes saved on a GPU.
 """
 
+import json
 import re
 import warnings
 
@@ -69,7 +70,7 @@ def test_offloaded_optimizer_state_trains_like_one_device_and_stays_in_host_memo
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_offload_keeps_the_fp32_master_in_host_memory_and_changes_no_bit(data, precision):
+def test_offload_keeps_the_fp32_master_parameters_in_host_memory_and_changes_no_bit(data, precision):
     runs = {}
     for offload in ("none", "optimizer"):
         plan = Plan.create("data=8", zero=1, precision=precision, offload=offload)
@@ -82,8 +83,8 @@ def test_offload_keeps_the_fp32_master_in_host_memory_and_changes_no_bit(data, p
         runs[offload] = losses, state
     assert runs["optimizer"][0] == runs["none"][0]
     offloaded = runs["optimizer"][1]
-    assert memory_kinds(offloaded.opt_state.master) == {"pinned_host"}
-    assert memory_kinds(offloaded.params) == {"device"}
+    assert memory_kinds(offloaded.opt_state) == {"pinned_host"}
+    assert memory_kinds(offloaded.params) == {"pinned_host"}  # fp32, the master: the step casts them at use
     assert max_relative_error(jax.device_get(offloaded.params), jax.device_get(runs["none"][1].params)) == 0
 
 
@@ -112,8 +113,11 @@ def test_offload_is_refused_or_warned_where_it_cannot_act():
     assert any(issubclass(w.category, PlanOptionUnused) and "moves nothing" in str(w.message) for w in caught)
 
 
-def test_cli_trains_with_the_optimizer_state_offloaded(tmp_path):
+def test_cli_trains_and_evaluates_with_the_state_offloaded(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    assert main(["train", "--mesh", "data=8", "--zero", "1", "--offload", "optimizer", "--steps", "2",
-                 "--batch-size", "8", "--seq-len", "16", "--metrics", str(metrics)]) == 0
-    assert len(metrics.read_text().splitlines()) >= 2
+    assert main(["train", "--mesh", "data=8", "--zero", "1", "--precision", "bf16", "--offload", "optimizer",
+                 "--steps", "2", "--eval-every", "2", "--batch-size", "8", "--seq-len", "16",
+                 "--metrics", str(metrics)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+    assert any("eval_loss" in row for row in rows)  # evaluation reads the host-resident parameters
