@@ -32,8 +32,10 @@ slot kind (F forward, BW fused backward, B input-backward, W weight-backward)
 to a [ticks, stages] table of microbatches (EMPTY: idle), `Schedule.chunks`
 to the chunk each slot runs, `Schedule.rows` to the residual-ring row it
 writes or reads (rows reused as soon as a slot is free), and
-`Schedule.segments` cuts the ticks into phases with the same slot kinds, which
-`jaxpar.pipeline` runs as one scan each. Bubble fractions weigh F, B and W
+`Schedule.segments` cuts the ticks into phases with the same slot kinds;
+`Schedule.loops` cuts them further where the loss head starts or stops
+running and folds repeating runs into loops, which `jaxpar.pipeline` runs as
+(nested) scans. Bubble fractions weigh F, B and W
 slots alike (a fused backward counts twice); for the 1f1b and gpipe tables
 the fraction does not depend on the weights.
 """

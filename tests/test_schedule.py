@@ -112,6 +112,25 @@ def test_interleaved_keeps_a_ring_flat_in_m_smaller_than_1f1b(p, v):
     assert Schedule("1f1b", p, 2 * p).live_microbatches == 2 * p - 1
 
 
+@pytest.mark.parametrize("name,p,m,v", EXPLICIT)
+def test_loops_cover_the_ticks_and_run_the_head_only_with_a_last_chunk(name, p, m, v):
+    """Unfolded, the loops are the ticks in order with their slot kinds, and the head runs on exactly the ticks where
+    the last stage's forward slot holds the last chunk; the scans they trace do not multiply with m."""
+    s = Schedule(name, p, m, v)
+    kinds_of = {t: kinds for start, stop, kinds in s.segments for t in range(start, stop)}
+    t = 0
+    for start, repeats, runs in s.loops:
+        assert start == t
+        for _ in range(repeats):
+            for n, kinds, head in runs:
+                for _ in range(n):
+                    assert kinds_of[t] == kinds and head == bool(s.head[t])
+                    t += 1
+    assert t == s.ticks and s.head.sum() == m
+    scans = lambda x: sum(len(runs) for _, _, runs in x.loops)  # noqa: E731
+    assert scans(Schedule(name, p, 8 * p, v)) == scans(Schedule(name, p, 2 * p, v))
+
+
 def test_1f1b_ring_holds_2p_minus_1_microbatches():
     assert [Schedule("1f1b", 4, m).in_flight for m in (4, 8, 32)] == [4, 7, 7]
     assert Schedule("zb-h1", 4, 8).in_flight == 7
