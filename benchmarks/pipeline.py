@@ -15,14 +15,14 @@ Measured 2026-11-30 (jax 0.10.2, XLA:CPU, tiny model with 8 layers, seq 32):
                 temp MiB, m = 8 / 16 / 32   m=32 / m=8   matmul FLOPs / unpipelined (formula), m = 8 / 16 / 32
     gpipe        10.06 / 16.11 / 28.21       2.80        1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
     1f1b          5.25 /  5.25 /  5.25       1.001       1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
-    interleaved   4.11 /  4.11 /  4.11       1.001       1.202 / 1.125 / 1.086  (1.188 / 1.094 / 1.047)
+    interleaved   4.11 /  4.15 /  4.15       1.010       1.179 / 1.089 / 1.045  (1.188 / 1.094 / 1.047)
     zb-h1         5.64 /  5.64 /  5.65       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
 
 Residual rings: 1f1b and zb-h1 keep 7 stage-sized sets, interleaved 11 chunk-sized ones (5.5
-stages' worth), gpipe every tick's. The FLOPs ratios sit below the formula where the head and
-embedding (not multiplied by the bubble) weigh in; interleaved's sit above it (+1.3 / +2.9 / +3.8%)
-because its loss head runs, masked, on every steady tick while only one tick in v has a last
-chunk's output (the tiny model's head is ~4% of its step); zb-h1's W slot replays the stage's
+stages' worth), gpipe every tick's. The FLOPs ratios sit just below the formula (within 1.5%):
+the head and embedding are not multiplied by the bubble (interleaved runs its head only on ticks
+with a last chunk's output; running it on every steady tick put it 1.3 / 2.9 / 3.8% above the
+formula). zb-h1's W slot replays the stage's
 stored VJP, which recomputes the input-gradient chain, so its table idles less than 1f1b's but
 its FLOPs are higher. interleaved also moves its layers into round-robin order and back each
 step (layer_relayout_bytes: 591872 per device).
