@@ -7,7 +7,7 @@ memory_analysis (arguments, outputs, alias, temp, total), the HLO instructions
 by kind (count and result bytes, instructions inside loops counted once per
 textual occurrence), and the collectives.
 
-    env -u XLA_FLAGS python benchmarks/vs_maxtext.py [dp8 fsdp8 ...] [--dump DIR]
+    env -u XLA_FLAGS python benchmarks/vs_maxtext.py [dp8 fsdp8 ...] [--dump DIR] [--guard]
 """
 
 from __future__ import annotations
@@ -71,7 +71,33 @@ def aliased_outputs(text: str) -> int:
     return 0 if not m else m.group(1).count("may-alias") + m.group(1).count("must-alias")
 
 
-def measure(name: str, dump: str | None = None) -> dict:
+def unguarded_temp(run, state, batch) -> int:
+    """Temp bytes of the same step without its NaN guard (a plain jit of the update, state donated)."""
+    import jax
+
+    from jaxpar import inspect as inspect_lib
+    from jaxpar import precision
+    from jaxpar.state import TrainState, state_specs
+    from jaxpar.step import loss_and_grads
+
+    plan, model = run.plan, run.model
+    wrapped = precision.wrap(run.optimizer, plan.precision)
+
+    def step(state, batch):
+        loss, _, grads, variables = loss_and_grads(model, lambda m, b: m(b), state.params, batch, plan, None,
+                                                   state.variables, state.step)
+        params, opt_state, _ = wrapped.apply(grads, state.opt_state, state.params)
+        params = jax.lax.with_sharding_constraint(params, plan.shardings(plan.gradient_specs(model.logical)))
+        return TrainState(params, opt_state, state.step + 1, variables), loss
+
+    shardings = plan.shardings(state_specs(model, wrapped, plan))
+    plain = jax.jit(step, in_shardings=(shardings, run.batch_sharding), out_shardings=(shardings, None),
+                    donate_argnums=0)
+    with plan.activate():
+        return inspect_lib.memory(plain.lower(state, batch).compile())["temp"]
+
+
+def measure(name: str, dump: str | None = None, guard: bool = False) -> dict:
     from jaxpar import cli, inspect as inspect_lib
     from jaxpar.plan import Plan
     from jaxpar.report import inspection
@@ -97,8 +123,9 @@ def measure(name: str, dump: str | None = None) -> dict:
     ops = op_counts(text)
     state_leaves = len(jax.tree.leaves(state))
     mt_total, mt_args = MAXTEXT_MB[name]
+    guard_cost = {"guard_temp_mb": round((mem["temp"] - unguarded_temp(run, state, batch)) / 1e6, 1)} if guard else {}
     return {
-        "layout": name, "jax": jax.__version__,
+        "layout": name, "jax": jax.__version__, **guard_cost,
         "memory_mb": {k: round(v / 1e6, 1) for k, v in mem.items()},
         "maxtext_mb": {"total": mt_total, "arguments": mt_args},
         "memory_ratio": round(mem["total"] / 1e6 / mt_total, 3),
@@ -113,12 +140,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("layouts", nargs="*", default=list(LAYOUTS))
     parser.add_argument("--dump", default=None, help="write each compiled step's HLO text here")
+    parser.add_argument("--guard", action="store_true", help="also compile the step without its NaN guard: "
+                        "guard_temp_mb is what the guard adds to temp")
     args = parser.parse_args()
     from jaxpar import cli
 
     cli._set_host_devices(8)
     for name in args.layouts:
-        print(json.dumps(measure(name, args.dump)), flush=True)
+        print(json.dumps(measure(name, args.dump, args.guard)), flush=True)
     return 0
 
 
