@@ -15,8 +15,8 @@ from jaxpar.plan import Plan
 def test_replace_derives_the_rules_again():
     """Turning sequence parallelism off in a copy drops its rule (it is derived, never stored)."""
     sp = Plan.create("data=4,tensor=2", sequence_parallel=True)
-    assert sp.logical_rules["seq_residual"] == "tensor" and sp.rules["seq_residual"] is None
-    assert dataclasses.replace(sp, sequence_parallel=False).logical_rules["seq_residual"] is None
+    assert sp.logical_rules["seq_residual"] == ("context", "tensor") and sp.rules["seq_residual"] == "context"
+    assert dataclasses.replace(sp, sequence_parallel=False).logical_rules["seq_residual"] == "context"
 
 
 def test_create_converts_and_the_constructor_checks():
@@ -25,8 +25,8 @@ def test_create_converts_and_the_constructor_checks():
     assert dataclasses.replace(plan, mesh=Plan.create("pipe=2,data=4").mesh).pipeline_microbatches == 2
     with pytest.raises(ValueError, match="microbatches must be >= 1, or 0 for one per pipe stage; got -1"):
         Plan(mesh=plan.mesh, microbatches=-1)
-    grid = np.array(jax.devices()).reshape(1, 1, 2, 4)
-    backwards = Mesh(grid, ("expert", "pipe", "tensor", "data"), axis_types=(AxisType.Auto,) * 4)
+    grid = np.array(jax.devices()).reshape(1, 1, 1, 2, 4)
+    backwards = Mesh(grid, ("expert", "pipe", "context", "tensor", "data"), axis_types=(AxisType.Auto,) * 5)
     with pytest.raises(ValueError, match="must nest as .* build the plan with Plan.create"):
         Plan(mesh=backwards)
     assert Plan.create(backwards).mesh.axis_names[0] == "data"
