@@ -19,13 +19,14 @@ from jaxpar.usage import PlanOptionUnused
 # Building blocks for a model of one's own: stacked layers, Megatron layers, the MoE layer, the pipeline.
 from jaxpar.stack import Stack, pipelined_loss, scan_layers
 from jaxpar.tensor import column_parallel, embedding_lookup, enter_tensor_region, row_parallel, vocab_parallel_cross_entropy
+from jaxpar.attention import causal_attention
 from jaxpar.experts import MoEConfig, moe_ffn
 from jaxpar.pipeline import Stages
 from jaxpar.pipeline import loss as pipeline_loss
 
 __all__ = [
     "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",
-    "TrainState", "active_plan", "column_parallel", "constrain", "describe", "embedding_lookup",
+    "TrainState", "active_plan", "causal_attention", "column_parallel", "constrain", "describe", "embedding_lookup",
     "enter_tensor_region", "init_state", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss",
     "pipelined_loss", "place_state", "row_parallel", "scan_layers", "vocab_parallel_cross_entropy",
 ]
