@@ -65,7 +65,8 @@ def reference(params, optimizer):
     ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2}),
     ("data=4,pipe=2", {"schedule": "zb-h1", "microbatches": 4}),
     ("data=2,tensor=2,pipe=2", {"schedule": "1f1b", "zero": 3}),
-], ids=["gpipe", "1f1b", "interleaved", "zb-h1", "1f1b-tensor-zero3"])
+    ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4, "zero": 3}),
+], ids=["gpipe", "1f1b", "interleaved", "zb-h1", "1f1b-tensor-zero3", "interleaved-zero3"])
 def test_user_model_pipelines_like_one_device(mesh, options):
     optimizer = optax.sgd(0.5)
     plan = jaxpar.Plan.create(mesh, **options)
