@@ -329,7 +329,7 @@ def run_cell(cell: Cell) -> dict:
         norm_error = _relative(norms, expected.grad_norms)
         param_error = max_relative_error(f32(state.params), f32(expected.params))
         if expected.master is not None:
-            param_error = max(param_error, max_relative_error(f32(state.opt_state.master), expected.master))
+            param_error = max(param_error, max_relative_error(f32(state.params), expected.master))
         row.update(loss_error=loss_error, grad_norm_error=norm_error, param_error=param_error)
         loss_tol, param_tol = TOLERANCE[cell.precision]
         if not (loss_error <= loss_tol and norm_error <= param_tol and param_error <= param_tol):  # catches NaN

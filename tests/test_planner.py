@@ -63,7 +63,7 @@ def test_megatron_bubble(p, m, v):
             assert planner.schedule_ticks(planner.Layout(pipe=p, schedule=name, microbatches=m)) == \
                 Schedule(name, p, m).ticks - (p - 1 if name == "1f1b" else 0)
     else:
-        assert planner.schedule_ticks(layout) == Schedule(schedule, p, m, v).ticks
+        assert planner.schedule_ticks(layout) == Schedule(schedule, p, m, v).forward_ticks
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -154,7 +154,7 @@ def test_plan_command(tmp_path, capsys):
     assert cli.main(["plan", "--model", "70b", "--devices", "64", "--explain",
                      "data=2,tensor=8,pipe=4 zero=1 microbatches=8 remat=full", "--json"]) == 0
     explained = json.loads(capsys.readouterr().out)
-    assert explained["mesh"] == {"data": 2, "pipe": 4, "expert": 1, "tensor": 8} and explained["bubble"] > 0
+    assert {a: n for a, n in explained["mesh"].items() if n > 1} == {"data": 2, "pipe": 4, "tensor": 8} and explained["bubble"] > 0
     assert {c["axis"] for c in explained["collectives"]} == {"data", "tensor", "pipe"}
     assert cli.main(["plan", "--model", "70b", "--devices", "64", "--explain", "data=8"]) == 2
     capsys.readouterr()
