@@ -9,8 +9,12 @@ arguments (each device's shards); the gradients are the buffers its gradient col
 holds the parameters its forward pass gathered until the backward pass has used them (the compiled
 backward pass gathers nothing), while ZeRO-3 gathers each layer again and holds one at a time.
 The formulas count P, G and K bytes per parameter for the parameters, gradients and optimizer
-state of the dtypes used (bf16 mixed precision: 2 + 2 + 12), Psi parameters and N data ranks:
-(P+G+K)Psi, (P+G)Psi + K Psi/N, P Psi + (G+K)Psi/N and (P+G+K)Psi/N.
+state of the dtypes used, Psi parameters and N data ranks:
+(P+G+K)Psi, (P+G)Psi + K Psi/N, P Psi + (G+K)Psi/N and (P+G+K)Psi/N. Under bf16/fp16 jaxpar holds
+fp32 parameters once (4 + 4 + 8) at ZeRO-0/2/3, and at ZeRO-1, whose parameters are whole on every
+rank, 2-byte parameters and an fp32 master sharded with Adam's moments (2 + 2 + 12, ZeRO's P_os;
+issue 16: the step's arguments at data=8 on a 655,680-parameter model 3.28 -> 2.30 MB, temp
+5.07 -> 4.34 MB). P and K are read from each stage's own state.
 """
 
 import argparse
@@ -91,10 +95,12 @@ def main():
     psi = stages[0]["param_count"]
     p = stages[0]["state"]["params"] / psi
     k = stages[0]["state"]["optimizer"] / psi
+    p1 = stages[1]["state"]["params"] / psi  # ZeRO-1 under bf16/fp16: 2-byte params, the fp32 master in K
+    k1 = stages[1]["state"]["optimizer"] * args.data / psi
     states = {z: model_state(m) for z, m in stages.items()}
     zero = []
     for z, m in stages.items():
-        expected = formula(z, psi, p, p, k, args.data)
+        expected = formula(z, psi, p1, p1, k1, args.data) if z == 1 else formula(z, psi, p, p, k, args.data)
         zero.append({
             "zero": z,
             "model_state_bytes": states[z],
@@ -115,7 +121,7 @@ def main():
         "model": args.model,
         "params": psi,
         "precision": args.precision,
-        "bytes_per_param": {"P": p, "G": p, "K": k},
+        "bytes_per_param": {"P": p, "G": p, "K": k, "zero1": {"P": p1, "G": p1, "K": k1}},
         "data": args.data,
         "batch_size": args.batch_size,
         "seq_len": args.seq_len,

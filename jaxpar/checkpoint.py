@@ -48,8 +48,9 @@ from jaxpar.state import ModelDef, TrainState, abstract_state
 FORMAT = "jaxpar-checkpoint/1"
 ARRAY_ITEMS = ("params", "opt_state", "variables")
 TEMPORARY = ".orbax-checkpoint-tmp"  # how Orbax marks a step directory still being written
-# Older bf16/fp16 checkpoints hold 2-byte `params` and the fp32 parameters here in the optimizer state
-# ({master, inner, loss_scale}); today's hold fp32 `params` once (jaxpar.precision). Both restore and export.
+# bf16/fp16 checkpoints of ZeRO-1 (and older ones of every stage) hold 2-byte `params` and the fp32 parameters
+# here in the optimizer state ({master, inner, loss_scale}, jaxpar.precision.MasterState); those of the other
+# stages hold fp32 `params` once. Either restores onto either layout from its fp32 values, and exports them.
 MASTER = "master"
 CHECKSUMS = "checksums"  # meta key: `item/path` -> checksum of each saved array (see `checksums`)
 SET_ASIDE = ".corrupted"  # suffix of a damaged step directory that a training run moved out of its way
@@ -393,8 +394,11 @@ class Checkpoints:
         step = self._step(step)
         target = abstract_state(model, optimizer, plan)
         saved_optimizer = self._array_metadata(step, "opt_state")
-        if isinstance(saved_optimizer, dict) and MASTER in saved_optimizer:
+        saved_master = isinstance(saved_optimizer, dict) and MASTER in saved_optimizer
+        if saved_master and not isinstance(target.opt_state, precision.MasterState):
             return self._restore_with_master(step, target, saved_optimizer)
+        if isinstance(target.opt_state, precision.MasterState) and not saved_master:
+            return self._restore_into_master(step, target)
         self.check_fits(target, step)
         arrays = {
             item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
@@ -407,8 +411,9 @@ class Checkpoints:
         return TrainState(**items, step=counter), restored.meta
 
     def _restore_with_master(self, step: int, target: TrainState, saved: dict) -> tuple[TrainState, dict]:
-        """A checkpoint of the older bf16/fp16 layout restored into today's: its fp32 master becomes the
-        params (its 2-byte params, a cast of the master, are not read), its inner state the optimizer's."""
+        """A checkpoint with an fp32 master (ZeRO-1's, or an older one) restored onto fp32 params held once: its
+        master becomes the params (its 2-byte params, a cast of the master, are not read), its inner state the
+        optimizer's."""
         scaled = isinstance(target.opt_state, precision.ScaledState)
         inner = target.opt_state.inner if scaled else target.opt_state
         legacy = {MASTER: target.params, "inner": inner, "loss_scale": target.opt_state.loss_scale if scaled else None}
@@ -425,6 +430,32 @@ class Checkpoints:
         counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
         variables = restored["variables"] if "variables" in arrays else target.variables
         return TrainState(opt[MASTER], opt_state, counter, variables), restored.meta
+
+    def _restore_into_master(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+        """A checkpoint of fp32 params held once restored onto ZeRO-1's master layout: the saved fp32 params
+        become the master (read straight into its shards over data), the params its 2-byte cast."""
+        opt = target.opt_state
+        scaled = opt.loss_scale is not None
+        saved_opt = precision.ScaledState(opt.inner, opt.loss_scale) if scaled else opt.inner
+        trees = {"params": opt.master, "opt_state": saved_opt,
+                 **({"variables": target.variables} if "variables" in _filled(target) else {})}
+        wrong = [line for item, tree in trees.items()
+                 for line in mismatches({item: self._array_metadata(step, item)}, {item: tree})]
+        if wrong:
+            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
+        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                  for item, tree in trees.items() if jax.tree.leaves(tree)}
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        master = restored["params"]
+        inner = restored["opt_state"] if "opt_state" in arrays else saved_opt
+        inner, loss_scale = (inner.inner, inner.loss_scale) if scaled else (inner, None)
+        shardings = jax.tree.map(lambda a: a.sharding, target.params)
+        params = jax.jit(lambda m: jax.tree.map(lambda x, p: x.astype(p.dtype), m, target.params),
+                         out_shardings=shardings)(offload.fetched(master))
+        counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
+        variables = restored["variables"] if "variables" in arrays else target.variables
+        return TrainState(params, precision.MasterState(master, inner, loss_scale), counter, variables), restored.meta
 
     def read_params(self, step: int | None = None) -> dict:
         """The parameters saved at `step` as whole host numpy arrays, for export: the exact fp32 weights

@@ -248,8 +248,9 @@ class Plan:
         return self._specs(logical, over_data=self.zero >= 2)
 
     def optimizer_specs(self, optimizer: optax.GradientTransformation, logical) -> Any:
-        """PartitionSpec of every optimizer-state leaf: like its parameter (ZeRO-1+: over data)."""
-        optimizer = precision_lib.wrap(optimizer, self.precision)
+        """PartitionSpec of every optimizer-state leaf: like its parameter (ZeRO-1+: over data; so is the fp32
+        master that ZeRO-1 keeps there under bf16/fp16, jaxpar.precision)."""
+        optimizer = precision_lib.for_plan(optimizer, self)
         specs = self._specs(logical, over_data=self.zero >= 1)
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), logical, is_leaf=rules_lib.is_logical)
         abstract = jax.eval_shape(optimizer.init, shapes)

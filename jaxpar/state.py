@@ -168,12 +168,14 @@ def state_shardings(model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """Shardings of the whole train state under `plan`, in host memory where `plan.offload` puts it.
 
     Offloading the optimizer state takes the fp32 master with it: under bf16 and
-    fp16 that is the parameters themselves, which the step casts at use.
+    fp16 that is the parameters themselves, which the step casts at use, but
+    under ZeRO-1 the master in the optimizer state (jaxpar.precision), the
+    2-byte parameters staying on the device.
     """
     shardings = plan.shardings(state_specs(model, optimizer, plan))
     if plan.offload != "optimizer":
         return shardings
-    master = precision.POLICIES[plan.precision].cast_at_use is not None
+    master = precision.for_plan(optimizer, plan).master_on_host
     return dataclasses.replace(shardings, opt_state=offload.on_host(shardings.opt_state),
                                params=offload.on_host(shardings.params) if master else shardings.params)
 
@@ -195,14 +197,34 @@ def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan) -> t
 
 
 def _initial_state(params, variables, optimizer, plan: Plan) -> TrainState:
-    """Step 0 from the model's parameters, held in the plan's parameter dtype (fp32 but under bf16-params)."""
-    optimizer = precision.wrap(optimizer, plan.precision)
+    """Step 0 from the model's parameters, held in the plan's parameter dtype (fp32 but under bf16-params, and
+    bf16/fp16 under ZeRO-1, whose fp32 master the optimizer state holds)."""
+    optimizer = precision.for_plan(optimizer, plan)
     return TrainState(optimizer.cast(params), optimizer.init(params), jnp.zeros((), jnp.int32), variables)
 
 
 def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> TrainState:
-    """Copy an existing state onto `plan`'s shardings (e.g. the same initial parameters on two meshes)."""
+    """Copy an existing state onto `plan`'s shardings (e.g. the same initial parameters on two meshes).
+
+    Under bf16/fp16 a state of the other layout (fp32 params held once, or ZeRO-1's 2-byte params beside an
+    fp32 master) is converted to `plan`'s: its fp32 values are what carry over (see jaxpar.precision).
+    """
+    state = _relayout(state, precision.for_plan(optimizer, plan))
     return jax.device_put(state, state_shardings(model, optimizer, plan))
+
+
+def _relayout(state: TrainState, optimizer: precision.Optimizer) -> TrainState:
+    held = isinstance(state.opt_state, precision.MasterState)
+    if optimizer.master and not held:
+        scaled = isinstance(state.opt_state, precision.ScaledState)
+        inner, scale = (state.opt_state.inner, state.opt_state.loss_scale) if scaled else (state.opt_state, None)
+        return dataclasses.replace(state, params=optimizer.cast(state.params),
+                                   opt_state=precision.MasterState(state.params, inner, scale))
+    if held and not optimizer.master:
+        opt = state.opt_state
+        inner = opt.inner if opt.loss_scale is None else precision.ScaledState(opt.inner, opt.loss_scale)
+        return dataclasses.replace(state, params=opt.master, opt_state=inner)
+    return state
 
 
 def abstract_state(model: ModelDef, optimizer, plan: Plan) -> TrainState:

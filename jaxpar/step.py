@@ -251,6 +251,25 @@ def guarded_update(finite, update: Callable, params, opt_state):
     return jax.lax.cond(finite, update, lambda p, s: (p, s), params, opt_state)
 
 
+def gather_master(master, model: ModelDef, plan: Plan, dtype):
+    """ZeRO-1's parameters from its fp32 master: each rank's shard cast to `dtype`, then all-gathered over data.
+
+    Written out inside `jax.shard_map` like ZeRO-2/3's gathers (jaxpar.zero), so
+    the gather moves the 2-byte cast, never the fp32 master.
+    """
+    grad_specs, param_specs = plan.gradient_specs(model.logical), plan.param_specs(model.logical)
+    manual = plan.step_manual_axes
+    if plan.shape[zero.AXIS] == 1:
+        return jax.tree.map(lambda m: m.astype(dtype), master)
+    return jax.shard_map(
+        lambda m: zero.gather_params(m, grad_specs, dtype),
+        in_specs=(specs_over(grad_specs, manual),),
+        out_specs=specs_over(param_specs, manual),
+        axis_names=set(manual),
+        check_vma=False,  # an all-gather's result is the same on every data rank: replicated, as out_specs say
+    )(master)
+
+
 def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, seed: int = 0) -> Step:
     """Compile-ready step(state, batch) -> (state, metrics) for `plan`.
 
@@ -258,10 +277,11 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
     takes `rngs` gets an `nnx.Rngs` keyed by (`seed`, step). `optimizer` is an
     optax transformation or an `nnx.Optimizer` of `nnx.Param`. Under ZeRO the
     update runs on each rank's shard of the gradients and optimizer state;
-    ZeRO-1 then all-gathers the updated parameters, ZeRO-2/3 keep them sharded
-    until the layers gather them.
+    ZeRO-1 then all-gathers the updated parameters (under bf16/fp16 the 2-byte
+    cast of its fp32 master shard), ZeRO-2/3 keep them sharded until the layers
+    gather them.
     """
-    optimizer = precision.wrap(optimizer, plan.precision)
+    optimizer = precision.for_plan(optimizer, plan)
     shardings = state_shardings(model, optimizer, plan)
     if plan.offload == "optimizer" and not offload.moved(shardings):
         warnings.warn(f"offload='optimizer' moves nothing: this optimizer keeps no state and precision="
@@ -279,17 +299,22 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
                                                      state.variables, state.step, seed)
         if optimizer.policy.loss_scaling:  # the optimizer skips overflowing updates itself (and lowers its scale)
             params, opt_state, stats = optimizer.apply(grads, opt_state, params)
-            params = jax.lax.with_sharding_constraint(params, update_shardings)
+            params = (gather_master(opt_state.master, model, plan, optimizer.param_dtype) if optimizer.master
+                      else jax.lax.with_sharding_constraint(params, update_shardings))
             new = TrainState(params, opt_state, state.step + 1, variables)
             return keep_finite(state, new, {"loss": loss, **stats, **aux}, True)
         stats = {"grad_norm": optimizer.grad_norm(grads)}
         finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
 
         def update(params, opt_state):
+            if optimizer.master:  # the params follow from the master below, skipped step or not
+                return params, optimizer.updated_master(grads, opt_state)[1]
             params, opt_state, _ = optimizer.apply(grads, opt_state, params)
             return jax.lax.with_sharding_constraint(params, update_shardings), opt_state
 
-        params, opt_state = guarded_update(finite, update, params, opt_state)
+        params, opt_state = guarded_update(finite, update, () if optimizer.master else params, opt_state)
+        if optimizer.master:
+            params = gather_master(opt_state.master, model, plan, optimizer.param_dtype)
         metrics = {"loss": loss, **stats, **aux, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
         keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
         return TrainState(params, opt_state, state.step + 1, keep(variables, state.variables)), metrics

@@ -241,17 +241,20 @@ def test_export_loads_into_a_plain_flax_model_with_the_same_logits(trained_dir, 
 
 
 def test_export_of_a_bf16_run_holds_the_fp32_weights(tmp_path):
-    """A bf16 run holds its parameters in fp32 (it computes with bf16 casts): the export holds them exactly."""
+    """A bf16 run holds its parameters in fp32 (it computes with bf16 casts; ZeRO-1 in its fp32 master beside
+    bf16 params): the export holds them exactly."""
     config = dataclasses.replace(TINY, **SMALL, seq_len=16)
-    plan = Plan.create("data=4,tensor=2", zero=1, precision="bf16")
-    model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), OPTIMIZER, plan)
-    assert state.params["head"].dtype == jnp.float32
-    with Checkpoints(tmp_path / "run") as checkpoints:
-        checkpoints.save(1, state)
-    export(tmp_path / "run", tmp_path / "model.npz")
-    params, exported = load_params(tmp_path / "model.npz")
-    assert set(exported["dtypes"].values()) == {"float32"}
-    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, jax.device_get(state.params))))
+    for zero in (0, 1):
+        plan = Plan.create("data=4,tensor=2", zero=zero, precision="bf16")
+        model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), OPTIMIZER, plan)
+        fp32 = state.opt_state.master if zero == 1 else state.params
+        assert fp32["head"].dtype == jnp.float32
+        with Checkpoints(tmp_path / f"run{zero}") as checkpoints:
+            checkpoints.save(1, state)
+        export(tmp_path / f"run{zero}", tmp_path / f"model{zero}.npz")
+        params, exported = load_params(tmp_path / f"model{zero}.npz")
+        assert set(exported["dtypes"].values()) == {"float32"}
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, params, jax.device_get(fp32))))
 
 
 class OlderMasterState(typing.NamedTuple):
@@ -266,7 +269,7 @@ class OlderMasterState(typing.NamedTuple):
 def test_an_older_checkpoint_with_a_master_copy_restores_its_master_as_the_params(tmp_path, name):
     """The 2-byte params of the older layout are a cast of its master: the master is what restores and exports."""
     config = dataclasses.replace(TINY, **SMALL, seq_len=16)
-    plan = Plan.create("data=4", zero=1, precision=name, devices=jax.devices()[:4])
+    plan = Plan.create("data=4", zero=0, precision=name, devices=jax.devices()[:4])  # fp32 params held once
     model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), OPTIMIZER, plan)
     master = jax.tree.map(lambda p: p + 1e-3, state.params)  # not representable in 2 bytes
     inner, scale = (state.opt_state.inner, state.opt_state.loss_scale) if name == "fp16" else (state.opt_state, None)

@@ -84,8 +84,11 @@ def test_offload_keeps_the_fp32_master_parameters_in_host_memory_and_changes_no_
     assert runs["optimizer"][0] == runs["none"][0]
     offloaded = runs["optimizer"][1]
     assert memory_kinds(offloaded.opt_state) == {"pinned_host"}
-    assert memory_kinds(offloaded.params) == {"pinned_host"}  # fp32, the master: the step casts them at use
+    # ZeRO-1 holds the 2-byte params on the device and their fp32 master in the (offloaded) optimizer state
+    assert memory_kinds(offloaded.params) == {"device"} and memory_kinds(offloaded.opt_state.master) == {"pinned_host"}
     assert max_relative_error(jax.device_get(offloaded.params), jax.device_get(runs["none"][1].params)) == 0
+    assert max_relative_error(jax.device_get(offloaded.opt_state.master),
+                              jax.device_get(runs["none"][1].opt_state.master)) == 0
 
 
 def test_offloaded_checkpoint_restores_onto_a_plan_with_or_without_offload(tmp_path, data):
