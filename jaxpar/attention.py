@@ -26,6 +26,8 @@ so no [queries, keys] score matrix outlives its layer.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -35,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import usage
 from jaxpar.context import active_plan
-from jaxpar.rules import varying_axes
+from jaxpar.rules import rule_axes, varying_axes
 
 AXIS = "context"
 FORMS = ("all-gather", "ring")
@@ -64,6 +66,24 @@ def balanced_order(seq: int, ways: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[c], chunks[2 * ways - 1 - c]]) for c in range(ways)])
 
 
+_ordered: contextvars.ContextVar[frozenset] = contextvars.ContextVar("jaxpar_context_ordered", default=frozenset())
+
+
+@contextlib.contextmanager
+def already_ordered(feature: str):
+    """Within: `context_order(x, feature)` returns x as it is (still recording the feature).
+
+    The pipeline orders the whole batch's targets before it cuts them into
+    microbatches and sequence shares for each stage's loss head; a share is
+    not a sequence that `balanced_order` could reorder.
+    """
+    token = _ordered.set(_ordered.get() | {feature})
+    try:
+        yield
+    finally:
+        _ordered.reset(token)
+
+
 def context_order(x: jax.Array, feature: str, axis: int = 1) -> jax.Array:
     """x reordered along its sequence `axis` into `balanced_order` under context > 1 (x itself otherwise).
 
@@ -74,6 +94,8 @@ def context_order(x: jax.Array, feature: str, axis: int = 1) -> jax.Array:
     if ways == 1:
         return x
     usage.mark(feature)
+    if feature in _ordered.get():
+        return x
     return jnp.take(x, jnp.asarray(balanced_order(x.shape[axis], ways)), axis=axis)
 
 
@@ -96,7 +118,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     usage.mark(usage.CONTEXT_ATTENTION)
     check_sequence(q.shape[1], ways)
     local = functools.partial(_ring if active_plan().context_form == "ring" else _gathered, ways=ways)
-    return _context_parallel(local, q, k, v)
+    return _context_parallel(local, q, k, v, _head_axes(q, k))
+
+
+def _head_axes(q, k) -> tuple[str, ...]:
+    """The auto mesh axes the rules split both `heads` and `kv_heads` over (tensor parallelism), where they
+    divide both: the context shard_map keeps the heads split over them, each rank attending its own heads.
+    Left to the partitioner, they would be all-gathered into every tensor rank."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    axes = tuple(a for a in rule_axes("heads") if a not in manual)
+    if not axes or axes != tuple(a for a in rule_axes("kv_heads") if a not in manual):
+        return ()
+    ways = int(np.prod([active_plan().shape[a] for a in axes]))
+    return axes if q.shape[2] % ways == 0 and k.shape[2] % ways == 0 else ()
 
 
 def _attend(q, k, v, q_pos, k_pos):
@@ -194,8 +228,9 @@ def _fold(state, scores, v):
     return new_peak, total * fade + jnp.sum(weights, axis=-1), acc * fade[..., None] + _values(weights, v)
 
 
-def _context_parallel(local, q, k, v):
-    """`local(q, k, v)` on each context rank's shard, as a custom VJP: forward and backward one shard_map each.
+def _context_parallel(local, q, k, v, head_axes: tuple[str, ...]):
+    """`local(q, k, v)` on each context rank's shard (and its heads over `head_axes`), as a custom VJP:
+    forward and backward one shard_map each.
 
     The forward does not track replication (check_vma=False), as the MoE
     layer's does (jaxpar.experts): it is never differentiated, and under a
@@ -203,11 +238,12 @@ def _context_parallel(local, q, k, v):
     save values from inside it under specs naming those axes, which fails to
     lower. Its output is typed as varying over those axes, as it is.
     """
-    spec = P(None, AXIS)
+    spec = P(None, AXIS, head_axes or None)
+    manual = {AXIS, *head_axes}
     outer = tuple(sorted(set().union(*(varying_axes(x) for x in (q, k, v)))))
-    untracked = jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, axis_names={AXIS}, check_vma=False)
+    untracked = jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, axis_names=manual, check_vma=False)
     backward = jax.shard_map(lambda q, k, v, ct: jax.vjp(local, q, k, v)[1](ct), in_specs=(spec,) * 4,
-                             out_specs=(spec,) * 3, axis_names={AXIS})
+                             out_specs=(spec,) * 3, axis_names=manual)
 
     def forward(q, k, v):
         out = untracked(q, k, v)

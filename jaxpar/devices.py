@@ -34,7 +34,8 @@ class Device:
     the backend runs bf16/fp16 collectives in fp32 (XLA:CPU does); low_precision_in_fp32: it also
     keeps bf16/fp16 activations and gradients in fp32 (XLA:CPU before jaxlib 0.11); scatter_as_all_reduce: the
     backend lowers a reduce-scatter that sharding annotations ask for to an all-reduce and a slice
-    (XLA:CPU does; jaxpar's explicit forms write true reduce-scatters).
+    (XLA:CPU does; jaxpar's explicit forms write true reduce-scatters); host_bandwidth: bytes/s between
+    device and host memory one way (PCIe Gen5 x16 for the GPUs), what `--offload optimizer` moves over.
     """
 
     name: str
@@ -50,6 +51,7 @@ class Device:
     widens_low_precision: bool = False
     low_precision_in_fp32: bool = False
     scatter_as_all_reduce: bool = False
+    host_bandwidth: float = 55 * GB
 
     @property
     def capacity(self) -> float:
@@ -113,7 +115,7 @@ def load_device(name: str) -> Device:
         raise ValueError(f"device file {name!r} does not exist")
     table = tomllib.loads(path.read_text())
     table = dict(table.get("device", table))
-    for field in ("hbm", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth"):
+    for field in ("hbm", "hbm_bandwidth", "intra_bandwidth", "inter_bandwidth", "host_bandwidth"):
         if f"{field}_gb" in table:
             table[field] = float(table.pop(f"{field}_gb")) * GB
     for field in ("peak_flops", "fp32_flops"):

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import usage, zero
+from jaxpar import attention, usage, zero
 from jaxpar.plan import active_plan
 from jaxpar.rules import varying_axes
 from jaxpar.schedule import EMPTY, Schedule
@@ -116,10 +116,24 @@ def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, 
     schedule = Schedule(plan.schedule, plan.shape[AXIS], plan.pipeline_microbatches, plan.virtual_stages)
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     check_shapes(schedule, stacked, inputs, plan.axis_size(*(a for a in plan.batch_axes if a not in manual)))
+    # Under context parallelism the targets take the sequence order of the embedded tokens here, whole,
+    # before each stage's loss head gets its share of the positions (jaxpar.attention).
+    targets = attention.context_order(targets, usage.CONTEXT_TARGETS)
+    stages = dataclasses.replace(stages, head=_ordered_head(stages.head))
     split = microbatches({"inputs": inputs, "targets": targets}, schedule.microbatches)
     stacked, entries = zero.layer_sources(stacked)  # ZeRO-2/3: each stage gathers its layers one at a time
     args = (embed_params, to_chunks(stacked, schedule), head_params, split["inputs"], split["targets"])
     return _result(*_pipelined(stages, schedule, _fill.get(), entries)(*args))
+
+
+def _ordered_head(head: Callable) -> Callable:
+    """`head` told that its targets are already in context order, wherever it is traced (backward too)."""
+
+    def run(params, x, targets):
+        with attention.already_ordered(usage.CONTEXT_TARGETS):
+            return head(params, x, targets)
+
+    return run
 
 
 def _result(value: jax.Array, sums):

@@ -129,12 +129,6 @@ class Plan:
                              f"build the plan with Plan.create, which orders them")
         if self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 1, or 0 for one per pipe stage; got {self.microbatches}")
-        if self.shape["pipe"] > 1 and self.shape[attention_lib.AXIS] > 1:
-            raise ValueError(
-                f"pipe={self.shape['pipe']} with context={self.shape['context']} is not supported yet: the pipeline "
-                "splits the loss head's targets along the sequence before jaxpar's loss can put them in the "
-                "context-parallel order (jaxpar.attention); use one of the two axes"
-            )
         schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
         offload_lib.check(self.offload, self.mesh)
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])

@@ -35,10 +35,11 @@ import math
 from typing import Any
 
 from jaxpar import rules as rules_lib
+from jaxpar import schedule as schedule_lib
 from jaxpar.devices import Device, load_device
 from jaxpar.inspect import ring_traffic
 
-AXES = ("data", "pipe", "expert", "tensor")  # names only: where each lies in the mesh comes from jaxpar.mesh
+AXES = ("data", "pipe", "expert", "context", "tensor")  # names only: where each lies in the mesh comes from jaxpar.mesh
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 REMATS = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-params")
@@ -193,13 +194,17 @@ class Layout:
     precision: str = "bf16"
     sequence_parallel: bool = False
     tensor_form: str = "annotation"
+    context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.attention)
+    context_form: str = "all-gather"
+    offload: str = "none"  # "optimizer": the optimizer state (and fp32 master) in host memory (jaxpar.offload)
 
     def __post_init__(self):
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise ValueError(f"mesh axis {axis} must be >= 1, got {getattr(self, axis)}")
         choices = {"zero": (0, 1, 2, 3), "schedule": SCHEDULES, "remat": REMATS, "precision": PRECISIONS,
-                   "tensor_form": ("annotation", "explicit")}
+                   "tensor_form": ("annotation", "explicit"), "context_form": ("all-gather", "ring"),
+                   "offload": ("none", "optimizer")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -214,7 +219,7 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.data * self.tensor * self.pipe * self.expert
+        return math.prod(self.shape.values())
 
     @property
     def mesh(self) -> str:
@@ -224,8 +229,10 @@ class Layout:
         """The `jaxpar.plan.Plan` options of this layout (defaults left out)."""
         default = Layout()
         names = ("zero", "schedule", "microbatches", "virtual_stages", "grad_accum", "remat", "precision",
-                 "sequence_parallel", "tensor_form")
+                 "sequence_parallel", "tensor_form", "context_form", "offload")
         out = {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
+        if self.context == 1:
+            out.pop("context_form", None)
         if self.pipe == 1:
             out.pop("schedule", None)
             out.pop("microbatches", None)
@@ -428,17 +435,22 @@ def megatron_bubble(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m)
 
 
+def explicit_backward(layout: Layout) -> bool:
+    """A pipeline whose backward slots are in the tick table (1F1B, interleaved): residuals live in a ring."""
+    return layout.pipe > 1 and layout.schedule in schedule_lib.EXPLICIT
+
+
 def in_flight(layout: Layout) -> int:
     """Chunk-sized activation sets a stage keeps at the peak (jaxpar.pipeline's schedules).
 
-    No pipeline: one microbatch. GPipe and interleaved differentiate the tick
-    scan, so every tick's residuals stay (bubble ticks too); 1F1B keeps a ring
-    of min(m, 2p - 1) microbatches.
+    No pipeline: one microbatch. GPipe differentiates the tick scan, so every
+    tick's residuals stay (bubble ticks too); 1F1B and interleaved keep the rows
+    of their residual ring (min(m, 2p - 1) microbatches under 1F1B).
     """
     if layout.pipe == 1:
         return 1
-    if layout.schedule == "1f1b":
-        return min(layout.microbatches, 2 * layout.pipe - 1)
+    if explicit_backward(layout):
+        return schedule_lib.Schedule(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages).in_flight
     return schedule_ticks(layout)
 
 
@@ -452,6 +464,17 @@ class Workload:
     @property
     def tokens(self) -> int:
         return self.batch_size * self.seq_len
+
+
+def local_seq(layout: Layout, work: Workload) -> int:
+    """Positions of a sequence on one device: context parallelism splits them over `context`."""
+    return work.seq_len // layout.context
+
+
+def scores_kept(layout: Layout, seq: int) -> int:
+    """Keys per query whose scores a block keeps for its backward pass: none under context parallelism,
+    whose attention is a custom VJP that saves q, k and v and recomputes the rest (jaxpar.attention)."""
+    return seq if layout.context == 1 else 0
 
 
 def microbatch_sequences(layout: Layout, work: Workload) -> int:
@@ -488,9 +511,9 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
     p_comm, g_comm = wide or p_bytes, wide or g_bytes
     act = DTYPE_BYTES[layout.precision] if layout.precision != "bf16-params" else 2
     act_comm = wide or act
-    b, s, d = microbatch_sequences(layout, work), work.seq_len, model.d_model
+    b, s, d = microbatch_sequences(layout, work), local_seq(layout, work), model.d_model
     out: list[Collective] = []
-    n, t, p, e = layout.data, layout.tensor, layout.pipe, layout.expert
+    n, t, p, e, c = layout.data, layout.tensor, layout.pipe, layout.expert, layout.context
     if n > 1:
         # local = split + whole and sharded = split / n + whole, where `whole` are the parameters ZeRO
         # cannot split over data (no dimension divides): their gradients keep an all-reduce
@@ -556,6 +579,8 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
                                   "layers into round-robin chunks and their gradients back"))
         out.append(Collective("pipe", "all-reduce", inv.replicated_over_pipe * max(g_comm, 4), 1,
                               "embedding and head gradients summed over stages (fp32)"))
+    if c > 1:
+        out += context_collectives(model, layout, work, inv.local * g_comm, act_comm)
     if e > 1 and model.n_experts:
         group = model.group_size or s
         groups = b * s // group
@@ -574,6 +599,30 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
         if table:
             out.append(Collective("expert", "all-gather", rows * (d * act_comm + 4), 1,
                                   "the embedding's cotangents and token ids"))
+    return out
+
+
+def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes: float, value_bytes: int) -> list[Collective]:
+    """Context parallelism's collectives: K/V of every layer's attention, and the gradients summed over context.
+
+    The all-gather form gathers K and V (one call each) in the forward and
+    again where the backward recomputes it, then reduce-scatters their
+    gradients; the ring form passes each K and V block C - 1 hops in the
+    forward, the recomputation and the backward (the gradients travel with
+    the blocks): 3 (C - 1) blocks per array either way. The parameters are
+    whole on every context rank, so their gradients are all-reduced over it.
+    """
+    c, kv = layout.context, model.n_kv_heads / layout.tensor
+    b, s = microbatch_sequences(layout, work), work.seq_len
+    runs = model.n_layers * layout.grad_accum * layout.microbatches / layout.pipe  # layer runs per device
+    whole = b * s * kv * model.head_dim * value_bytes  # one of K, V over the whole sequence
+    out = [Collective("context", "all-reduce", grad_bytes, 1, "gradients summed over context")]
+    if layout.context_form == "ring":
+        out.append(Collective("context", "collective-permute", whole / c, 2 * 3 * (c - 1) * runs,
+                              "K and V blocks around the ring: forward, recomputation, gradients"))
+    else:
+        out.append(Collective("context", "all-gather", whole, 2 * 2 * runs, "K and V gathered: forward, recomputation"))
+        out.append(Collective("context", "reduce-scatter", whole, 2 * runs, "K and V gradients back to their ranks"))
     return out
 
 
@@ -660,6 +709,12 @@ def check(model: Model, layout: Layout, work: Workload) -> str:
         return f"expert={layout.expert} but the model has no experts"
     if model.n_experts and model.n_experts % layout.expert:
         return f"{model.n_experts} experts do not divide by expert={layout.expert}"
+    if work.seq_len % (2 * layout.context):
+        return (f"sequence {work.seq_len} does not divide by 2 x context={layout.context} (two mirrored chunks "
+                "per context rank)")
+    if layout.pipe > 1 and layout.context > 1:
+        return ("pipe with context is not modelled yet: the pipeline's ticks each sum their weight "
+                "gradients over context")
     if layout.sequence_parallel and work.seq_len % layout.tensor:
         return f"sequence {work.seq_len} does not divide by tensor={layout.tensor} (sequence parallelism)"
     return ""
@@ -674,7 +729,7 @@ def estimate(model: Model, layout: Layout, work: Workload, device: Device | str 
     memory = memory_breakdown(model, layout, work, device)
     colls = collectives(model, layout, work, device)
     traffic = traffic_per_axis(colls, layout)
-    tokens_per_device = work.tokens / (layout.data * layout.expert)
+    tokens_per_device = work.tokens / (layout.data * layout.expert * layout.context)
     flops = flops_per_token(model, work.seq_len) * tokens_per_device / (layout.tensor * layout.pipe)
     hw = flops + recompute_flops_per_token(model, layout, work.seq_len) * tokens_per_device / (layout.tensor * layout.pipe)
     time = step_time(model, layout, work, device, hw, traffic, memory)
@@ -721,13 +776,24 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
         gathered = C * (per_layer + (inv.local - inv.stacked_local) - (inv.sharded - inv.stacked_sharded))
     workspace = transient + layer_workspace(model, layout, work) + update_workspace(inv, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
-    arguments = at_rest + optimizer + batch
+    host = offloaded_bytes(layout, at_rest, optimizer)
+    arguments = at_rest + optimizer + batch - host
     temp = (params - at_rest) + grads + activations + gathered + workspace
+    if host:  # copied in for the update, into the space the activations held (dead by then)
+        temp = max(temp, (params - at_rest) + grads + gathered + transient + update_workspace(inv, layout, z, G) + host)
     return {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "temp": gathered + workspace, "batch": batch, "arguments": arguments, "temp_total": temp,
-        "total": arguments + temp,
+        "host": host, "total": arguments + temp,
     }
+
+
+def offloaded_bytes(layout: Layout, params_at_rest: float, optimizer: float) -> float:
+    """Bytes per device `--offload optimizer` keeps in host memory between steps: the optimizer state, and
+    the fp32 parameters under bf16/fp16 (held once, they are the master; jaxpar.offload)."""
+    if layout.offload == "none":
+        return 0.0
+    return optimizer + (params_at_rest if layout.precision in ("bf16", "fp16") else 0.0)
 
 
 def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
@@ -735,18 +801,16 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
 
     A plain layer scan keeps what its remat policy saves (`activation_values_per_token`;
     a MoE block its experts' slots in place of the MLP). Without remat, a pipeline
-    keeps more: the GPipe/interleaved tick scan, differentiated as a whole, keeps
-    the block's values masked by each tick's validity (per token 2 h s + 6 f +
-    2 (h + kv) hd split by t, and 6 d); 1F1B stores each microbatch's VJP
-    residuals, every intermediate JAX linearises through and none fused
-    (3 h s + 8 f + (2 (h + 2 kv) + kv) hd split by t, and 6 d).
+    keeps more: the block's values as its stage VJP's residuals (per token
+    2 h s + 6 f + 2 (h + kv) hd split by t, and 6 d), masked by each tick's
+    validity in GPipe's differentiated tick scan, in the residual ring's rows
+    under 1F1B and interleaved (the rows' shapes in the compiled step); tensor
+    parallelism adds 3 d whole (Megatron's f/g around each half).
     """
     t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
     h, kv, hd, f, d = model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.d_model
     if layout.pipe > 1 and remat_policy(layout) == "none":
-        if layout.schedule == "1f1b":
-            return (3 * h * seq + 8 * f + (2 * (h + 2 * kv) + kv) * hd) / t + 6 * d / d_split
-        return (2 * h * seq + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split
+        return (2 * h * seq + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
     values = activation_values_per_token(model, layout, seq)
     if model.n_experts and remat_policy(layout) != "full":
         share = model.moe_layers / model.n_layers
@@ -756,29 +820,31 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
 
 def activation_bytes(model: Model, layout: Layout, work: Workload, value_bytes: int, stage_weights: float) -> float:
     """Activations kept per device: values per token x tokens of a microbatch x layers of a chunk x the
-    chunk-sized sets alive at once (one; every tick's under GPipe; the 1F1B ring's rows and its scratch
-    row). The tick scan of GPipe/interleaved also keeps each tick's chunk weights: indexed by the traced
-    chunk number, they are a per-tick value to autodiff; the 1F1B ring keeps ZeRO-2's gathered weights
-    with each microbatch's residuals."""
-    b, s = microbatch_sequences(layout, work), work.seq_len
+    chunk-sized sets alive at once (one; every tick's under GPipe; the residual ring's rows and its scratch
+    row under 1F1B and interleaved). GPipe's tick scan also keeps each tick's stage weights, a per-tick
+    value to autodiff; the ring keeps ZeRO-2's gathered weights with each microbatch's residuals."""
+    b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     layers = model.n_layers / (layout.pipe * layout.virtual_stages)
-    sets = in_flight(layout) + (1 if layout.pipe > 1 and layout.schedule == "1f1b" else 0)
-    kept = value_bytes * b * s * block_values_per_token(model, layout, s) * layers * sets
-    if layout.pipe > 1 and layout.schedule != "1f1b":
-        kept += stage_weights / layout.virtual_stages * schedule_ticks(layout)
+    sets = in_flight(layout) + explicit_backward(layout)
+    kept = value_bytes * b * s * block_values_per_token(model, layout, scores_kept(layout, work.seq_len)) * layers * sets
+    if layout.pipe > 1 and not explicit_backward(layout):
+        kept += stage_weights * schedule_ticks(layout)
     elif layout.pipe > 1 and layout.zero == 2 and layout.data > 1:
-        kept += stage_weights * sets  # ZeRO-2's gathered weights are residuals of each microbatch's VJP
+        kept += stage_weights / layout.virtual_stages * sets  # ZeRO-2's gathered weights are residuals of each microbatch's VJP
     return kept
 
 
 def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
     """The largest transients of one microbatch: the fp32 logits and their gradient over the vocabulary
     shard (on each stage's share of positions under a pipeline), and one layer's attention scores when
-    the backward pass recomputes them."""
-    b, s = microbatch_sequences(layout, work), work.seq_len
+    the backward pass recomputes them with remat. Context-parallel attention recomputes its scores too,
+    but one layer's share of them is not alive at the step's peak (compiled temp at context 2 and 4)."""
+    b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     logits = 2 * 4 * b * s * model.vocab / layout.tensor / layout.pipe
-    recomputed = remat_policy(layout) in ("full", "selective")
+    recomputed = remat_policy(layout) in ("full", "selective") and layout.context == 1
     return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0)
+
+
 
 
 def update_workspace(inv: Inventory, layout: Layout, z: int, grad_bytes: int) -> float:
@@ -809,15 +875,15 @@ def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[st
     backward = compute * 2 / 3
     hidden = backward if layout.zero >= 2 else backward / (layout.grad_accum * max(layout.microbatches, 1))
     exposed_data = max(0.0, comm["data"] - hidden)
-    update = 3 * memory["optimizer"] / device.hbm_bandwidth
-    total = compute + comm["tensor"] + comm["expert"] + comm["pipe"] + exposed_data + update
+    update = 3 * memory["optimizer"] / device.hbm_bandwidth + 2 * memory["host"] / device.host_bandwidth
+    total = compute + comm["tensor"] + comm["expert"] + comm["pipe"] + comm["context"] + exposed_data + update
     return {"compute": compute, **{f"comm_{a}": c for a, c in comm.items()}, "exposed_data": exposed_data,
             "update": update, "step": total}
 
 
 # Where each axis lies physically, outermost first: jaxpar.mesh places `tensor` on the fastest links
 # (innermost) and `data` across hosts (outermost), whatever order the mesh's axis names take.
-PHYSICAL_ORDER = ("data", "pipe", "expert", "tensor")
+PHYSICAL_ORDER = ("data", "pipe", "expert", "context", "tensor")
 
 
 def axis_bandwidth(axis: str, layout: Layout, device: Device) -> float:
@@ -835,17 +901,20 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(model: Model, devices: int, work: Workload, device: Device, precision: str = "bf16",
-            max_tensor: int | None = None) -> list[Layout]:
-    """Every layout worth considering for `devices`: mesh factorisations x ZeRO x schedule x microbatch x remat."""
+            max_tensor: int | None = None, contexts: tuple[int, ...] = (1,), offload: str = "none") -> list[Layout]:
+    """Every layout worth considering for `devices`: mesh factorisations x ZeRO x schedule x microbatch x remat,
+    with each context size of `contexts` that splits the sequence (both attention forms), offloading or not."""
     max_tensor = max_tensor or device.devices_per_node
     out = []
     tensors = [t for t in _divisors(devices) if t <= max_tensor and model.n_kv_heads % t == 0 or t == 1]
     experts = [e for e in _divisors(devices) if model.n_experts and model.n_experts % e == 0] or [1]
-    for t, e in itertools.product(tensors, experts):
-        for p in _divisors(devices // (t * e)):
-            if model.scan_depth % p:
+    for t, e, c in itertools.product(tensors, experts, contexts):
+        if c > 1 and (devices % (t * e * c) or work.seq_len % (2 * c)):
+            continue
+        for p in _divisors(devices // (t * e * c)):
+            if model.scan_depth % p or (p > 1 and c > 1):
                 continue
-            n = devices // (t * e * p)
+            n = devices // (t * e * p * c)
             local = work.batch_size / (n * e)
             if local != int(local) or local < 1:
                 continue
@@ -857,15 +926,16 @@ def layouts(model: Model, devices: int, work: Workload, device: Device, precisio
                     for remat in REMATS:
                         for sp in ((False, True) if t > 1 else (False,)):
                             if p == 1:
-                                out.append(Layout(n, t, 1, e, z, grad_accum=steps, remat=remat,
-                                                  precision=precision, sequence_parallel=sp))
+                                for form in ("all-gather", "ring") if c > 1 else ("all-gather",):
+                                    out.append(Layout(n, t, 1, e, z, grad_accum=steps, remat=remat, precision=precision,
+                                                      sequence_parallel=sp, context=c, context_form=form))
                                 continue
                             for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4)):
                                 if steps < p or (sched == "interleaved" and (steps % p or model.scan_depth % (p * v))):
                                     continue
                                 out.append(Layout(n, t, p, e, z, sched, steps, v, remat=remat, precision=precision,
                                                   sequence_parallel=sp))
-    return out
+    return [dataclasses.replace(layout, offload=offload) for layout in out] if offload != "none" else out
 
 
 @dataclasses.dataclass
@@ -901,12 +971,20 @@ class Ranking:
 
 
 def plan(model: Model, devices: int, work: Workload, device: Device | str = "h100", precision: str = "bf16") -> Ranking:
-    """Enumerate the layouts for `devices`, drop those that cannot run or do not fit, rank by step time."""
+    """Enumerate the layouts for `devices`, drop those that cannot run or do not fit, rank by step time.
+
+    Context parallelism joins the candidates when no layout without it fits (a sequence too long for
+    one device's share of the attention), then host offload of the optimizer state when none fits still.
+    """
     device = load_device(device) if isinstance(device, str) else device
     ranked, dropped = [], []
-    for layout in layouts(model, devices, work, device, precision):
-        est = estimate(model, layout, work, device)
-        (ranked if est.fits else dropped).append(est)
+    split = tuple(c for c in _divisors(devices) if 1 < c <= device.devices_per_node)
+    for contexts, offload in (((1,), "none"), (split, "none"), ((1, *split), "optimizer")):
+        for layout in layouts(model, devices, work, device, precision, contexts=contexts, offload=offload):
+            est = estimate(model, layout, work, device)
+            (ranked if est.fits else dropped).append(est)
+        if ranked:
+            break
     ranked.sort(key=lambda e: (e.step_time, e.peak))
     return Ranking(model, work, device, devices, ranked, dropped)
 

@@ -120,11 +120,9 @@ def test_sequence_that_does_not_divide_by_twice_context_fails_before_compiling()
         step.lower(abstract_state(model, OPTIMIZER, plan), token_batches(model_config(seq_len=12))[0])
 
 
-def test_plan_refuses_unknown_form_and_pipe_with_context():
+def test_plan_refuses_unknown_form():
     with pytest.raises(ValueError, match="context_form must be one of"):
         Plan.create("context=2", devices=jax.devices()[:2], context_form="ulysses")
-    with pytest.raises(ValueError, match="pipe=2 with context=2 is not supported yet"):
-        Plan.create("pipe=2,context=2", devices=jax.devices()[:4])
 
 
 def test_ring_form_without_a_context_axis_is_warned_about():

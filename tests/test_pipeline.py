@@ -70,6 +70,24 @@ def test_schedule_matches_single_device(references, name, pipe, per_stage):
     assert max_relative_error(grads, ref_grads) <= 1e-5
 
 
+# The pipeline with context parallelism: each schedule, both attention forms, with data + ZeRO-3 and tensor.
+CONTEXT_CASES = [
+    ("1f1b", "pipe=2,context=2,data=2", {"context_form": "ring", "zero": 3}),
+    ("gpipe", "pipe=2,context=2,tensor=2", {"context_form": "all-gather"}),
+    ("interleaved", "pipe=2,context=4", {"context_form": "ring", "virtual_stages": 2}),
+]
+
+
+@pytest.mark.parametrize("name, mesh, options", CONTEXT_CASES, ids=[f"{n}-{m}" for n, m, _ in CONTEXT_CASES])
+def test_schedule_with_context_parallelism_matches_single_device(references, name, mesh, options):
+    model, state, _, batch, ref_loss, ref_grads = references(DEEP if name == "interleaved" else CONFIG)
+    plan = Plan.create(mesh, schedule=name, microbatches=4, **options)
+    with pipeline.bubble_fill(NAN):
+        loss, grads = gradients(model, state.params, batch, plan)
+    assert relative(loss, ref_loss) <= 1e-5
+    assert max_relative_error(grads, ref_grads) <= 1e-5
+
+
 def forward_only_loss(model, state, batch, plan) -> float:
     """The loss without differentiation (only the forward ticks run), bubbles filled with NaN."""
     params = jax.device_put(copy_state(state.params), plan.shardings(plan.param_specs(model.logical)))

@@ -7,6 +7,7 @@ per-device argument bytes and traffic per mesh axis (within 10%) and temp
 bytes (within 25%) with what XLA reports. benchmarks/planner.py sweeps more.
 """
 
+import dataclasses
 import json
 import math
 
@@ -110,6 +111,9 @@ def test_layout_text_round_trip():
                                   "virtual_stages=2 remat=full sequence_parallel=true")
     assert (layout.data, layout.tensor, layout.pipe, layout.zero, layout.virtual_stages) == (8, 8, 16, 1, 2)
     assert planner.Layout.parse(str(layout)) == layout
+    long = planner.Layout.parse("data=2,context=4 context_form=ring offload=optimizer")
+    assert (long.context, long.context_form, long.offload, long.devices) == (4, "ring", "optimizer", 8)
+    assert planner.Layout.parse(str(long)) == long
     with pytest.raises(ValueError, match="name=value"):
         planner.Layout.parse("data=8 turbo")
 
@@ -130,6 +134,38 @@ def test_top_plans_fit(name, devices):
     assert all(a.step_time <= b.step_time for a, b in zip(ranking.ranked, ranking.ranked[1:]))
     assert all(not e.fits for e in ranking.dropped) and ranking.dropped
     assert all(e.reason for e in ranking.dropped)
+
+
+def test_a_sequence_too_long_for_every_plain_layout_gets_context_parallelism():
+    model, work = planner.Model.named("7b"), planner.Workload(8, 131072)
+    ranking = planner.plan(model, 8, work, "h100")
+    plain = [e for e in ranking.dropped if e.layout.context == 1 and e.layout.offload == "none"]
+    assert plain and not any(e.fits for e in plain)
+    best = ranking.best
+    assert best is not None and best.layout.context > 1 and best.fits and best.layout.devices == 8
+    assert f"context={best.layout.context}" in planner.run_command("7b", best, work)
+    # the K/V collectives over context: 3 (C - 1)/C of K and V per layer run, both forms alike
+    for form in ("all-gather", "ring"):
+        layout = dataclasses.replace(best.layout, context_form=form)
+        est = planner.estimate(model, layout, work, "h100")
+        kv = [c for c in est.collectives if c.axis == "context" and c.kind != "all-reduce"]
+        c, runs = layout.context, model.n_layers * layout.grad_accum
+        whole = 8 // (layout.data * layout.grad_accum) * work.seq_len * model.n_kv_heads / layout.tensor * model.head_dim * 2
+        assert sum(k.traffic(c) for k in kv) == pytest.approx(2 * 3 * (c - 1) / c * whole * runs)
+    odd = planner.estimate(model, dataclasses.replace(best.layout, context=3, data=1), planner.Workload(8, 1000), "h100")
+    assert "does not divide by 2 x context=3" in odd.reason
+
+
+def test_offload_moves_the_optimizer_state_and_master_to_the_host():
+    model, work = planner.Model.named("7b"), planner.Workload(8, 4096)
+    base = planner.Layout.parse("data=8 zero=3 remat=full precision=bf16")
+    kept, offloaded = (planner.estimate(model, dataclasses.replace(base, offload=o), work, "h100")
+                       for o in ("none", "optimizer"))
+    host = kept.memory["optimizer"] + kept.memory["params"]  # ZeRO-3's fp32 shard is the bf16 master
+    assert offloaded.memory["host"] == host and kept.memory["host"] == 0
+    assert offloaded.memory["arguments"] == pytest.approx(kept.memory["arguments"] - host)
+    device = planner.load_device("h100")
+    assert offloaded.time["update"] - kept.time["update"] == pytest.approx(2 * host / device.host_bandwidth)
 
 
 def test_plan_command(tmp_path, capsys):
@@ -180,7 +216,8 @@ def test_plan_from_file_runs_on_cpu(tmp_path):
 # -- against the compiler -------------------------------------------------------------------------
 
 # (mesh, plan options, model): each ZeRO stage, tensor (and sequence) parallelism, every pipeline schedule,
-# experts, every remat policy (ZeRO-3's own `dots` too) and mixed precision, each at least once, in 7 compiles.
+# experts, every remat policy (ZeRO-3's own `dots` too), mixed precision and both context-parallel forms (with
+# tensor parallelism too), each at least once, in 9 compiles.
 GRID = [
     ("data=8", {}, "tiny"),
     ("data=4,tensor=2", {"zero": 1, "precision": "bf16", "remat": "selective"}, "tiny"),
@@ -189,6 +226,8 @@ GRID = [
     ("data=2,tensor=2,pipe=2", {"zero": 1, "microbatches": 4}, "tiny"),
     ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}, "tiny"),
     ("data=2,expert=4", {"zero": 3}, "moe-tiny"),
+    ("data=2,context=4", {"context_form": "ring"}, "tiny"),
+    ("data=2,context=2,tensor=2", {}, "tiny"),
 ]
 TOLERANCE = {"arguments": 0.10, "temp": 0.25}  # traffic per mesh axis: 0.10
 
