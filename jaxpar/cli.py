@@ -56,8 +56,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         text = field.metadata.get("help", "plan option")
         if isinstance(field.default, bool):
             plan.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            plan.add_argument(flag, dest=field.name, type=type(field.default), default=None, help=f"{text} (default {field.default})")
+        else:  # a tuple option is given as comma-separated text, which Plan reads
+            kind = str if isinstance(field.default, tuple) else type(field.default)
+            default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
+            plan.add_argument(flag, dest=field.name, type=kind, default=None, help=f"{text} (default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
