@@ -146,7 +146,7 @@ class Plan:
         schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
         offload_lib.check(self.offload, self.mesh)
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
-                      if a != "data" and self.shape.get(a, 1) > 1]
+                      if a not in zero_lib.AXES and self.shape.get(a, 1) > 1]
         if (self.tensor_form == "explicit" and self.shape["tensor"] > 1 and self.precision != "fp32" and auto_batch
                 and self.mesh.devices.flat[0].platform == "cpu"):
             raise ValueError(
@@ -262,9 +262,10 @@ class Plan:
         """Raise ValueError before tracing when a batch of these sizes does not split over the plan."""
         ways = self.axis_size(*self.batch_axes) * self.grad_accum * self.pipeline_microbatches
         if global_batch % ways:
+            splitting = [a for a in self.batch_axes if self.shape[a] > 1] or self.batch_axes
             raise ValueError(
                 f"global batch {global_batch} does not divide by the batch axes "
-                f"{', '.join(f'{a}={self.shape[a]}' for a in self.batch_axes)} x grad_accum={self.grad_accum} "
+                f"{', '.join(f'{a}={self.shape[a]}' for a in splitting)} x grad_accum={self.grad_accum} "
                 f"x microbatches={self.pipeline_microbatches} (product {ways})"
             )
         if seq_len is not None:
