@@ -186,7 +186,10 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
             if size % across:
                 raise ValueError(f"mesh axis {axis!r}={size} does not divide into dcn={across} host slices")
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
-        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices)
+        # CPU and some GPU backends give devices no slice_index: each process is then one host slice
+        by_process = not hasattr(devices[0], "slice_index")
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices,
+                                                    process_is_granule=by_process)
     elif len(devices) == len(jax.devices()):
         grid = jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES)).devices
     else:
