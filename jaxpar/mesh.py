@@ -186,8 +186,8 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
             if size % across:
                 raise ValueError(f"mesh axis {axis!r}={size} does not divide into dcn={across} host slices")
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
-        # CPU and some GPU backends give devices no slice_index: each process is then one host slice
-        by_process = not hasattr(devices[0], "slice_index")
+        # Devices on one slice (CPU and GPU hosts give all slice_index 0, or none): the processes are the hosts
+        by_process = len({getattr(d, "slice_index", None) for d in devices}) == 1
         grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices,
                                                     process_is_granule=by_process)
     elif len(devices) == len(jax.devices()):
