@@ -169,7 +169,10 @@ def resolve(args: argparse.Namespace):
     options = {**options, **table.get("plan", {})}
     for field in _plan_fields():
         if field.name in table.get("plan", {}) and field.default is not None:
-            _check_type(table["plan"][field.name], type(field.default), f"{args.config}: [plan] {field.name}")
+            value, kind = table["plan"][field.name], type(field.default)
+            if kind is tuple:  # a list of names, or text like the flag's (the Plan checks the names)
+                kind = list if isinstance(value, list) else str
+            _check_type(value, kind, f"{args.config}: [plan] {field.name}")
         if getattr(args, field.name) is not None:
             options[field.name] = getattr(args, field.name)
     return config, options, mesh

@@ -114,7 +114,7 @@ class ReplicatedReport:
     """Parameters that ZeRO leaves whole on every data rank, and their share of all parameter bytes.
 
     `data` is the number of ranks ZeRO shards over, `over` how the ZeRO axes
-    read (`data=4`, `replica=2 x data=4`).
+    read (`data=4`, `replica=2 x data=4 = 8`).
     """
 
     data: int
@@ -135,7 +135,7 @@ class ReplicatedReport:
             f"ZeRO over {self.over}: {len(self.replicated)} parameters stay replicated, "
             f"{self.replicated_bytes} of {self.total_bytes} bytes ({self.fraction:.2%})"
         )
-        rows = [f"  {path} {shape}: no unsharded dimension divides by {self.data} ({self.over})"
+        rows = [f"  {path} {shape}: no unsharded dimension divides by {self.over}"
                 for path, shape, _ in self.replicated]
         return "\n".join([head, *rows])
 
@@ -152,7 +152,7 @@ def replicated_report(logical, plan) -> ReplicatedReport:
         spec = rules_lib.resolve_spec(leaf.names, leaf.shape, plan.shape, plan.rules, path=name)
         if data > 1 and choose_dim(leaf.names, leaf.shape, spec, data) is None:
             replicated.append((name, tuple(leaf.shape), nbytes))
-    over = " x ".join(f"{a}={plan.shape[a]}" for a in plan.zero_axes)
+    over = " x ".join(f"{a}={plan.shape[a]}" for a in plan.zero_axes) + ("" if len(plan.zero_axes) == 1 else f" = {data}")
     return ReplicatedReport(data, over, tuple(replicated), total)
 
 
