@@ -34,10 +34,10 @@ def measure(args, **options) -> tuple:
 
 
 def per_axis(rows) -> dict:
-    """{axes: {kind: {bytes, traffic, count}}}, scalar all-reduces (< 64 bytes: loss, norms) left out."""
+    """{axes: {kind: {bytes, traffic, count}}}, the scalar all-reduces (< 1 KiB: loss, gradient norms) left out."""
     out: dict = {}
     for r in rows:
-        if r["kind"] == "all-reduce" and r["bytes"] < 64:
+        if r["kind"] == "all-reduce" and r["bytes"] < 1024:
             continue
         out.setdefault(",".join(r["axes"]), {})[r["kind"]] = {k: r[k] for k in ("bytes", "traffic", "count")}
     return out
