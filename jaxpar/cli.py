@@ -56,8 +56,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         text = field.metadata.get("help", "plan option")
         if isinstance(field.default, bool):
             plan.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            plan.add_argument(flag, dest=field.name, type=type(field.default), default=None, help=f"{text} (default {field.default})")
+        else:  # a tuple option is given as comma-separated text, which Plan reads
+            kind = str if isinstance(field.default, tuple) else type(field.default)
+            default = ",".join(field.default) if isinstance(field.default, tuple) else field.default
+            plan.add_argument(flag, dest=field.name, type=kind, default=None, help=f"{text} (default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +169,10 @@ def resolve(args: argparse.Namespace):
     options = {**options, **table.get("plan", {})}
     for field in _plan_fields():
         if field.name in table.get("plan", {}) and field.default is not None:
-            _check_type(table["plan"][field.name], type(field.default), f"{args.config}: [plan] {field.name}")
+            value, kind = table["plan"][field.name], type(field.default)
+            if kind is tuple:  # a list of names, or text like the flag's (the Plan checks the names)
+                kind = list if isinstance(value, list) else str
+            _check_type(value, kind, f"{args.config}: [plan] {field.name}")
         if getattr(args, field.name) is not None:
             options[field.name] = getattr(args, field.name)
     return config, options, mesh

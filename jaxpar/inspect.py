@@ -301,10 +301,17 @@ def pipeline_figures(compiled, plan) -> dict | None:
     }
 
 
+def process_axes(mesh: Mesh) -> list[str]:
+    """The mesh axes along which devices belong to different processes (hosts): the ones whose traffic crosses DCN."""
+    procs = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    return [a for i, a in enumerate(mesh.axis_names) if np.any(np.diff(procs, axis=i) != 0)]
+
+
 def summary(compiled, mesh: Mesh, plan=None) -> dict:
     """The JSON that `jaxpar inspect --json` prints (without the model's own fields); with the plan, its pipeline."""
     out = {
         "mesh": {a: int(s) for a, s in zip(mesh.axis_names, mesh.devices.shape)},
+        "process_axes": process_axes(mesh),
         "collectives": collectives(compiled, mesh),
         "memory": memory(compiled),
         "flops": flops(compiled),

@@ -1,14 +1,16 @@
-"""The named device mesh: five axes that always exist, sizes from text, TOML or Python.
+"""The named device mesh: six axes that always exist, sizes from text, TOML or Python.
 
 Axis order puts `tensor` innermost, then `context`, so that on GPU/TPU hosts
 the axes with the most traffic per step land on the fastest links (NVLink /
-ICI neighbours); `data` is outermost so that on several
-hosts it is the axis that crosses the slower network (DCN).
+ICI neighbours); `replica`, then `data`, are outermost so that on several
+hosts they are the axes that cross the slower network (DCN). `replica` is a
+second batch axis for HSDP: ZeRO shards within `data` (one host) and only
+all-reduces the shards over `replica` (across hosts); see `jaxpar.zero`.
 
 The order of the axis names also decides how jaxpar's shard_maps may nest:
 XLA requires the manual axes of a nested shard_map to be sorted by mesh
 position, so a nested one may only add axes that come later in the mesh. The
-step's shard_map is manual over its own axes from the outset (`data`, every
+step's shard_map is manual over its own axes from the outset (`replica`, `data`, every
 axis of size 1, `tensor` under the explicit form: `Plan.step_manual_axes`);
 a pipeline inside it adds `pipe`, an MoE layer `expert`, context-parallel
 attention `context` (inside a pipeline stage too), an annotation-form
@@ -28,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "pipe", "expert", "context", "tensor")  # outermost first; a new axis is one more name here
+AXES = ("replica", "data", "pipe", "expert", "context", "tensor")  # outermost first; a new axis is one more name here
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -184,7 +186,10 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
             if size % across:
                 raise ValueError(f"mesh axis {axis!r}={size} does not divide into dcn={across} host slices")
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
-        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices)
+        # Devices on one slice (CPU and GPU hosts give all slice_index 0, or none): the processes are the hosts
+        by_process = len({getattr(d, "slice_index", None) for d in devices}) == 1
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices,
+                                                    process_is_granule=by_process)
     elif len(devices) == len(jax.devices()):
         grid = jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES)).devices
     else:

@@ -7,7 +7,8 @@ around its update. Keeping them in host memory (JAX memory kinds) frees that
 much device memory between steps for one host-to-device and one
 device-to-host copy of them per step.
 The shardings do not change, only the memory they name: ZeRO still splits the
-state over `data`, so each process moves its own shard only.
+state over its axes (`data`; under HSDP a copy per `replica`), so each process
+moves its own shard only.
 """
 
 from __future__ import annotations

@@ -51,6 +51,10 @@ class Plan:
         3 also parameters sharded over `data` (jaxpar.zero). Stage 2 keeps the
         parameters sharded between steps as well and gathers each layer once
         per step; stage 3 gathers it again for the backward pass.
+    zero_axes: the batch axes ZeRO shards over, `data` and/or `replica` (a
+        tuple, or text "replica,data"). The default `("data",)` on a mesh
+        with `replica` > 1 is HSDP: sharded within `data`, the shards
+        all-reduced over `replica` (the axis that crosses hosts).
     zero_tolerance: the largest share of parameter bytes ZeRO may leave
         replicated (arrays with no dimension divisible by `data`) before it is an error.
     sequence_parallel: shard the residual stream's sequence over `tensor`.
@@ -68,6 +72,9 @@ class Plan:
     mesh: Mesh
     rules: Mapping[str, rules_lib.Rule] = dataclasses.field(default_factory=lambda: dict(rules_lib.DEFAULT_RULES))
     zero: int = dataclasses.field(default=0, metadata={"help": "ZeRO stage over data: 0, 1, 2 or 3"})
+    zero_axes: tuple[str, ...] = dataclasses.field(
+        default=("data",), metadata={"help": "batch axes ZeRO shards over: data (HSDP when replica > 1) or replica,data"}
+    )
     zero_tolerance: float = dataclasses.field(
         default=0.02, metadata={"help": "largest fraction of parameter bytes ZeRO may leave replicated"}
     )
@@ -123,6 +130,7 @@ class Plan:
         if set(self.mesh.axis_names) != set(AXES):
             raise ValueError(f"the plan's mesh has axes {self.mesh.axis_names}, not jaxpar's {AXES}: build it with "
                              f"Plan.create (axis_names= maps a user's axis names)")
+        object.__setattr__(self, "zero_axes", self._checked_zero_axes())
         order = nesting_order(self.mesh, manual_axes(mesh_shape(self.mesh), self.tensor_form)).axis_names
         if tuple(self.mesh.axis_names) != tuple(order):
             raise ValueError(f"the plan's mesh axes {self.mesh.axis_names} must nest as {order} (jaxpar.mesh); "
@@ -132,7 +140,7 @@ class Plan:
         schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
         offload_lib.check(self.offload, self.mesh)
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
-                      if a != "data" and self.shape.get(a, 1) > 1]
+                      if a not in zero_lib.AXES and self.shape.get(a, 1) > 1]
         if (self.tensor_form == "explicit" and self.shape["tensor"] > 1 and self.precision != "fp32" and auto_batch
                 and self.mesh.devices.flat[0].platform == "cpu"):
             raise ValueError(
@@ -141,6 +149,24 @@ class Plan:
                 "tensor all-reduce while those batch axes are left to the compiler; use precision='fp32', "
                 "tensor_form='annotation', or give those devices to data"
             )
+
+    def _checked_zero_axes(self) -> tuple[str, ...]:
+        """`zero_axes` as a tuple in mesh order, every entry a batch axis that ZeRO can shard over."""
+        given = self.zero_axes
+        axes = tuple(a.strip() for a in given.split(",")) if isinstance(given, str) else tuple(given)
+        for axis in axes:
+            if axis not in AXES:
+                raise ValueError(f"zero_axes names {axis!r}, which is not a mesh axis; ZeRO shards over "
+                                 f"{' and/or '.join(zero_lib.AXES)}")
+            if axis not in self.batch_axes:
+                raise ValueError(f"zero_axes names {axis!r}, which is not a batch axis (the batch rule maps to "
+                                 f"{', '.join(self.batch_axes) or 'nothing'}); ZeRO shards over batch axes only")
+            if axis not in zero_lib.AXES:
+                raise ValueError(f"zero_axes names {axis!r}: ZeRO shards over {' and/or '.join(zero_lib.AXES)}, "
+                                 f"not {axis} (its ranks split other arrays)")
+        if not axes or len(set(axes)) != len(axes):
+            raise ValueError(f"zero_axes must name {' and/or '.join(zero_lib.AXES)} once each, got {given!r}")
+        return tuple(a for a in AXES if a in axes)
 
     @classmethod
     def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, axis_names: Mapping[str, str] | None = None,
@@ -201,10 +227,20 @@ class Plan:
         return math.prod(self.shape[a] for a in axes)
 
     @property
+    def zero_ranks(self) -> int:
+        """How many ranks ZeRO shards each array over: the product of the `zero_axes`."""
+        return self.axis_size(*self.zero_axes)
+
+    @property
+    def rank_axes(self) -> tuple[str, ...]:
+        """The batch axes the step's gradient path runs per rank over and sums across: `data`, and `replica` when > 1."""
+        return tuple(a for a in zero_lib.AXES if a == "data" or self.shape[a] > 1)
+
+    @property
     def step_manual_axes(self) -> tuple[str, ...]:
         """The axes the step's shard_map is manual over (see `jaxpar.step.loss_and_grads`).
 
-        `data`, whose collectives ZeRO writes out; every axis of size 1; and
+        `replica` and `data`, whose collectives ZeRO writes out; every axis of size 1; and
         `tensor` under the explicit form, whose layers then run their own
         collectives directly instead of nesting a shard_map of their own (jax
         cannot rematerialise part of a nested one). Pipeline and MoE shard_maps
@@ -220,9 +256,10 @@ class Plan:
         """Raise ValueError before tracing when a batch of these sizes does not split over the plan."""
         ways = self.axis_size(*self.batch_axes) * self.grad_accum * self.pipeline_microbatches
         if global_batch % ways:
+            splitting = [a for a in self.batch_axes if self.shape[a] > 1] or self.batch_axes
             raise ValueError(
                 f"global batch {global_batch} does not divide by the batch axes "
-                f"{', '.join(f'{a}={self.shape[a]}' for a in self.batch_axes)} x grad_accum={self.grad_accum} "
+                f"{', '.join(f'{a}={self.shape[a]}' for a in splitting)} x grad_accum={self.grad_accum} "
                 f"x microbatches={self.pipeline_microbatches} (product {ways})"
             )
         if seq_len is not None:
@@ -296,6 +333,6 @@ class Plan:
 
 
 def manual_axes(shape: Mapping[str, int], tensor_form: str) -> tuple[str, ...]:
-    """The step's manual axes on a mesh of this shape: `data`, every axis of size 1, `tensor` under the explicit form."""
+    """The step's manual axes on a mesh of this shape: `replica`, `data`, every axis of size 1, `tensor` if explicit."""
     explicit = ("tensor",) if tensor_form == "explicit" else ()
-    return tuple(a for a in shape if a == zero_lib.AXIS or a in explicit or shape[a] == 1)
+    return tuple(a for a in shape if a in zero_lib.AXES or a in explicit or shape[a] == 1)

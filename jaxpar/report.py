@@ -28,7 +28,9 @@ def show_layout(run: Run, console: Console) -> None:
     shape = run.plan.shape
     mesh = " x ".join(f"{a}={s}" for a, s in shape.items())
     console.print(f"[bold]mesh[/] {mesh} on {jax.device_count()} {jax.devices()[0].platform} devices "
-                  f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''})")
+                  f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}"
+                  + (f"; across processes: {', '.join(inspect_lib.process_axes(run.plan.mesh))})"
+                     if jax.process_count() > 1 else ")"))
     options = {k: v for k, v in vars(run.plan).items() if k not in ("mesh", "rules")}
     console.print("[bold]plan[/] " + ", ".join(f"{k}={v}" for k, v in options.items()))
     if zero.no_effect_message(run.plan):

@@ -30,7 +30,7 @@ Rules = Mapping[str, Rule]
 # dimension of the residual stream (norms, adds), over `context` and, under
 # sequence parallelism, `tensor` as well.
 DEFAULT_RULES: dict[str, Rule] = {
-    "batch": ("data", "expert"),
+    "batch": ("replica", "data", "expert"),
     "seq": "context",
     "seq_residual": "context",
     "embed": None,

@@ -51,11 +51,11 @@ def remat_wrapper(plan: Plan | None) -> Callable[[Callable], Callable]:
     if plan is None:
         return lambda f: f
     policy = REMAT[plan.remat]
-    if plan.shape[zero.AXIS] > 1 and plan.zero == 2 and policy is not None:
+    if plan.zero_ranks > 1 and plan.zero == 2 and policy is not None:
         policy = jax.checkpoint_policies.save_from_both_policies(
             policy, jax.checkpoint_policies.save_only_these_names(zero.GATHERED)
         )
-    if plan.shape[zero.AXIS] > 1 and plan.zero == 3 and policy is None:
+    if plan.zero_ranks > 1 and plan.zero == 3 and policy is None:
         policy = jax.checkpoint_policies.dots_saveable
     return (lambda f: f) if policy is None else functools.partial(jax.checkpoint, policy=policy)
 

@@ -124,7 +124,9 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     over `plan.step_manual_axes` (`data`; `tensor` too under the explicit
     form, whose layers then write their collectives directly). Under ZeRO-0/1 its gradients stay local while microbatches
     accumulate and are summed over `data` once per step: all-reduced (ZeRO-0)
-    or reduce-scattered into the optimizer's shards (ZeRO-1). Under ZeRO-2/3
+    or reduce-scattered into the optimizer's shards (ZeRO-1). Under HSDP the
+    shard_map is manual over `replica` too, and each shard is then all-reduced
+    over it once per step (`jaxpar.zero.sum_gradients`). Under ZeRO-2/3
     the parameters arrive sharded and each layer's are gathered inside the
     layer scan, so autodiff reduce-scatters each layer's gradients as the
     backward scan produces them: no full-size gradient ever exists.
@@ -145,11 +147,12 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     manual = plan.step_manual_axes
     whole = model.stateful or takes_rngs(loss_fn)
     per_rank = functools.partial(_per_rank, model, loss_fn, plan, seed)
-    if whole or plan.axis_size(*manual) == 1 or zero.AXIS not in plan.batch_axes:
+    if whole or plan.axis_size(*manual) == 1 or not set(plan.rank_axes) <= set(plan.batch_axes):
         return per_rank(False, params, batch, variables, step, *extra)
     return jax.shard_map(
         functools.partial(per_rank, True),
-        in_specs=(specs_over(plan.param_specs(model.logical), manual), P(zero.AXIS), P(), P(), *(P(),) * len(extra)),
+        in_specs=(specs_over(plan.param_specs(model.logical), manual), P(plan.rank_axes), P(), P(),
+                  *(P(),) * len(extra)),
         out_specs=(P(), P(), specs_over(plan.gradient_specs(model.logical), manual), P()),
         axis_names=set(manual),
     )(params, batch, variables, step, *extra)
@@ -162,7 +165,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     if over_data:
         params = zero.vary(params, param_specs)
     k = plan.grad_accum
-    ranks = plan.shape[zero.AXIS] if over_data else 1
+    ranks = plan.axis_size(*plan.rank_axes) if over_data else 1
     # Each rank differentiates its share of the global mean, so the gradients summed over ranks and
     # microbatches are the mean's: nothing sums k * ranks full-size gradients first (fp16 would overflow).
     share = 1.0 if loss_scale is None else loss_scale
@@ -189,7 +192,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     else:
         (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
     if over_data:
-        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, param_specs)
+        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs)
         loss, aux = zero.mean((loss, aux))
     if k > 1:
         loss, aux = loss / k, jax.tree.map(lambda x: x / k, aux)

@@ -19,6 +19,8 @@ import warnings
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxpar import zero as zero_lib
+
 TENSOR = "tensor"  # a Megatron layer split its weights over tensor axes (jaxpar.tensor)
 EXPERTS = "experts"  # an MoE layer dispatched tokens to experts (jaxpar.experts.moe_ffn)
 STACK = "stack"  # a stacked-layer block ran its scan (applies the remat policy and ZeRO per-layer gathers)
@@ -104,9 +106,8 @@ def problems(plan, used: set[str]) -> tuple[list[str], list[str]]:
                      f"(jaxpar.experts.moe_ffn)")
     context_errors, context_notes = _context_problems(plan, used)
     errors, notes = errors + context_errors, notes + context_notes
-    if plan.zero and shape["data"] == 1:
-        notes.append(f"zero={plan.zero} has no effect: the data axis has size 1, so parameters, gradients and "
-                     f"optimizer state stay whole on every device")
+    if zero_lib.no_effect_message(plan):
+        notes.append(zero_lib.no_effect_message(plan))
     if plan.remat != "none" and STACK not in used:
         notes.append(f"remat={plan.remat!r} has no effect: the model ran no stacked-layer block for it to wrap")
     return errors, notes

@@ -1,4 +1,4 @@
-"""ZeRO over `data`: where each array's shard lies, what stays whole, and the collectives between the two.
+"""ZeRO over `data` (and HSDP): where each array's shard lies, what stays whole, and the collectives between the two.
 
 Stage 1 shards the optimizer state over `data`; parameters stay whole, and
 each step reduce-scatters the gradients into the optimizer's shards and
@@ -18,6 +18,14 @@ compiles a gradient annotated as sharded into all-reduce plus slice, while
 the model whole; stacked layers run through `jaxpar.scan_layers` are gathered
 one layer at a time inside the scan instead, and autodiff turns each gather
 into the reduce-scatter of that layer's gradients.
+
+HSDP (`Plan.zero_axes`): the batch also splits over `replica`, the axis that
+crosses hosts. With the default `zero_axes=("data",)` every array is sharded
+over `data` only and whole on each replica, so the gathers and reduce-scatters
+stay within a host and the only cross-host traffic is one all-reduce of each
+gradient shard over `replica`. `zero_axes=("replica", "data")` shards over
+both (full ZeRO across hosts). A spec names the axes its array is sharded
+over, so the collectives below read them from the spec.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar import rules as rules_lib
 
-AXIS = "data"
+AXES = ("replica", "data")  # the batch axes ZeRO may shard over; the step runs its gradients per rank of these
 SCANNED = "layers"  # the stacked-layers dimension: a layer scan slices it, so ZeRO never shards it
 GATHERED = "zero_gathered"  # checkpoint name of a layer's gathered parameters (remat policies keep or drop them)
 
@@ -52,16 +60,31 @@ def _entries(spec: P, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
 
 
+def _zero_axes(entry) -> tuple[str, ...]:
+    """The ZeRO axes (`AXES`) one spec entry names."""
+    return tuple(a for a in _axes(entry) if a in AXES)
+
+
 def _over_data(entries) -> bool:
-    return any(AXIS in _axes(e) for e in entries)
+    return any(_zero_axes(e) for e in entries)
 
 
 def _dim_over_data(entries) -> int | None:
-    return next((d for d, e in enumerate(entries) if AXIS in _axes(e)), None)
+    return next((d for d, e in enumerate(entries) if _zero_axes(e)), None)
+
+
+def _rank_axes() -> tuple[str, ...]:
+    """The batch axes the current shard_map runs per rank over: `data`, and `replica` when it has ranks.
+
+    A size-1 `replica` is manual too (as every size-1 axis), but nothing
+    splits over it, so it takes no part in the collectives.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return tuple(a for a in AXES if a in mesh.manual_axes and (a == "data" or mesh.shape[a] > 1))
 
 
 def choose_dim(names: Sequence[str | None], shape: Sequence[int], spec: P, data: int) -> int | None:
-    """The dimension of one array that ZeRO shards over `data` (None: it stays replicated).
+    """The dimension of one array that ZeRO shards over its `data` ranks (the product of the ZeRO axes; None: whole).
 
     The largest dimension that no mesh axis shards yet, that is not the stacked
     `layers` axis, and whose size divides by `data`; ties go to the first.
@@ -74,12 +97,13 @@ def choose_dim(names: Sequence[str | None], shape: Sequence[int], spec: P, data:
 
 
 def add_data_axis(spec: P, leaf, plan) -> P:
-    """`spec` with `data` added on the dimension `choose_dim` picks for `leaf` (a LogicalArray)."""
-    dim = choose_dim(leaf.names, leaf.shape, spec, plan.shape[AXIS])
+    """`spec` with the plan's ZeRO axes (`Plan.zero_axes`) added on the dimension `choose_dim` picks for `leaf`."""
+    axes = plan.zero_axes
+    dim = choose_dim(leaf.names, leaf.shape, spec, plan.zero_ranks)
     if dim is None:
         return spec
     entries = list(_entries(spec, len(leaf.shape)))
-    entries[dim] = AXIS
+    entries[dim] = axes[0] if len(axes) == 1 else axes
     while entries[-1] is None:
         entries.pop()
     return P(*entries)
@@ -87,9 +111,14 @@ def add_data_axis(spec: P, leaf, plan) -> P:
 
 @dataclasses.dataclass(frozen=True)
 class ReplicatedReport:
-    """Parameters that ZeRO leaves whole on every data rank, and their share of all parameter bytes."""
+    """Parameters that ZeRO leaves whole on every data rank, and their share of all parameter bytes.
+
+    `data` is the number of ranks ZeRO shards over, `over` how the ZeRO axes
+    read (`data=4`, `replica=2 x data=4 = 8`).
+    """
 
     data: int
+    over: str
     replicated: tuple[tuple[str, tuple[int, ...], int], ...]  # (path, shape, bytes)
     total_bytes: int
 
@@ -103,17 +132,17 @@ class ReplicatedReport:
 
     def __str__(self) -> str:
         head = (
-            f"ZeRO over data={self.data}: {len(self.replicated)} parameters stay replicated, "
+            f"ZeRO over {self.over}: {len(self.replicated)} parameters stay replicated, "
             f"{self.replicated_bytes} of {self.total_bytes} bytes ({self.fraction:.2%})"
         )
-        rows = [f"  {path} {shape}: no unsharded dimension divides by data={self.data}"
+        rows = [f"  {path} {shape}: no unsharded dimension divides by {self.over}"
                 for path, shape, _ in self.replicated]
         return "\n".join([head, *rows])
 
 
 def replicated_report(logical, plan) -> ReplicatedReport:
     """Which parameters of a model (a tree of LogicalArray) ZeRO cannot shard under `plan`."""
-    data = plan.shape[AXIS]
+    data = plan.zero_ranks
     replicated, total = [], 0
     leaves = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: hasattr(x, "names"))[0]
     for path, leaf in leaves:
@@ -123,33 +152,35 @@ def replicated_report(logical, plan) -> ReplicatedReport:
         spec = rules_lib.resolve_spec(leaf.names, leaf.shape, plan.shape, plan.rules, path=name)
         if data > 1 and choose_dim(leaf.names, leaf.shape, spec, data) is None:
             replicated.append((name, tuple(leaf.shape), nbytes))
-    return ReplicatedReport(data, tuple(replicated), total)
+    over = " x ".join(f"{a}={plan.shape[a]}" for a in plan.zero_axes) + ("" if len(plan.zero_axes) == 1 else f" = {data}")
+    return ReplicatedReport(data, over, tuple(replicated), total)
 
 
 def check_replicated(report: ReplicatedReport, tolerance: float) -> None:
     """Raise when more than `tolerance` of the parameter bytes would stay replicated."""
     if report.fraction > tolerance:
         raise ValueError(
-            f"{report}\nthat is above zero_tolerance={tolerance:.2%}: pick a data size that divides these "
+            f"{report}\nthat is above zero_tolerance={tolerance:.2%}: pick ZeRO axis sizes ({report.over}) that divide these "
             f"dimensions, or raise zero_tolerance"
         )
 
 
 def no_effect_message(plan) -> str | None:
-    """Why `plan.zero` changes nothing (data axis of size 1), or None when it does shard something."""
-    if plan.zero and plan.shape[AXIS] == 1:
+    """Why `plan.zero` changes nothing (its ZeRO axes have size 1), or None when it does shard something."""
+    if plan.zero and plan.zero_ranks == 1:
         return (
-            f"zero={plan.zero} has no effect: the data axis has size 1, so parameters, gradients and "
+            f"zero={plan.zero} has no effect: the {' and '.join(plan.zero_axes)} "
+            f"{'axis has' if len(plan.zero_axes) == 1 else 'axes have'} size 1, so parameters, gradients and "
             f"optimizer state stay whole on every device"
         )
     return None
 
 
-# -- inside jax.shard_map over data ----------------------------------------------
+# -- inside jax.shard_map over the batch axes (replica, data) ---------------------
 
 
 def _fully_manual(collective, x, entries: tuple = ()):
-    """Run a collective over `data` with every other mesh axis manual too.
+    """Run a collective over `data` (or `replica`) with every other mesh axis manual too.
 
     Inside the step's shard_map the other axes (pipe, expert, tensor, ...) are
     left to the compiler, and XLA's partitioner gathers an operand sharded over
@@ -166,23 +197,34 @@ def _fully_manual(collective, x, entries: tuple = ()):
 
 
 def mean(tree):
-    """Mean over `data` of per-rank values (losses, metrics)."""
-    return jax.tree.map(lambda x: _fully_manual(lambda v: jax.lax.pmean(v, AXIS), x), tree)
+    """Mean over the batch ranks (`data`, `replica`) of per-rank values (losses, metrics)."""
+    axes = _rank_axes()
+    return jax.tree.map(lambda x: _fully_manual(lambda v: jax.lax.pmean(v, axes), x), tree)
 
 
 def vary(params, specs):
-    """Mark the parameters whole over `data` as varying over it, so their gradients stay per-device sums."""
-    return jax.tree.map(lambda x, s: x if _over_data(s) else jax.lax.pcast(x, AXIS, to="varying"), params, specs,
-                        is_leaf=lambda v: isinstance(v, P))
+    """Mark each parameter varying over the batch ranks it is whole over, so its gradients stay per-device sums.
+
+    Under HSDP a shard over `data` is whole over `replica`: marked varying
+    there too, its gradient is summed over `replica` once per step
+    (`sum_gradients`) rather than by autodiff at every use.
+    """
+    def one(x, spec):
+        held = {a for e in spec for a in _zero_axes(e)}
+        axes = tuple(a for a in _rank_axes() if a not in held)
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+    return jax.tree.map(one, params, specs, is_leaf=lambda v: isinstance(v, P))
 
 
 def gather(x, entries: tuple):
-    """All-gather `x` over `data` on the dimension its spec `entries` shards over data.
+    """All-gather `x` over the ZeRO axes of the dimension its spec `entries` shards over them.
 
     Autodiff turns the gather into the reduce-scatter of the gradient.
     """
     dim = _dim_over_data(entries)
-    full = _fully_manual(lambda v: jax.lax.all_gather(v, AXIS, axis=dim, tiled=True), x, entries)
+    axes = _zero_axes(entries[dim])
+    full = _fully_manual(lambda v: jax.lax.all_gather(v, axes, axis=dim, tiled=True), x, entries)
     return checkpoint_name(full, GATHERED)
 
 
@@ -241,7 +283,7 @@ def gather_params(params, specs=None, dtype=None):
 
 
 def scatter_gradients(grads, grad_specs, param_specs):
-    """Sum per-device gradients over `data` into each device's shard (reduce-scatter).
+    """Sum per-device gradients over the ZeRO axes into each device's shard (reduce-scatter).
 
     Only for parameters whole at rest: those sharded at rest were gathered, and
     autodiff has already reduce-scattered their gradients.
@@ -251,19 +293,26 @@ def scatter_gradients(grads, grad_specs, param_specs):
         dim = _dim_over_data(entries)
         if dim is None or _over_data(param_spec):
             return g
-        return _fully_manual(lambda v: jax.lax.psum_scatter(v, AXIS, scatter_dimension=dim, tiled=True), g, entries)
+        axes = _zero_axes(entries[dim])
+        return _fully_manual(lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True), g, entries)
 
     return jax.tree.map(one, grads, grad_specs, param_specs, is_leaf=lambda v: isinstance(v, P))
 
 
-def sum_gradients(grads, grad_specs, param_specs):
-    """All-reduce over `data` the gradients that stay whole (of parameters ZeRO leaves whole)."""
-    def one(g, grad_spec, param_spec):
-        if _over_data(grad_spec) or _over_data(param_spec):
+def sum_gradients(grads, grad_specs):
+    """All-reduce each gradient over the batch ranks it is not sharded over (after `scatter_gradients`).
+
+    A gradient ZeRO leaves whole is summed over every batch rank; under HSDP a
+    shard over `data` is summed over `replica`, the one cross-host collective.
+    """
+    def one(g, grad_spec):
+        held = {a for e in grad_spec for a in _zero_axes(e)}
+        axes = tuple(a for a in _rank_axes() if a not in held)
+        if not axes:
             return g
-        return _fully_manual(lambda v: jax.lax.psum(v, AXIS), g, _entries(grad_spec, g.ndim))
+        return _fully_manual(lambda v: jax.lax.psum(v, axes), g, _entries(grad_spec, g.ndim))
 
-    return jax.tree.map(one, grads, grad_specs, param_specs, is_leaf=lambda v: isinstance(v, P))
+    return jax.tree.map(one, grads, grad_specs, is_leaf=lambda v: isinstance(v, P))
 
 
 # -- stacked layers gathered one at a time (jaxpar.stack.scan_layers) ---------------------------

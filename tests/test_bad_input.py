@@ -82,7 +82,7 @@ def test_bad_token_files_are_named(tmp_path, capsys, name, write, fragments):
 
 
 @pytest.mark.parametrize("text, fragments", [
-    (CONFIG + "[mesh]\ndata = 4\ntensr = 2\n", ["unknown mesh axes ['tensr'] in [mesh]; axes are data, pipe"]),
+    (CONFIG + "[mesh]\ndata = 4\ntensr = 2\n", ["unknown mesh axes ['tensr'] in [mesh]; axes are replica, data, pipe"]),
     (CONFIG + "[mesh]\ndata = \"8\"\n", ["mesh axis 'data' needs an integer size, got '8'"]),
     ("mesh = 8\n" + CONFIG, ["mesh must be a table ([mesh]), got 8"]),
     (CONFIG + "[train]\nsteps = \"3\"\n", ["[train] steps must be an int, got '3'"]),

@@ -157,7 +157,7 @@ def test_resume_after_stop_gives_the_uninterrupted_losses_bitwise(tiny, tmp_path
 
     meta = json.loads((tmp_path / "20" / "meta" / "metadata").read_text())
     assert meta["step"] == 20 and meta["config"]["model"]["config"]["d_model"] == 32
-    assert meta["config"]["mesh"] == {"data": 4, "pipe": 1, "expert": 1, "context": 1, "tensor": 2}
+    assert meta["config"]["mesh"] == {"replica": 1, "data": 4, "pipe": 1, "expert": 1, "context": 1, "tensor": 2}
     assert meta["config"]["train"]["save_every"] == 5 and meta["rng"]["seed"] == 0
 
 

@@ -14,14 +14,14 @@ def test_inline_mesh_fills_the_wildcard_and_keeps_every_axis():
     spec, options = parse_mesh("data=-1,tensor=2")
     mesh = make_mesh(spec)
     assert set(mesh.axis_names) == set(AXES)
-    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"data": 4, "pipe": 1, "expert": 1, "context": 1,
-                                                              "tensor": 2}
+    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"replica": 1, "data": 4, "pipe": 1, "expert": 1,
+                                                              "context": 1, "tensor": 2}
     assert options == {}
 
 
 @pytest.mark.parametrize("form, order", [
-    ("annotation", ("data", "expert", "context", "pipe", "tensor")),
-    ("explicit", ("data", "expert", "context", "tensor", "pipe")),
+    ("annotation", ("replica", "data", "expert", "context", "pipe", "tensor")),
+    ("explicit", ("replica", "data", "expert", "context", "tensor", "pipe")),
 ])
 def test_mesh_axes_follow_the_nesting_of_shard_maps(form, order):
     """The step's manual axes come first, then pipe and the rest in the order their shard_maps nest.
@@ -31,7 +31,7 @@ def test_mesh_axes_follow_the_nesting_of_shard_maps(form, order):
     """
     plan = Plan.create("data=2,tensor=2,pipe=2", tensor_form=form)
     assert plan.mesh.axis_names == order
-    assert plan.step_manual_axes == tuple(a for a in AXES if a in ("data", "expert", "context") or
+    assert plan.step_manual_axes == tuple(a for a in AXES if a in ("replica", "data", "expert", "context") or
                                           (form == "explicit" and a == "tensor"))
     pairs = np.moveaxis(plan.mesh.devices, plan.mesh.axis_names.index("tensor"), -1).reshape(-1, 2)
     assert sorted(tuple(d.id for d in pair) for pair in pairs) == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -40,7 +40,7 @@ def test_mesh_axes_follow_the_nesting_of_shard_maps(form, order):
 def test_context_nests_after_the_step_and_pipeline_axes():
     """Context-parallel attention nests its shard_map inside the step's (data; tensor under explicit)."""
     plan = Plan.create("data=2,context=2,tensor=2", tensor_form="explicit")
-    assert plan.mesh.axis_names == ("data", "pipe", "expert", "tensor", "context")
+    assert plan.mesh.axis_names == ("replica", "data", "pipe", "expert", "tensor", "context")
     assert "context" not in plan.step_manual_axes
     assert Plan.create("context=2,data=4").mesh.axis_names[-1] == "context"
 
@@ -53,7 +53,7 @@ def test_context_is_next_to_tensor_on_the_device_grid():
 
 
 def test_sequence_rules_split_over_context_and_tensor_under_sequence_parallelism():
-    shape = {"data": 2, "pipe": 1, "expert": 1, "context": 2, "tensor": 2}
+    shape = {"replica": 1, "data": 2, "pipe": 1, "expert": 1, "context": 2, "tensor": 2}
     rules = Plan.create("data=2,context=2,tensor=2", sequence_parallel=True).logical_rules
     assert resolve_spec(("batch", "seq", "embed"), (4, 16, 8), shape, rules) == P("data", "context")
     assert resolve_spec(("batch", "seq_residual", "embed"), (4, 16, 8), shape, rules) == \
@@ -101,14 +101,14 @@ def test_unknown_keys_in_a_preset_file(tmp_path):
 
 
 def test_resolution_drops_trivial_axes_and_never_reuses_one():
-    shape = {"data": 4, "pipe": 1, "expert": 2, "context": 1, "tensor": 1}
+    shape = {"replica": 1, "data": 4, "pipe": 1, "expert": 2, "context": 1, "tensor": 1}
     assert resolve_spec(("batch", "seq"), (16, 8), shape, DEFAULT_RULES) == P(("data", "expert"))
     rules = {**DEFAULT_RULES, "embed": "data"}
     assert resolve_spec(("batch", "embed"), (16, 8), shape, rules) == P(("data", "expert"))
 
 
 def test_resolution_error_names_path_dimension_size_and_axes():
-    shape = {"data": 2, "pipe": 1, "expert": 1, "context": 1, "tensor": 4}
+    shape = {"replica": 1, "data": 2, "pipe": 1, "expert": 1, "context": 1, "tensor": 4}
     with pytest.raises(ValueError) as error:
         resolve_spec(("layers", "embed", "kv_heads", "head_dim"), (4, 64, 2, 16), shape, DEFAULT_RULES, path="blocks.wk")
     text = str(error.value)

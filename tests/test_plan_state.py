@@ -25,11 +25,11 @@ def test_create_converts_and_the_constructor_checks():
     assert dataclasses.replace(plan, mesh=Plan.create("pipe=2,data=4").mesh).pipeline_microbatches == 2
     with pytest.raises(ValueError, match="microbatches must be >= 1, or 0 for one per pipe stage; got -1"):
         Plan(mesh=plan.mesh, microbatches=-1)
-    grid = np.array(jax.devices()).reshape(1, 1, 1, 2, 4)
-    backwards = Mesh(grid, ("expert", "pipe", "context", "tensor", "data"), axis_types=(AxisType.Auto,) * 5)
+    grid = np.array(jax.devices()).reshape(1, 1, 1, 2, 4, 1)
+    backwards = Mesh(grid, ("expert", "pipe", "context", "tensor", "data", "replica"), axis_types=(AxisType.Auto,) * 6)
     with pytest.raises(ValueError, match="must nest as .* build the plan with Plan.create"):
         Plan(mesh=backwards)
-    assert Plan.create(backwards).mesh.axis_names[0] == "data"
+    assert Plan.create(backwards).mesh.axis_names[:2] == ("replica", "data")
 
 
 def test_mesh_axes_are_data():
