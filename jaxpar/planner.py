@@ -39,7 +39,7 @@ from jaxpar import schedule as schedule_lib
 from jaxpar.devices import Device, load_device
 from jaxpar.inspect import ring_traffic
 
-AXES = ("data", "pipe", "expert", "context", "tensor")  # names only: where each lies in the mesh comes from jaxpar.mesh
+AXES = ("replica", "data", "pipe", "expert", "context", "tensor")  # names only: where each lies in the mesh comes from jaxpar.mesh
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 REMATS = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-params")
@@ -197,6 +197,7 @@ class Layout:
     context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.attention)
     context_form: str = "all-gather"
     offload: str = "none"  # "optimizer": the optimizer state (and fp32 master) in host memory (jaxpar.offload)
+    replica: int = 1  # HSDP: replicas of the ZeRO group over `data` (jaxpar.plan zero_axes = data)
 
     def __post_init__(self):
         for axis in AXES:
@@ -285,15 +286,16 @@ def _fmt(v) -> str:
 # -- memory -----------------------------------------------------------------------------
 
 
-def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
+def state_bytes_per_param(precision: str, zero: int = 0) -> tuple[int, int, int]:
     """(P, G, K): bytes per parameter of the parameters, gradients and AdamW state (ZeRO's notation).
 
-    fp32, and bf16/fp16, which hold fp32 parameters and compute with 2-byte
-    casts (jaxpar.precision): 4 + 4 + 8 (two moments). The paper's mixed
-    precision (2 + 2 + 12: a 2-byte copy beside an fp32 master) totals the
-    same; holding fp32 costs more only where the parameters stay whole while
-    the optimizer state is sharded (ZeRO-1). bf16-params: 2 + 2 + 4.
+    fp32, and bf16/fp16 at ZeRO-0/2/3, which hold fp32 parameters and compute
+    with 2-byte casts (jaxpar.precision): 4 + 4 + 8 (two moments). Under
+    ZeRO-1 bf16/fp16 hold the paper's 2 + 2 + 12: the 2-byte parameters whole,
+    the fp32 master sharded with the moments. bf16-params: 2 + 2 + 4.
     """
+    if zero == 1 and precision in ("bf16", "fp16"):
+        return 2, 2, 12
     return {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "fp16": (4, 4, 8), "bf16-params": (2, 2, 4)}[precision]
 
 
@@ -440,6 +442,12 @@ def explicit_backward(layout: Layout) -> bool:
     return layout.pipe > 1 and layout.schedule in schedule_lib.EXPLICIT
 
 
+@functools.lru_cache(maxsize=None)
+def _ring_rows(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> int:
+    """The residual ring's rows of a tick table (built once per shape: the enumeration asks often)."""
+    return schedule_lib.Schedule(schedule, stages, microbatches, virtual_stages).in_flight
+
+
 def in_flight(layout: Layout) -> int:
     """Chunk-sized activation sets a stage keeps at the peak (jaxpar.pipeline's schedules).
 
@@ -450,7 +458,7 @@ def in_flight(layout: Layout) -> int:
     if layout.pipe == 1:
         return 1
     if explicit_backward(layout):
-        return schedule_lib.Schedule(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages).in_flight
+        return _ring_rows(layout.schedule, layout.pipe, layout.microbatches, layout.virtual_stages)
     return schedule_ticks(layout)
 
 
@@ -479,7 +487,7 @@ def scores_kept(layout: Layout, seq: int) -> int:
 
 def microbatch_sequences(layout: Layout, work: Workload) -> int:
     """Sequences in one microbatch on one device (the batch over data x expert, accumulation, microbatches)."""
-    ways = layout.data * layout.expert * layout.grad_accum * layout.microbatches
+    ways = layout.replica * layout.data * layout.expert * layout.grad_accum * layout.microbatches
     return work.batch_size // ways
 
 
@@ -504,7 +512,7 @@ class Collective:
 def collectives(model: Model, layout: Layout, work: Workload, device: Device) -> list[Collective]:
     """Every collective of one step, per device: what the compiled step runs, by jaxpar's own layers."""
     inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
-    p_bytes, g_bytes, _ = state_bytes_per_param(layout.precision)
+    p_bytes, g_bytes, _ = state_bytes_per_param(layout.precision, layout.zero if layout.data > 1 else 0)
     if layout.zero >= 2:  # the layers gather their compute-dtype casts; autodiff reduce-scatters in that dtype
         p_bytes = g_bytes = compute_bytes(layout.precision)
     wide = 4 if device.widens_low_precision else None
@@ -579,6 +587,9 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
                                   "layers into round-robin chunks and their gradients back"))
         out.append(Collective("pipe", "all-reduce", inv.replicated_over_pipe * max(g_comm, 4), 1,
                               "embedding and head gradients summed over stages (fp32)"))
+    if layout.replica > 1:
+        # HSDP: each gradient leaves the ZeRO group reduced to its data shard, then one all-reduce over replica
+        out.append(Collective("replica", "all-reduce", inv.sharded * g_comm, 1, "gradient shards summed over replicas"))
     if c > 1:
         out += context_collectives(model, layout, work, inv.local * g_comm, act_comm)
     if e > 1 and model.n_experts:
@@ -696,9 +707,9 @@ def check(model: Model, layout: Layout, work: Workload) -> str:
         inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
     except ValueError as error:
         return str(error)
-    ways = layout.data * layout.expert * layout.grad_accum * layout.microbatches
+    ways = layout.replica * layout.data * layout.expert * layout.grad_accum * layout.microbatches
     if work.batch_size % ways:
-        return f"batch {work.batch_size} does not divide by data x expert x grad_accum x microbatches = {ways}"
+        return f"batch {work.batch_size} does not divide by replica x data x expert x grad_accum x microbatches = {ways}"
     if layout.pipe > 1 and model.scan_depth % (layout.pipe * layout.virtual_stages):
         return f"{model.scan_depth} layers do not split into pipe={layout.pipe} x virtual_stages={layout.virtual_stages}"
     if layout.pipe > 1 and work.seq_len % layout.pipe:
@@ -709,6 +720,8 @@ def check(model: Model, layout: Layout, work: Workload) -> str:
         return f"expert={layout.expert} but the model has no experts"
     if model.n_experts and model.n_experts % layout.expert:
         return f"{model.n_experts} experts do not divide by expert={layout.expert}"
+    if layout.replica > 1 and (layout.zero == 0 or layout.data == 1):
+        return f"replica={layout.replica} without ZeRO over data is plain data parallelism: use data"
     if work.seq_len % (2 * layout.context):
         return (f"sequence {work.seq_len} does not divide by 2 x context={layout.context} (two mirrored chunks "
                 "per context rank)")
@@ -729,7 +742,7 @@ def estimate(model: Model, layout: Layout, work: Workload, device: Device | str 
     memory = memory_breakdown(model, layout, work, device)
     colls = collectives(model, layout, work, device)
     traffic = traffic_per_axis(colls, layout)
-    tokens_per_device = work.tokens / (layout.data * layout.expert * layout.context)
+    tokens_per_device = work.tokens / (layout.replica * layout.data * layout.expert * layout.context)
     flops = flops_per_token(model, work.seq_len) * tokens_per_device / (layout.tensor * layout.pipe)
     hw = flops + recompute_flops_per_token(model, layout, work.seq_len) * tokens_per_device / (layout.tensor * layout.pipe)
     time = step_time(model, layout, work, device, hw, traffic, memory)
@@ -748,7 +761,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     gathered parameters, the update's workspace). total = arguments + temp.
     """
     inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
-    P, G, K = state_bytes_per_param(layout.precision)
+    P, G, K = state_bytes_per_param(layout.precision, layout.zero if layout.data > 1 else 0)
     if device.low_precision_in_fp32:
         G = 4  # the backend differentiates low-precision matmuls in fp32: gradients (and activations) are fp32
     n = layout.data
@@ -776,7 +789,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
         gathered = C * (per_layer + (inv.local - inv.stacked_local) - (inv.sharded - inv.stacked_sharded))
     workspace = transient + layer_workspace(model, layout, work) + update_workspace(inv, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
-    host = offloaded_bytes(layout, at_rest, optimizer)
+    host = offloaded_bytes(layout, z, at_rest, optimizer)
     arguments = at_rest + optimizer + batch - host
     temp = (params - at_rest) + grads + activations + gathered + workspace
     if host:  # copied in for the update, into the space the activations held (dead by then)
@@ -788,12 +801,14 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     }
 
 
-def offloaded_bytes(layout: Layout, params_at_rest: float, optimizer: float) -> float:
+def offloaded_bytes(layout: Layout, zero: int, params_at_rest: float, optimizer: float) -> float:
     """Bytes per device `--offload optimizer` keeps in host memory between steps: the optimizer state, and
-    the fp32 parameters under bf16/fp16 (held once, they are the master; jaxpar.offload)."""
+    the fp32 parameters under bf16/fp16 (held once, they are the master; jaxpar.offload) except under
+    ZeRO-1, whose master is part of the optimizer state and whose 2-byte parameters stay."""
     if layout.offload == "none":
         return 0.0
-    return optimizer + (params_at_rest if layout.precision in ("bf16", "fp16") else 0.0)
+    master = layout.precision in ("bf16", "fp16") and zero != 1
+    return optimizer + (params_at_rest if master else 0.0)
 
 
 def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
@@ -874,7 +889,7 @@ def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[st
     # last microbatch's under ZeRO-0/1 (the gradients are reduced once per step, after accumulation).
     backward = compute * 2 / 3
     hidden = backward if layout.zero >= 2 else backward / (layout.grad_accum * max(layout.microbatches, 1))
-    exposed_data = max(0.0, comm["data"] - hidden)
+    exposed_data = max(0.0, comm["data"] + comm["replica"] - hidden)
     update = 3 * memory["optimizer"] / device.hbm_bandwidth + 2 * memory["host"] / device.host_bandwidth
     total = compute + comm["tensor"] + comm["expert"] + comm["pipe"] + comm["context"] + exposed_data + update
     return {"compute": compute, **{f"comm_{a}": c for a, c in comm.items()}, "exposed_data": exposed_data,
@@ -883,7 +898,7 @@ def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[st
 
 # Where each axis lies physically, outermost first: jaxpar.mesh places `tensor` on the fastest links
 # (innermost) and `data` across hosts (outermost), whatever order the mesh's axis names take.
-PHYSICAL_ORDER = ("data", "pipe", "expert", "context", "tensor")
+PHYSICAL_ORDER = ("replica", "data", "pipe", "expert", "context", "tensor")
 
 
 def axis_bandwidth(axis: str, layout: Layout, device: Device) -> float:

@@ -169,7 +169,7 @@ def _all_finite(tree) -> jax.Array:
 
 def for_plan(optimizer, plan) -> Optimizer:
     """`optimizer` under `plan`'s precision and the ZeRO stage that acts on its state (none on data of size 1)."""
-    return wrap(optimizer, plan.precision, plan.zero if plan.shape["data"] > 1 else 0)
+    return wrap(optimizer, plan.precision, plan.zero if plan.zero_ranks > 1 else 0)
 
 
 def wrap(optimizer, precision: str, zero: int = 0) -> Optimizer:

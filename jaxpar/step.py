@@ -262,7 +262,7 @@ def gather_master(master, model: ModelDef, plan: Plan, dtype):
     """
     grad_specs, param_specs = plan.gradient_specs(model.logical), plan.param_specs(model.logical)
     manual = plan.step_manual_axes
-    if plan.shape[zero.AXIS] == 1:
+    if plan.zero_ranks == 1:
         return jax.tree.map(lambda m: m.astype(dtype), master)
     return jax.shard_map(
         lambda m: zero.gather_params(m, grad_specs, dtype),
