@@ -26,7 +26,8 @@ from jaxpar.train import TrainConfig, prepare  # noqa: E402
 
 
 def sweep(quick: bool) -> list[tuple[str, dict, str]]:
-    """Layouts of 8 devices: every ZeRO stage x remat x precision on data, then tensor, pipe and expert meshes."""
+    """Layouts of 8 devices: every ZeRO stage x remat x precision on data, then tensor, pipe, expert, context
+    and HSDP meshes."""
     cells = []
     for zero, remat in itertools.product(range(4), ("none", "selective", "full")):
         cells.append(("data=8", {"zero": zero, "remat": remat}, "tiny"))
@@ -46,6 +47,11 @@ def sweep(quick: bool) -> list[tuple[str, dict, str]]:
     for mesh in ("data=2,expert=4", "expert=8", "data=4,expert=2", "data=2,expert=2,tensor=2"):
         cells.append((mesh, {}, "moe-tiny"))
         cells.append((mesh, {"zero": 1}, "moe-tiny"))
+    for mesh, options in (("data=2,context=4", {}), ("data=2,context=4", {"context_form": "ring"}),
+                          ("data=4,context=2", {"zero": 3}), ("data=2,context=2,tensor=2", {})):
+        cells.append((mesh, options, "tiny"))
+    for zero in (1, 2, 3):
+        cells.append(("replica=2,data=4", {"zero": zero}, "tiny"))
     return cells[::4] if quick else cells
 
 

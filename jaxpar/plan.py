@@ -139,6 +139,15 @@ class Plan:
             raise ValueError(f"microbatches must be >= 1, or 0 for one per pipe stage; got {self.microbatches}")
         schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
         offload_lib.check(self.offload, self.mesh)
+        context_ways, outer = self.shape[attention_lib.AXIS], self.axis_size(*self.rank_axes, "pipe")
+        if (context_ways > 1 and self.shape["tensor"] > 1 and self.tensor_form == "annotation" and outer > 1
+                and jax.__version_info__ >= (0, 12)):
+            raise ValueError(
+                f"context={context_ways} with tensor={self.shape['tensor']} (tensor_form='annotation') inside the "
+                f"step's or the pipeline's shard_map (data x replica x pipe = {outer}) does not compile on jax "
+                f"{jax.__version__}: XLA's SPMD partitioner aborts (a device-group check) on the context-parallel "
+                "attention; use tensor_form='explicit', or give those devices to context"
+            )
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
                       if a not in zero_lib.AXES and self.shape.get(a, 1) > 1]
         if (self.tensor_form == "explicit" and self.shape["tensor"] > 1 and self.precision != "fp32" and auto_batch

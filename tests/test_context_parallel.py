@@ -125,6 +125,20 @@ def test_plan_refuses_unknown_form():
         Plan.create("context=2", devices=jax.devices()[:2], context_form="ulysses")
 
 
+@pytest.mark.parametrize("mesh", ["data=2,context=2,tensor=2", "pipe=2,context=2,tensor=2"])
+def test_context_and_annotation_tensor_in_a_shard_map_are_refused_where_xla_aborts_on_them(mesh):
+    """jax >= 0.12: XLA's partitioner aborts the process on these layouts; it must be a ValueError instead."""
+    def make(form):
+        return Plan.create(mesh, tensor_form=form)
+
+    make("explicit")
+    if jax.__version_info__ >= (0, 12):
+        with pytest.raises(ValueError, match="tensor_form='explicit'"):
+            make("annotation")
+    else:
+        assert make("annotation").tensor_form == "annotation"
+
+
 def test_ring_form_without_a_context_axis_is_warned_about():
     plan = make_plan("data=2", context_form="ring")
     model = describe(lambda: reference_model())

@@ -73,7 +73,7 @@ def test_schedule_matches_single_device(references, name, pipe, per_stage):
 # The pipeline with context parallelism: each schedule, both attention forms, with data + ZeRO-3 and tensor.
 CONTEXT_CASES = [
     ("1f1b", "pipe=2,context=2,data=2", {"context_form": "ring", "zero": 3}),
-    ("gpipe", "pipe=2,context=2,tensor=2", {"context_form": "all-gather"}),
+    ("gpipe", "pipe=2,context=2,tensor=2", {"context_form": "all-gather", "tensor_form": "explicit"}),
     ("interleaved", "pipe=2,context=4", {"context_form": "ring", "virtual_stages": 2}),
 ]
 
