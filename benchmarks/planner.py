@@ -48,7 +48,7 @@ def sweep(quick: bool) -> list[tuple[str, dict, str]]:
         cells.append((mesh, {}, "moe-tiny"))
         cells.append((mesh, {"zero": 1}, "moe-tiny"))
     for mesh, options in (("data=2,context=4", {}), ("data=2,context=4", {"context_form": "ring"}),
-                          ("data=4,context=2", {"zero": 3}), ("data=2,context=2,tensor=2", {})):
+                          ("data=4,context=2", {"zero": 3}), ("data=2,context=2,tensor=2", {"tensor_form": "explicit"})):
         cells.append((mesh, options, "tiny"))
     for zero in (1, 2, 3):
         cells.append(("replica=2,data=4", {"zero": zero}, "tiny"))

@@ -941,9 +941,12 @@ def layouts(model: Model, devices: int, work: Workload, device: Device, precisio
                     for remat in REMATS:
                         for sp in ((False, True) if t > 1 else (False,)):
                             if p == 1:
+                                # context with tensor: the explicit form (jax >= 0.12 refuses the annotation form there)
+                                tensor_form = "explicit" if c > 1 and t > 1 else "annotation"
                                 for form in ("all-gather", "ring") if c > 1 else ("all-gather",):
                                     out.append(Layout(n, t, 1, e, z, grad_accum=steps, remat=remat, precision=precision,
-                                                      sequence_parallel=sp, context=c, context_form=form))
+                                                      sequence_parallel=sp, tensor_form=tensor_form, context=c,
+                                                      context_form=form))
                                 continue
                             for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4)):
                                 if steps < p or (sched == "interleaved" and (steps % p or model.scan_depth % (p * v))):
