@@ -34,12 +34,13 @@ import itertools
 import math
 from typing import Any
 
+from jaxpar import mesh as mesh_lib
 from jaxpar import rules as rules_lib
 from jaxpar import schedule as schedule_lib
 from jaxpar.devices import Device, load_device
 from jaxpar.inspect import ring_traffic
 
-AXES = ("replica", "data", "pipe", "expert", "context", "tensor")  # names only: where each lies in the mesh comes from jaxpar.mesh
+AXES = mesh_lib.AXES  # `Layout` has a size field for each, outermost (across hosts) first, as jaxpar.mesh nests them
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 REMATS = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-params")
@@ -896,14 +897,9 @@ def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[st
             "update": update, "step": total}
 
 
-# Where each axis lies physically, outermost first: jaxpar.mesh places `tensor` on the fastest links
-# (innermost) and `data` across hosts (outermost), whatever order the mesh's axis names take.
-PHYSICAL_ORDER = ("replica", "data", "pipe", "expert", "context", "tensor")
-
-
 def axis_bandwidth(axis: str, layout: Layout, device: Device) -> float:
     """Bytes/s one device sends over `axis`: NVLink/ICI if the axis's groups stay inside a node, else the NIC."""
-    inner = math.prod(layout.shape[a] for a in PHYSICAL_ORDER[PHYSICAL_ORDER.index(axis) + 1:])
+    inner = math.prod(layout.shape[a] for a in AXES[AXES.index(axis) + 1:])  # AXES: outermost first
     span = inner * layout.shape[axis]
     return device.intra_bandwidth if span <= device.devices_per_node else device.inter_bandwidth
 
