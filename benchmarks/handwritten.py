@@ -21,6 +21,7 @@ and how many XLA compiles jaxpar's first step runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -36,6 +37,7 @@ from flax import nnx  # noqa: E402
 
 from jaxpar.models.llama import Llama, LlamaConfig  # noqa: E402
 from jaxpar.plan import Plan  # noqa: E402
+from jaxpar.stack import REMAT  # noqa: E402
 from jaxpar.state import init_state  # noqa: E402
 from jaxpar.step import make_train_step  # noqa: E402
 
@@ -45,9 +47,10 @@ CONFIG = LlamaConfig(vocab=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=
 BATCH = 16
 
 
-def _batch(step: int) -> dict:
+def make_batch(step: int, config: LlamaConfig = CONFIG, batch_size: int = BATCH) -> dict:
+    """The synthetic batch of a step, on host: the same for every framework given the same step."""
     rng = np.random.default_rng(step)
-    tokens = rng.integers(0, CONFIG.vocab, (BATCH, CONFIG.seq_len + 1), dtype=np.int32)
+    tokens = rng.integers(0, config.vocab, (batch_size, config.seq_len + 1), dtype=np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
@@ -63,41 +66,59 @@ class Compiles:
             self.count += 1
 
 
+def compile_jaxpar(plan: Plan, config: LlamaConfig, batch: dict, optimizer=None, compiles: Compiles | None = None):
+    """jaxpar's step for `config` on `plan`, compiled for `batch`: model, state, the compiled step, its loss
+    function and traces, figures (lower and compile seconds; with `compiles`, the XLA compiles they ran)."""
+    optimizer = optimizer or optax.adamw(1e-3)
+    model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), optimizer, plan)
+    traces = []
+
+    def loss_fn(module, b):
+        traces.append(1)
+        return module(b)
+
+    began, before = time.perf_counter(), compiles.count if compiles is not None else 0
+    lowered = make_train_step(model, loss_fn, optimizer, plan).lower(state, batch)
+    lowered_s = time.perf_counter() - began
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - began - lowered_s
+    figures = {"lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2)}
+    if compiles is not None:
+        figures["xla_compiles"] = compiles.count - before
+    return model, state, compiled, loss_fn, traces, figures
+
+
 def jaxpar_step(mesh: str, compiles: Compiles):
     """jaxpar's compiled step, its initial state, and what compiling it took."""
     plan = Plan.create(mesh, precision="bf16", remat="none")
     optimizer = optax.adamw(1e-3)
-    model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optimizer, plan)
-    traces = []
-
-    def loss_fn(module, batch):
-        traces.append(1)
-        return module(batch)
-
-    batch = jax.device_put(_batch(0), plan.sharding(plan.batch_spec(2)))
-    began, before = time.perf_counter(), compiles.count
-    step = make_train_step(model, loss_fn, optimizer, plan)
-    lowered = step.lower(state, batch)
-    lowered_s = time.perf_counter() - began
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - began - lowered_s
-    figures = {"lower_s": round(lowered_s, 2), "compile_s": round(compile_s, 2), "loss_traces": len(traces),
-               "xla_compiles": compiles.count - before}
+    batch = jax.device_put(make_batch(0), plan.sharding(plan.batch_spec(2)))
+    model, state, compiled, loss_fn, traces, figures = compile_jaxpar(plan, CONFIG, batch, optimizer, compiles)
+    figures["loss_traces"] = len(traces)
     fresh = jax.block_until_ready(jax.tree.map(jnp.copy, state))
     began, before, traced = time.perf_counter(), compiles.count, len(traces)
     first = make_train_step(model, loss_fn, optimizer, plan)  # a run's path: jit on the first call
     jax.block_until_ready(first(fresh, batch))
     figures |= {"first_call_s": round(time.perf_counter() - began, 2), "first_call_xla_compiles":
                 compiles.count - before, "first_call_loss_traces": len(traces) - traced}
+    return plan, model, state, metrics_loss(compiled), figures
+
+
+def metrics_loss(compiled):
+    """A jaxpar compiled step as (state, batch) -> (state, loss), the hand-written step's signature."""
     def run(s, b):
         s, metrics = compiled(s, b)
         return s, metrics["loss"]
 
-    return plan, model, state, run, figures
+    return run
 
 
-def handwritten_step(plan: Plan, model, params):
-    """The step a user writes: jit + NamedSharding, bf16 casts of the fp32 parameters at use, AdamW."""
+def handwritten_step(plan: Plan, model, params, batch: dict, remat: str = "none"):
+    """The step a user writes: jit + NamedSharding, bf16 casts of the fp32 parameters at use, AdamW.
+
+    `remat` names a `jaxpar.stack.REMAT` policy, applied by `jax.checkpoint` around each layer as a user
+    would (the model's `remat` hook), so both steps recompute the same.
+    """
     optimizer = optax.adamw(1e-3)
     param_sh = plan.shardings(plan.param_specs(model.logical))
     params = jax.device_put(jax.tree.map(jnp.copy, params), param_sh)
@@ -107,35 +128,39 @@ def handwritten_step(plan: Plan, model, params):
                                    is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)  # moments sharded like the parameters
     batch_sh = plan.sharding(plan.batch_spec(2))
+    policy = REMAT[remat]
+    wrap = (lambda f: f) if policy is None else functools.partial(jax.checkpoint, policy=policy)
 
-    def loss(p, batch):
-        out = model.merge(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p))(batch)
+    def loss(p, b):
+        out = model.merge(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p))(b, remat=wrap)
         return out[0] if isinstance(out, tuple) else out  # the model returns (loss, metrics)
 
-    def step(state, batch):
+    def step(state, b):
         p, o = state
-        value, grads = jax.value_and_grad(loss)(p, batch)
+        value, grads = jax.value_and_grad(loss)(p, b)
         updates, o = optimizer.update(grads, o, p)
         return (optax.apply_updates(p, updates), o), value
 
     began = time.perf_counter()
     jitted = jax.jit(step, in_shardings=((param_sh, opt_sh), batch_sh), out_shardings=((param_sh, opt_sh), None),
                      donate_argnums=0)
-    compiled = jitted.lower((params, opt_state), jax.device_put(_batch(0), batch_sh)).compile()
+    compiled = jitted.lower((params, opt_state), jax.device_put(batch, batch_sh)).compile()
     return (params, opt_state), compiled, round(time.perf_counter() - began, 2)
 
 
-def timed(run, state, plan: Plan, first: int, steps: int):
-    """(state after, median seconds per step, losses) of `steps` steps from batch `first`."""
-    sh = plan.sharding(plan.batch_spec(2))
+def timed(run, state, place, first: int, steps: int, batch=make_batch):
+    """(state after, median seconds per step, losses, seconds) of `steps` steps from batch `first`.
+
+    `place` puts a host batch on the devices; `batch(step)` makes it.
+    """
     seconds, losses = [], []
     for i in range(first, first + steps):
-        batch = jax.device_put(_batch(i), sh)
+        b = place(batch(i))
         began = time.perf_counter()
-        state, loss = run(state, batch)
+        state, loss = run(state, b)
         losses.append(float(jax.block_until_ready(loss)))
         seconds.append(time.perf_counter() - began)
-    return state, statistics.median(seconds), losses
+    return state, statistics.median(seconds), losses, seconds
 
 
 def main() -> int:
@@ -148,7 +173,7 @@ def main() -> int:
     setups = {}
     for mesh in args.layouts:
         plan, model, state, ours, figures = jaxpar_step(mesh, compiles)
-        hand_state, hand, hand_compile_s = handwritten_step(plan, model, state.params)
+        hand_state, hand, hand_compile_s = handwritten_step(plan, model, state.params, make_batch(0))
         setups[mesh] = {"plan": plan, "runs": {"jaxpar": [ours, state], "hand": [lambda s, b, c=hand: c(s, b),
                                                                                    hand_state]},
                         "figures": {**figures, "handwritten_lower_and_compile_s": hand_compile_s},
@@ -159,7 +184,8 @@ def main() -> int:
             for name in order:
                 run, state = s["runs"][name]
                 first = 1 + r * args.steps  # both see the same batches, in the same order
-                state, seconds, losses = timed(run, state, s["plan"], first, args.steps)
+                place = functools.partial(jax.device_put, device=s["plan"].sharding(s["plan"].batch_spec(2)))
+                state, seconds, losses, _ = timed(run, state, place, first, args.steps)
                 s["runs"][name][1] = state
                 s["times"][name].append(seconds)
                 s["losses"][name] += losses
