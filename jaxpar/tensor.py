@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar import usage
 from jaxpar.attention import context_order
 from jaxpar.context import active_plan
+from jaxpar.matmul import weight_einsum
 from jaxpar.rules import constrain, mesh_axes_of, resolve_spec, rule_axes, specs_over, varying_axes
 
 FORMS = ("annotation", "explicit")
@@ -96,13 +97,13 @@ def column_parallel(x, weights, equation: str, out_logical, in_logical=RESIDUAL)
     if axes:
         usage.mark(usage.TENSOR)
     if not axes:
-        outs = [jnp.einsum(equation, x, w) for w in ws]
+        outs = [weight_einsum(equation, x, w) for w in ws]
     elif _explicit():
         outs = _explicit_column(x, ws, eq, in_logical, w_names, outs_logical, axes)
     else:
         x_names = _replicated_over(in_logical, axes)
         x = constrain(x, x_names)
-        outs = [jnp.einsum(equation, x, ws[0])] if single else _fused_column(x, x_names, ws, eq, w_names, axes)
+        outs = [weight_einsum(equation, x, ws[0])] if single else _fused_column(x, x_names, ws, eq, w_names, axes)
     outs = [constrain(o, names) for o, names in zip(outs, outs_logical)]
     return outs[0] if single else tuple(outs)
 
@@ -121,7 +122,7 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
     if axes and _explicit():
         y = _explicit_row(x, w, eq, in_logical, w_names, out_logical, axes)
     else:
-        y = jnp.einsum(equation, x, w)
+        y = weight_einsum(equation, x, w)
     return constrain(y, out_logical)
 
 
@@ -165,7 +166,7 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     if axes and _explicit():
         return jnp.mean(_explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns))
     x = constrain(x, _replicated_over(in_logical, axes))
-    logits = constrain(jnp.einsum(eq.equation, x, w).astype(jnp.float32), logits_logical)
+    logits = constrain(weight_einsum(eq.equation, x, w).astype(jnp.float32), logits_logical)
     logits = _mask_padding(logits, 0, vocab_size, w.shape[-1])
     is_target = targets[..., None] == jnp.arange(logits.shape[-1])
     target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
@@ -187,7 +188,7 @@ def _explicit_column(x, ws, eq, in_logical, w_names, outs_logical, axes):
     count = len(ws)
 
     def local(x_whole, *ws):
-        return tuple(jnp.einsum(eq.equation, x_whole, w) for w in ws)
+        return tuple(weight_einsum(eq.equation, x_whole, w) for w in ws)
 
     def forward(x, *ws):
         x_whole = whole(x, axes, dim)
@@ -215,7 +216,7 @@ def _explicit_row(x, w, eq, in_logical, w_names, out_logical, axes):
     dim = _split_dim(out_spec, axes, "a row-parallel output")
 
     def local(x, w):
-        return jnp.einsum(eq.equation, x, w)
+        return weight_einsum(eq.equation, x, w)
 
     def backward(x, w, ct):
         return jax.vjp(local, x, w)[1](whole(ct, axes, dim))
@@ -267,7 +268,7 @@ def _explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes
     saved_spec = P(axes)
 
     def logits_of(x_whole, w):
-        return jnp.einsum("bsd,dv->bsv", x_whole, w).astype(jnp.float32)
+        return weight_einsum("bsd,dv->bsv", x_whole, w).astype(jnp.float32)
 
     def forward(x, w, targets):
         x_whole = whole(x, axes, dim)
@@ -372,7 +373,8 @@ def _fused_column(x, x_names, ws, eq, w_names, axes):
         constrain(w.reshape(math.prod(w.shape[:n_contract]), ways, -1), (None, names[n_contract], None))
         for w, names in zip(ws, w_names)
     ]
-    y = jnp.einsum("...c,ctf->...tf", x.reshape(*x.shape[:n_lead], -1), jnp.concatenate(views, axis=-1))
+    lead = "ghijklmnopqrs"[:n_lead]
+    y = weight_einsum(f"{lead}c,ctf->{lead}tf", x.reshape(*x.shape[:n_lead], -1), jnp.concatenate(views, axis=-1))
     y = constrain(y, (*x_names[:n_lead], w_names[0][n_contract], None))
     parts = jnp.split(y, list(itertools.accumulate(v.shape[-1] for v in views))[:-1], axis=-1)
     return [part.reshape(*x.shape[:n_lead], *w.shape[n_contract:]) for part, w in zip(parts, ws)]

@@ -1,0 +1,75 @@
+"""weight_einsum: jnp.einsum's values and gradients, and weight gradients XLA:CPU runs in its fused matmul kernels."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.matmul import weight_einsum
+from jaxpar.models.llama import Llama, LlamaConfig
+from jaxpar.plan import Plan
+from jaxpar.state import abstract_state, describe
+from jaxpar.step import make_train_step
+
+EQUATIONS = {  # equation: (x shape, w shape), the layers' own einsums
+    "bsd,df->bsf": ((2, 8, 16), (16, 32)),
+    "bsf,fd->bsd": ((2, 8, 32), (32, 16)),
+    "bsd,dhk->bshk": ((2, 8, 16), (16, 4, 8)),
+    "bshk,hkd->bsd": ((2, 8, 4, 8), (4, 8, 16)),
+    "gecd,edf->gecf": ((2, 3, 4, 16), (3, 16, 8)),  # an expert axis in both operands and the output
+}
+
+
+@pytest.mark.parametrize("equation", EQUATIONS)
+def test_values_and_gradients_are_einsums(equation):
+    x_shape, w_shape = EQUATIONS[equation]
+    kx, kw, kc = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    ours, ours_vjp = jax.vjp(lambda a, b: weight_einsum(equation, a, b), x, w)
+    ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), x, w)
+    cotangent = jax.random.normal(kc, ref.shape)
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+    for got, want in zip(ours_vjp(cotangent), ref_vjp(cotangent)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_replicated_weight_in_a_shard_map_gets_its_gradient_summed_over_the_batch():
+    """The weight is not varying over data, the batch is: its gradient is the sum over the ranks, as autodiff's."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w = jax.random.normal(jax.random.key(1), (16, 4, 16)), jax.random.normal(jax.random.key(2), (16, 32))
+
+    def grads(einsum):
+        def local(x, w):
+            return jax.grad(lambda w: jnp.sum(einsum("bsd,df->bsf", x, w) ** 2))(w)
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))(x, w)
+
+    np.testing.assert_allclose(grads(weight_einsum), grads(jnp.einsum), rtol=1e-5)
+
+
+def _plain_dots(hlo: str) -> list[str]:
+    """Dot instructions outside fused computations: those XLA:CPU does not run in its fused matmul kernels."""
+    computations = re.split(r"\n(?=\S)", hlo)
+    return [line.strip() for c in computations if not c.startswith(("%fused_computation", "fused_computation"))
+            for line in c.splitlines() if " dot(" in line]
+
+
+@pytest.mark.parametrize("mesh", ["data=8", "data=2,tensor=4", "data=4,pipe=2"])
+def test_every_matmul_of_the_step_runs_fused_on_cpu(mesh):
+    """Issue 16: differentiated as plain einsums, the MLP's and the output layer's weight gradients were dots with
+    a left operand contracted along its leading dimension, run outside XLA:CPU's fused kernels."""
+    config = LlamaConfig(vocab=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=256,
+                         seq_len=16, tie_embeddings=False)
+    plan = Plan.create(mesh, precision="bf16", **({"microbatches": 2} if "pipe" in mesh else {}))
+    optimizer = optax.adamw(1e-3)
+    model = describe(lambda: Llama(config, nnx.Rngs(0)))
+    batch = {k: jax.ShapeDtypeStruct((16, config.seq_len), jnp.int32, sharding=plan.sharding(plan.batch_spec(2)))
+             for k in ("inputs", "targets")}
+    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(
+        abstract_state(model, optimizer, plan), batch).compile()
+    assert _plain_dots(compiled.as_text()) == []
