@@ -107,9 +107,10 @@ def bubble_fill(value: float):
 def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, targets: jax.Array):
     """The model's mean loss on a batch; pipelined over `pipe` when the active plan has pipe > 1.
 
-    With layers that return stats: (loss, the stats summed over the layers,
-    averaged over the microbatches); the stats are metrics, and only
-    `stages.aux_loss` of them is differentiated (as part of the loss).
+    `stacked` comes in the plan's layer order (jaxpar.layer_order), as a train state on the plan
+    holds it: with virtual_stages > 1 not the natural order. With layers that return stats:
+    (loss, the stats summed over the layers, averaged over the microbatches); the stats are
+    metrics, and only `stages.aux_loss` of them is differentiated (as part of the loss).
     """
     plan = active_plan()
     if plan is None or plan.shape[AXIS] == 1:

@@ -19,10 +19,11 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxpar import hf
 from jaxpar.checkpoint import Checkpoints
 from jaxpar.cli import main
 from jaxpar.export import export, load_model, load_params
-from jaxpar.layer_order import state_to_natural_order
+from jaxpar.layer_order import state_to_natural_order, to_natural_order
 from jaxpar.models.llama import Llama, rms_norm, run_layers
 from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
 from jaxpar.models.moe import MoeLlama
@@ -31,7 +32,7 @@ from jaxpar.state import describe, init_state, place_state, state_specs
 from jaxpar.step import make_train_step
 from jaxpar.train import TrainConfig, iterate, open_checkpoints, prepare, resume
 
-from helpers import TINY, batches, copy_state, reference_state, single_device_plan
+from helpers import TINY, batches, copy_state, max_relative_error, reference_state, single_device_plan
 
 CONFIG = dataclasses.replace(TINY, d_model=32, head_dim=8, d_ff=64, n_layers=4, seq_len=16)
 OPTIMIZER = optax.adamw(1e-2)
@@ -134,6 +135,10 @@ def test_interleaved_state_is_saved_in_natural_order_and_restores_onto_any_plan(
         restored = {name: a.restore(model, OPTIMIZER, plan)[0] for name, plan in plans.items()}
     again = jax.tree.map(np.array_equal, copy_state(restored["interleaved"]), held)
     assert all(jax.tree.leaves(again)), f"the interleaved plan's state did not come back as it held it: {again}"
+    initial = hf.initial_state(written, model, OPTIMIZER, interleaved)  # `jaxpar train --init-from`
+    same = jax.tree.map(np.array_equal, to_natural_order(copy_state(initial.params), model.logical, interleaved),
+                        natural.params)
+    assert all(jax.tree.leaves(same)), f"--init-from did not put the layers in the plan's order: {same}"
 
     reference = continued(model, state, interleaved, data)
     assert np.max(np.abs(np.array(reference) / source_losses - 1)) <= 1e-5
@@ -141,6 +146,23 @@ def test_interleaved_state_is_saved_in_natural_order_and_restores_onto_any_plan(
     for name in ("1f1b", "pipe=1"):
         losses = continued(model, restored[name], plans[name], data)
         assert np.max(np.abs(np.array(losses) / np.array(reference) - 1)) <= 1e-5, (name, losses, reference)
+
+
+def test_jaxpar_train_interleaved_evaluates_and_saves_in_natural_order(tmp_path):
+    """`jaxpar train` under the interleaved schedule: losses, held-out losses and the saved parameters as on data=8."""
+    def run(name, *flags):
+        metrics, directory = tmp_path / f"{name}.jsonl", tmp_path / name
+        assert main(["train", "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--eval-every", "2",
+                     "--checkpoint-dir", str(directory), "--metrics", str(metrics), *flags]) == 0
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        with Checkpoints(directory, read_only=True) as checkpoints:
+            return np.array([[row["loss"] for row in rows], [rows[-1]["eval_loss"]] * 2]), checkpoints.read_params()
+
+    figures, params = run("interleaved", "--mesh", "data=4,pipe=2", "--schedule", "interleaved",
+                          "--virtual-stages", "2", "--microbatches", "2")
+    expected, expected_params = run("data8", "--mesh", "data=8")
+    assert np.max(np.abs(figures / expected - 1)) <= 1e-5
+    assert max_relative_error(params, expected_params) <= 1e-5
 
 
 def test_moe_checkpoint_restores_onto_another_expert_split(tmp_path):
