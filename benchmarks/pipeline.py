@@ -6,11 +6,12 @@
   1 - 1/ratio is the bubble the compiled step shows (`flops_bubble`);
 - bytes passed between stages (collective-permutes over pipe, per device and direction) against
   v x m x one microbatch's activation bytes (each of a device's v chunks hands every microbatch on
-  once), and every other collective over pipe (with v > 1
-  also the per-step move of the layers into round-robin order and of their gradients back);
+  once), every other collective over pipe, and the collective-permutes that run once per step,
+  outside the tick loops (none: the state holds the layers in the schedule's order, jaxpar.layer_order);
 - the temp memory of the compiled step for m = 8, 16, 32 at a fixed microbatch size, side by side.
 
-Measured 2026-11-30 (jax 0.10.2, XLA:CPU, tiny model with 8 layers, seq 32):
+Measured 2026-11-30 and again, unchanged, 2026-12-01 with the layers held in pipeline order (jax 0.10.2,
+XLA:CPU, tiny model with 8 layers, seq 32):
 
                 temp MiB, m = 8 / 16 / 32   m=32 / m=8   matmul FLOPs / unpipelined (formula), m = 8 / 16 / 32
     gpipe        10.06 / 16.11 / 28.21       2.80        1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
@@ -24,8 +25,10 @@ the head and embedding are not multiplied by the bubble (interleaved runs its he
 with a last chunk's output; running it on every steady tick put it 1.3 / 2.9 / 3.8% above the
 formula). zb-h1's W slot replays the stage's
 stored VJP, which recomputes the input-gradient chain, so its table idles less than 1f1b's but
-its FLOPs are higher. interleaved also moves its layers into round-robin order and back each
-step (layer_relayout_bytes: 591872 per device).
+its FLOPs are higher. No schedule moves weights per step (permutes_outside_loops: 0): interleaved's
+state holds the layers in its chunks' order (jaxpar.layer_order). Before, it moved them into that
+order and their gradients back every step: 18 collective-permutes outside the tick loops, 591872 B
+per device at m = 8 (65% of its 903168 permuted bytes; 311296 now, all activations and cotangents).
 
     python benchmarks/pipeline.py [--microbatches 8,16,32] [--seq-len 32]
 """
@@ -69,7 +72,7 @@ def measure(model, optimizer, config, name: str, v: int, m: int, reference_flops
     permutes = [op for op in inspect.collective_ops(compiled, plan.mesh)
                 if op.kind == "collective-permute" and op.axes == ("pipe",)]
     permuted = sum(op.count * op.bytes for op in permutes if op.bytes == activation)
-    relaid = sum(op.count * op.bytes for op in permutes if op.bytes != activation)
+    outside = [op for op in permutes if op.count == 1]
     flops_ratio = inspect.matmul_flops(compiled) * STAGES / reference_flops
     goal = (v * m + STAGES - 1) / (v * m)
     return {
@@ -79,7 +82,7 @@ def measure(model, optimizer, config, name: str, v: int, m: int, reference_flops
         "flops_bubble": 1 - 1 / flops_ratio,
         "stage_bytes_per_direction": permuted / 2, "ideal_stage_bytes_per_direction": v * m * activation,
         "stage_bytes_over_ideal": permuted / 2 / (v * m * activation),
-        "layer_relayout_bytes": relaid,
+        "permutes_outside_loops": len(outside), "permute_bytes_outside_loops": sum(op.bytes for op in outside),
         "collectives_over_pipe": over_pipe,
         "memory": inspect.memory(compiled),
         "in_flight_chunk_sets": schedule.in_flight, "live_microbatches": schedule.live_microbatches,

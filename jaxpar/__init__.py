@@ -14,6 +14,8 @@ from jaxpar.mesh import AXES, MeshSpec, make_mesh, parse_mesh
 from jaxpar.plan import Plan
 from jaxpar.rules import DEFAULT_RULES, LogicalArray, constrain
 from jaxpar.state import TrainState, describe, init_state, place_state
+from jaxpar.layer_order import (state_to_natural_order, state_to_pipeline_order, to_natural_order,
+                                to_pipeline_order)
 from jaxpar.step import make_train_step
 from jaxpar.usage import PlanOptionUnused
 # Building blocks for a model of one's own: stacked layers, Megatron layers, the MoE layer, the pipeline.
@@ -28,5 +30,6 @@ __all__ = [
     "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",
     "TrainState", "active_plan", "causal_attention", "column_parallel", "constrain", "describe", "embedding_lookup",
     "enter_tensor_region", "init_state", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss",
-    "pipelined_loss", "place_state", "row_parallel", "scan_layers", "vocab_parallel_cross_entropy",
+    "pipelined_loss", "place_state", "row_parallel", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
+    "to_natural_order", "to_pipeline_order", "vocab_parallel_cross_entropy",
 ]

@@ -12,6 +12,9 @@ half-written directory is removed the next time the directory is opened.
 
 Restoring reads every shard straight into the devices that hold it under the
 target plan (its `abstract_state`), whatever mesh and ZeRO stage wrote it.
+Checkpoints hold the stacked layers in natural order, whatever order the
+saving plan kept them in (jaxpar.layer_order), so they restore onto any plan
+and export as they are.
 
 Orbax's files carry no checksum of the array values (a flipped byte in a data
 file restores silently), so `meta` also holds a 32-bit checksum of every array,
@@ -41,7 +44,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax import lax
 
-from jaxpar import offload, precision
+from jaxpar import layer_order, offload, precision
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, abstract_state
 
@@ -184,6 +187,15 @@ def listing(lines: list[str], limit: int = 24) -> str:
 
 def _show(entry: tuple[tuple[int, ...], str]) -> str:
     return f"{entry[1]}{list(entry[0])}"
+
+
+def _where_they_lie(convert, state: TrainState) -> TrainState:
+    """`convert(state)` computed where its arrays are, each result sharded (and in the memory) as its input.
+
+    Arrays kept in host memory (jaxpar.offload) visit the device for it, as they do for every step's update.
+    """
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(convert, out_shardings=shardings)(offload.fetched(state))
 
 
 def _filled(state: TrainState) -> list[str]:
@@ -362,19 +374,39 @@ class Checkpoints:
 
     # -- save and restore -----------------------------------------------------------
 
-    def save(self, step: int, state: TrainState, *, force: bool = False, metadata: dict | None = None) -> bool:
+    def save(self, step: int, state: TrainState, *, force: bool = False, metadata: dict | None = None,
+             model: ModelDef | None = None, optimizer: optax.GradientTransformation | None = None,
+             plan: Plan | None = None) -> bool:
         """Start saving `state` as `step` if it is a multiple of `save_every` (or `force`); True if started.
 
         Waits for the previous save to commit, then returns once the arrays are
         copied off the devices (so the next step may donate them); the write to
-        disk and the commit finish in the background.
+        disk and the commit finish in the background. The stacked layers are
+        written in natural order: a state held by a plan that keeps them in
+        pipeline order (jaxpar.layer_order) needs its `model`, `optimizer` and `plan`.
         """
         if not force and step % self.save_every:
             return False
+        state = self._natural_order(state, model, optimizer, plan)
         trees = {item: getattr(state, item) for item in _filled(state)}
         meta = {"format": FORMAT, "step": step, "config": self.config, CHECKSUMS: checksums(trees), **(metadata or {})}
         arrays = {item: ocp.args.PyTreeSave(tree) for item, tree in trees.items()}
         return self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **arrays), force=True)
+
+    def _natural_order(self, state: TrainState, model, optimizer, plan) -> TrainState:
+        """`state` with its stacked layers in natural order, converted where they lie (a copy of those arrays)."""
+        if plan is None:
+            config = self.config or {}
+            if config.get("plan", {}).get("virtual_stages", 1) > 1 and config.get("mesh", {}).get("pipe", 1) > 1:
+                raise ValueError("this run's plan keeps the stacked layers in pipeline order (virtual_stages > 1): "
+                                 "pass save(..., model=, optimizer=, plan=) so that they are written in natural order")
+            return state
+        if not layer_order.reorders(plan):
+            return state
+        if model is None or optimizer is None:
+            raise ValueError(f"plan with pipe={plan.shape['pipe']} x virtual_stages={plan.virtual_stages} keeps the "
+                             "stacked layers in pipeline order: save needs the state's model and optimizer too")
+        return _where_they_lie(lambda s: layer_order.state_to_natural_order(s, model.logical, optimizer, plan), state)
 
     def check_fits(self, target: TrainState, step: int | None = None) -> None:
         """Raise ValueError listing every array whose path, shape or dtype differs from the target state's."""
@@ -389,10 +421,17 @@ class Checkpoints:
         """The state saved at `step` (default the newest) laid out for `plan`, and its metadata.
 
         Each device reads only its own shards under `plan`, so the state is never
-        whole on one device, whatever plan saved it.
+        whole on one device, whatever plan saved it. The checkpoint's natural
+        layer order becomes `plan`'s (jaxpar.layer_order) once read and verified.
         """
-        step = self._step(step)
-        target = abstract_state(model, optimizer, plan)
+        state, meta = self._restore(self._step(step), abstract_state(model, optimizer, plan))
+        if layer_order.reorders(plan):
+            state = _where_they_lie(lambda s: layer_order.state_to_pipeline_order(s, model.logical, optimizer, plan),
+                                    state)
+        return state, meta
+
+    def _restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+        """The state saved at `step` read onto the shardings of `target` (an abstract state)."""
         saved_optimizer = self._array_metadata(step, "opt_state")
         saved_master = isinstance(saved_optimizer, dict) and MASTER in saved_optimizer
         if saved_master and not isinstance(target.opt_state, precision.MasterState):

@@ -515,6 +515,9 @@ def _llama_config(fields: dict) -> LlamaConfig:
 def load_params(path, model, plan, step: int | None = None) -> dict:
     """Parameters of an HF dir, export directory or training checkpoint, read shard by shard onto `plan`.
 
+    In natural layer order, as every file holds them (for a forward outside the pipeline; a train state
+    takes them through `jaxpar.state.state_from_params`).
+
     `model` is the ModelDef (jaxpar.state.describe) the parameters must fit.
     """
     import orbax.checkpoint as ocp
@@ -577,13 +580,6 @@ def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dic
 
 def initial_state(path, model, optimizer, plan, step: int | None = None):
     """`jaxpar train --init-from`: step 0 of a run whose parameters are read from `path` onto `plan`'s shards."""
-    import inspect
+    from jaxpar.state import state_from_params
 
-    from jaxpar import state as state_lib
-
-    params = load_params(path, model, plan, step)
-    shardings = plan.shardings(state_lib.state_specs(model, optimizer, plan))
-    initial = state_lib._initial_state  # step 0 in the plan's precision; newer versions also take the variables
-    if "variables" in inspect.signature(initial).parameters:
-        return jax.jit(lambda p: initial(p, {}, optimizer, plan), out_shardings=shardings)(params)
-    return jax.jit(lambda p: initial(p, optimizer, plan), out_shardings=shardings)(params)
+    return state_from_params(load_params(path, model, plan, step), model, optimizer, plan)

@@ -4,7 +4,10 @@ A model hands `loss` three pure functions (embedding, a chunk of its stacked
 layers, loss head) and their parameters. Under a plan with pipe > 1 the layers'
 leading axis is cut into pipe x virtual_stages chunks and the schedule's tick
 table (`jaxpar.schedule`) runs inside `jax.shard_map` over `pipe` only, so data,
-tensor and expert sharding inside a stage keep working through GSPMD. Each tick
+tensor and expert sharding inside a stage keep working through GSPMD. The
+train state holds the layers in the order the stages run them
+(`jaxpar.layer_order`: with v > 1 chunks per device, not the natural order),
+so each device's `pipe` shard is its own chunks and no weights move per step. Each tick
 is one `lax.scan` iteration; activations go forward and cotangents backward
 with one `ppermute` each.
 
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import attention, usage, zero
+from jaxpar import attention, layer_order, usage, zero
 from jaxpar.plan import active_plan
 from jaxpar.rules import varying_axes
 from jaxpar.schedule import EMPTY, Schedule
@@ -104,9 +107,10 @@ def bubble_fill(value: float):
 def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, targets: jax.Array):
     """The model's mean loss on a batch; pipelined over `pipe` when the active plan has pipe > 1.
 
-    With layers that return stats: (loss, the stats summed over the layers,
-    averaged over the microbatches); the stats are metrics, and only
-    `stages.aux_loss` of them is differentiated (as part of the loss).
+    `stacked` comes in the plan's layer order (jaxpar.layer_order), as a train state on the plan
+    holds it: with virtual_stages > 1 not the natural order. With layers that return stats:
+    (loss, the stats summed over the layers, averaged over the microbatches); the stats are
+    metrics, and only `stages.aux_loss` of them is differentiated (as part of the loss).
     """
     plan = active_plan()
     if plan is None or plan.shape[AXIS] == 1:
@@ -146,11 +150,7 @@ def check_shapes(schedule: Schedule, stacked, inputs: jax.Array, batch_ways: int
     layers = {leaf.shape[0] for leaf in jax.tree.leaves(stacked)}
     if len(layers) != 1:
         raise ValueError(f"stacked layer parameters disagree on the number of layers: {sorted(layers)}")
-    (depth,) = layers
-    if depth % (p * v):
-        raise ValueError(
-            f"{depth} stacked layers do not divide into pipe={p} x virtual_stages={v} = {p * v} pipeline chunks"
-        )
+    layer_order.check_depth(*layers, p, v)
     batch, seq = inputs.shape
     if batch % (m * batch_ways):
         raise ValueError(
@@ -165,18 +165,14 @@ def check_shapes(schedule: Schedule, stacked, inputs: jax.Array, batch_ways: int
 
 
 def to_chunks(stacked, schedule: Schedule):
-    """[L, ...] -> [p, v, L/(p*v), ...]: device i's chunk k holds ring position k*p + i of the layers.
+    """[L, ...] -> [p, v, L/(p*v), ...], device i's chunk k the layers of ring position k*p + i: a reshape.
 
-    With v = 1 this is the `layers` -> `pipe` sharding the parameters already
-    have; with v > 1 it moves each device's layers into round-robin order.
+    `stacked` must be in the active plan's pipeline order (jaxpar.layer_order),
+    as a train state placed on that plan holds it: device i's `pipe` shard is
+    then its v chunks already, and nothing moves between devices.
     """
     p, v = schedule.stages, schedule.virtual_stages
-
-    def cut(leaf):
-        chunked = leaf.reshape(v, p, leaf.shape[0] // (p * v), *leaf.shape[1:])
-        return jnp.swapaxes(chunked, 0, 1)
-
-    return jax.tree.map(cut, stacked)
+    return jax.tree.map(lambda leaf: leaf.reshape(p, v, leaf.shape[0] // (p * v), *leaf.shape[1:]), stacked)
 
 
 def _shard(body: Callable, out_specs) -> Callable:

@@ -133,7 +133,8 @@ def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Calla
     positions (see `jaxpar.pipeline`). The head must be a mean over positions.
     Blocks that return (x, stats) (an MoE layer's router losses) give
     (loss + aux_loss(sums), sums), sums the stats summed over the layers:
-    see `jaxpar.pipeline.Stages` for what `aux_loss` must be.
+    see `jaxpar.pipeline.Stages` for what `aux_loss` must be. The stack's parameters come in the
+    plan's layer order, as a train state holds them (`jaxpar.layer_order`).
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     layer_graphdef, layer_params, layer_rest = nnx.split(stack.layers, nnx.Param, ...)

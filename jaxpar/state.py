@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar import offload, precision
+from jaxpar import layer_order, offload, precision
 from jaxpar.plan import Plan
 from jaxpar.rules import LogicalArray, is_logical
 
@@ -184,32 +184,42 @@ def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan) -> t
     """Build the model and optimizer state directly into their shards (never whole on one device).
 
     `optimizer`: an optax transformation, or an `nnx.Optimizer` (its `tx`; it must update `nnx.Param`).
+    The state holds the stacked layers in `plan`'s order (jaxpar.layer_order).
     """
     model = describe(make_model)
-    shardings = state_shardings(model, optimizer, plan)
 
     def build():
         with nnx.use_eager_sharding(False):
             _, params, variables = _split(make_model())
-        return _initial_state(params, variables, optimizer, plan)
+        return _initial_state(params, variables, model, optimizer, plan)
 
-    return model, jax.jit(build, out_shardings=shardings)()
+    return model, jax.jit(build, out_shardings=state_shardings(model, optimizer, plan))()
 
 
-def _initial_state(params, variables, optimizer, plan: Plan) -> TrainState:
-    """Step 0 from the model's parameters, held in the plan's parameter dtype (fp32 but under bf16-params, and
-    bf16/fp16 under ZeRO-1, whose fp32 master the optimizer state holds)."""
+def state_from_params(params, model: ModelDef, optimizer, plan: Plan) -> TrainState:
+    """Step 0 from given parameters in natural layer order (imported weights), built into `plan`'s shards."""
+    build = lambda p: _initial_state(p, {}, model, optimizer, plan)  # noqa: E731
+    return jax.jit(build, out_shardings=state_shardings(model, optimizer, plan))(params)
+
+
+def _initial_state(params, variables, model: ModelDef, optimizer, plan: Plan) -> TrainState:
+    """Step 0 from the model's parameters (natural order), in `plan`'s layer order and parameter dtype (fp32 but
+    under bf16-params, and bf16/fp16 under ZeRO-1, whose fp32 master the optimizer state holds)."""
     optimizer = precision.for_plan(optimizer, plan)
+    params = layer_order.to_pipeline_order(params, model.logical, plan)
     return TrainState(optimizer.cast(params), optimizer.init(params), jnp.zeros((), jnp.int32), variables)
 
 
 def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """Copy an existing state onto `plan`'s shardings (e.g. the same initial parameters on two meshes).
 
-    Under bf16/fp16 a state of the other layout (fp32 params held once, or ZeRO-1's 2-byte params beside an
-    fp32 master) is converted to `plan`'s: its fp32 values are what carry over (see jaxpar.precision).
+    `state` is in natural layer order, and comes back in `plan`'s (jaxpar.layer_order): a state held by an
+    interleaved plan goes through `layer_order.state_to_natural_order` first. Under bf16/fp16 a state of the
+    other layout (fp32 params held once, or ZeRO-1's 2-byte params beside an fp32 master) is converted to
+    `plan`'s: its fp32 values are what carry over (see jaxpar.precision).
     """
     state = _relayout(state, precision.for_plan(optimizer, plan))
+    state = layer_order.state_to_pipeline_order(state, model.logical, optimizer, plan)
     return jax.device_put(state, state_shardings(model, optimizer, plan))
 
 
@@ -231,7 +241,7 @@ def abstract_state(model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """The train state as sharded ShapeDtypeStructs: enough to compile and inspect any size of model."""
     shape_of = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree,  # noqa: E731
                                          is_leaf=is_logical)
-    state = jax.eval_shape(lambda p, v: _initial_state(p, v, optimizer, plan), shape_of(model.logical),
+    state = jax.eval_shape(lambda p, v: _initial_state(p, v, model, optimizer, plan), shape_of(model.logical),
                            shape_of(model.variables))
     shardings = state_shardings(model, optimizer, plan)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), state, shardings)

@@ -23,6 +23,7 @@ from jaxpar import mfu as mfu_lib
 from jaxpar import offload
 from jaxpar.checkpoint import Checkpoints, CorruptCheckpoint, Preemption, differences, run_config
 from jaxpar.distributed import is_leader
+from jaxpar.layer_order import to_natural_order
 from jaxpar.models import model_config, model_factory
 from jaxpar.plan import Plan
 from jaxpar.state import ModelDef, TrainState, describe, init_state
@@ -280,11 +281,12 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                     position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": config.seed},
                                 "rng": {"seed": config.seed, "batches": "numpy default_rng([seed, step]) per step"}}
                     row["saved"] = checkpoints.save(done, state, force=preempted or done == config.steps,
-                                                    metadata=position)
+                                                    metadata=position, model=run.model, optimizer=run.optimizer,
+                                                    plan=run.plan)
                 if preempted:
                     row["preempted"] = True
                 if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
-                    row.update(evaluator(offload.fetched(state.params)))
+                    row.update(evaluator(to_natural_order(offload.fetched(state.params), run.model.logical, run.plan)))
                 if metrics_file:
                     metrics_file.write(json.dumps(row) + "\n")
                     metrics_file.flush()

@@ -8,6 +8,7 @@ import optax
 from flax import nnx
 
 from jaxpar.data import Batches, default_corpus
+from jaxpar.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.models.llama import CONFIGS, Llama
 from jaxpar.plan import Plan
 from jaxpar.state import init_state, place_state
@@ -73,17 +74,22 @@ def max_relative_error(a, b) -> float:
 
 
 def gradients(model, params, batch, plan: Plan, loss_fn=lambda m, b: m(b)):
-    """Loss and gradients of `params` on `batch`, computed under `plan` and returned on host."""
+    """Loss and gradients of `params` on `batch`, computed under `plan` and returned on host.
+
+    Parameters and gradients in natural layer order; under `plan` in its own (jaxpar.layer_order).
+    """
     from jaxpar.step import loss_and_grads
 
-    params = jax.device_put(copy_state(params), plan.shardings(plan.param_specs(model.logical)))
+    params = to_pipeline_order(copy_state(params), model.logical, plan)
+    params = jax.device_put(params, plan.shardings(plan.param_specs(model.logical)))
 
     def compute(p, b):
         loss, _, grads, _ = loss_and_grads(model, loss_fn, p, b, plan)
         return loss, grads
 
     with plan.activate():
-        return jax.device_get(jax.jit(compute)(params, batch))
+        loss, grads = jax.device_get(jax.jit(compute)(params, batch))
+    return loss, to_natural_order(grads, model.logical, plan)
 
 
 class ResidualMLP(nnx.Module):

@@ -286,6 +286,7 @@ def run_cell(cell: Cell) -> dict:
 
     from helpers import max_relative_error
     from jaxpar import pipeline
+    from jaxpar.layer_order import to_natural_order
     from jaxpar.plan import Plan
     from jaxpar.state import place_state
     from jaxpar.step import make_train_step
@@ -319,7 +320,7 @@ def run_cell(cell: Cell) -> dict:
             state, metrics = compiled(state, batch)
             losses.append(float(metrics["loss"]))
             norms.append(float(metrics["grad_norm"]))
-        state = jax.device_get(state)
+        params = to_natural_order(jax.device_get(state.params), model.logical, plan)
         stage = "reference"
         expected = _expected(cell.model, cell.precision)
         stage = "compare"
@@ -327,9 +328,9 @@ def run_cell(cell: Cell) -> dict:
         losses, norms = np.array(losses), np.array(norms)
         loss_error = float(np.max(np.abs(losses - expected.losses) / np.abs(expected.losses)))
         norm_error = _relative(norms, expected.grad_norms)
-        param_error = max_relative_error(f32(state.params), f32(expected.params))
+        param_error = max_relative_error(f32(params), f32(expected.params))
         if expected.master is not None:
-            param_error = max(param_error, max_relative_error(f32(state.params), expected.master))
+            param_error = max(param_error, max_relative_error(f32(params), expected.master))
         row.update(loss_error=loss_error, grad_norm_error=norm_error, param_error=param_error)
         loss_tol, param_tol = TOLERANCE[cell.precision]
         if not (loss_error <= loss_tol and norm_error <= param_tol and param_error <= param_tol):  # catches NaN

@@ -19,9 +19,11 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxpar import hf
 from jaxpar.checkpoint import Checkpoints
 from jaxpar.cli import main
 from jaxpar.export import export, load_model, load_params
+from jaxpar.layer_order import state_to_natural_order, to_natural_order
 from jaxpar.models.llama import Llama, rms_norm, run_layers
 from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
 from jaxpar.models.moe import MoeLlama
@@ -30,7 +32,7 @@ from jaxpar.state import describe, init_state, place_state, state_specs
 from jaxpar.step import make_train_step
 from jaxpar.train import TrainConfig, iterate, open_checkpoints, prepare, resume
 
-from helpers import TINY, batches, copy_state, reference_state, single_device_plan
+from helpers import TINY, batches, copy_state, max_relative_error, reference_state, single_device_plan
 
 CONFIG = dataclasses.replace(TINY, d_model=32, head_dim=8, d_ff=64, n_layers=4, seq_len=16)
 OPTIMIZER = optax.adamw(1e-2)
@@ -40,6 +42,7 @@ TARGETS = {
     "data4-tensor2": ("data=4,tensor=2", {}, 8),
     "pipe4-zero2": ("data=2,pipe=4", {"zero": 2}, 8),
     "4-devices": ("data=2,tensor=2", {"zero": 1}, 4),
+    "pipe2-interleaved": ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 2}, 8),
 }
 SAVED_STEP, CONTINUE = 2, 2
 SMALL = {"d_model": 32, "head_dim": 8, "n_layers": 2}  # the `jaxpar train` runs' model overrides
@@ -85,17 +88,81 @@ def test_restore_onto_another_plan_continues_the_same_run(saved, target):
     expected = plan.shardings(state_specs(model, OPTIMIZER, plan))
     laid_out = jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), state, expected)
     assert all(jax.tree.leaves(laid_out)), f"restored arrays not in {target}'s shardings: {laid_out}"
-    equal = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), state, host)
+    natural = state_to_natural_order(copy_state(state), model.logical, OPTIMIZER, plan)  # interleaved: pipeline order
+    equal = jax.tree.map(np.array_equal, natural, host)
     assert all(jax.tree.leaves(equal)), f"restored values differ from the saved ones: {equal}"
 
+    losses = continued(model, state, plan, data)
+    error = np.max(np.abs(np.array(losses) / source_losses - 1))
+    print(f"{target}: continued losses {losses}, relative error vs source plan {error:.2e}")
+    assert error <= 1e-5
+
+
+def continued(model, state, plan, data) -> list[float]:
+    """Losses of the CONTINUE steps after SAVED_STEP from `state` under `plan`."""
     step = make_train_step(model, loss_fn, OPTIMIZER, plan)
     losses = []
     for i in range(SAVED_STEP, SAVED_STEP + CONTINUE):
         state, metrics = step(state, data[i])
         losses.append(float(metrics["loss"]))
-    error = np.max(np.abs(np.array(losses) / source_losses - 1))
-    print(f"{target}: continued losses {losses}, relative error vs source plan {error:.2e}")
-    assert error <= 1e-5
+    return losses
+
+
+def test_interleaved_state_is_saved_in_natural_order_and_restores_onto_any_plan(saved, tmp_path):
+    """A state the interleaved plan holds in pipeline order is written as the same state saved from 1F1B (same
+    arrays, same checksums), and restores onto pipe=1, 1F1B and interleaved, each continuing the run."""
+    model, directory, _, source_losses, data = saved
+    plans = {"interleaved": make_plan(*TARGETS["pipe2-interleaved"]), "1f1b": make_plan("data=4,pipe=2", {}, 8),
+             "pipe=1": make_plan("data=8", {}, 8)}
+    interleaved = plans["interleaved"]
+    with Checkpoints(directory, read_only=True) as checkpoints:
+        state, _ = checkpoints.restore(model, OPTIMIZER, interleaved)
+    held = copy_state(state)
+    natural = state_to_natural_order(held, model.logical, OPTIMIZER, interleaved)
+    assert not np.array_equal(held.params["blocks"]["wq"], natural.params["blocks"]["wq"])  # the orders differ
+    written, placed = tmp_path / "interleaved", tmp_path / "1f1b"
+    with Checkpoints(written, config={"mesh": {"pipe": 2}, "plan": {"virtual_stages": 2}}) as saving:
+        with pytest.raises(ValueError, match="keeps the stacked layers in pipeline order"):
+            saving.save(SAVED_STEP, state)
+        with pytest.raises(ValueError, match="pipeline order: save needs the state's model and optimizer"):
+            saving.save(SAVED_STEP, state, plan=interleaved)
+        saving.save(SAVED_STEP, state, model=model, optimizer=OPTIMIZER, plan=interleaved)
+    with Checkpoints(placed) as saving:
+        saving.save(SAVED_STEP, place_state(natural, model, OPTIMIZER, plans["1f1b"]))
+    with Checkpoints(written, read_only=True) as a, Checkpoints(placed, read_only=True) as b:
+        assert a.metadata()["checksums"] == b.metadata()["checksums"]
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, a.read_params(), natural.params)))
+        restored = {name: a.restore(model, OPTIMIZER, plan)[0] for name, plan in plans.items()}
+    again = jax.tree.map(np.array_equal, copy_state(restored["interleaved"]), held)
+    assert all(jax.tree.leaves(again)), f"the interleaved plan's state did not come back as it held it: {again}"
+    initial = hf.initial_state(written, model, OPTIMIZER, interleaved)  # `jaxpar train --init-from`
+    same = jax.tree.map(np.array_equal, to_natural_order(copy_state(initial.params), model.logical, interleaved),
+                        natural.params)
+    assert all(jax.tree.leaves(same)), f"--init-from did not put the layers in the plan's order: {same}"
+
+    reference = continued(model, state, interleaved, data)
+    assert np.max(np.abs(np.array(reference) / source_losses - 1)) <= 1e-5
+    assert continued(model, restored["interleaved"], interleaved, data) == reference
+    for name in ("1f1b", "pipe=1"):
+        losses = continued(model, restored[name], plans[name], data)
+        assert np.max(np.abs(np.array(losses) / np.array(reference) - 1)) <= 1e-5, (name, losses, reference)
+
+
+def test_jaxpar_train_interleaved_evaluates_and_saves_in_natural_order(tmp_path):
+    """`jaxpar train` under the interleaved schedule: losses, held-out losses and the saved parameters as on data=8."""
+    def run(name, *flags):
+        metrics, directory = tmp_path / f"{name}.jsonl", tmp_path / name
+        assert main(["train", "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--eval-every", "2",
+                     "--checkpoint-dir", str(directory), "--metrics", str(metrics), *flags]) == 0
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        with Checkpoints(directory, read_only=True) as checkpoints:
+            return np.array([[row["loss"] for row in rows], [rows[-1]["eval_loss"]] * 2]), checkpoints.read_params()
+
+    figures, params = run("interleaved", "--mesh", "data=4,pipe=2", "--schedule", "interleaved",
+                          "--virtual-stages", "2", "--microbatches", "2")
+    expected, expected_params = run("data8", "--mesh", "data=8")
+    assert np.max(np.abs(figures / expected - 1)) <= 1e-5
+    assert max_relative_error(params, expected_params) <= 1e-5
 
 
 def test_moe_checkpoint_restores_onto_another_expert_split(tmp_path):

@@ -5,6 +5,7 @@ the loss or a gradient.
 """
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -17,6 +18,7 @@ from flax import nnx
 from helpers import TINY, copy_state, gradients, max_relative_error, reference_state, single_device_plan
 from jaxpar import inspect, pipeline, schedule
 from jaxpar.cli import build_parser, main, resolve
+from jaxpar.layer_order import to_pipeline_order
 from jaxpar.models.llama import Llama
 from jaxpar.plan import Plan
 from jaxpar.state import abstract_state, describe
@@ -90,7 +92,8 @@ def test_schedule_with_context_parallelism_matches_single_device(references, nam
 
 def forward_only_loss(model, state, batch, plan) -> float:
     """The loss without differentiation (only the forward ticks run), bubbles filled with NaN."""
-    params = jax.device_put(copy_state(state.params), plan.shardings(plan.param_specs(model.logical)))
+    params = to_pipeline_order(copy_state(state.params), model.logical, plan)
+    params = jax.device_put(params, plan.shardings(plan.param_specs(model.logical)))
     with plan.activate(), pipeline.bubble_fill(NAN):
         return float(jax.jit(lambda p, b: loss_fn(model.merge(p), b)[0])(params, batch))
 
@@ -194,6 +197,7 @@ def test_collectives_over_pipe_match_the_schedule(compiled_steps, name):
     assert summed == replicated
 
 
+@functools.cache
 def compile_on_four(config, m: int, **options):
     """The train step on pipe=4 over 4 devices (or one device without options), one sequence per microbatch."""
     model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
@@ -215,6 +219,21 @@ def test_interleaved_memory_stays_flat_and_its_flops_show_the_bubble():
     ratio = inspect.matmul_flops(steps[m]) * STAGES / inspect.matmul_flops(compile_on_four(config, m))
     assert ratio == pytest.approx((v * m + STAGES - 1) / (v * m), rel=0.05)
     assert ratio > 1 + 0.5 * (STAGES - 1) / (v * m)  # the bubble ticks' masked work is there, not optimised away
+
+
+def test_interleaved_moves_no_weights_per_step():
+    """The state holds the layers in pipeline order (jaxpar.layer_order), so every collective-permute is an
+    activation or cotangent inside the tick loops: one per forward and one per backward tick. Outside the loops
+    only the embedding's and head's gradients are summed (moving the layers showed as permutes or all-to-alls)."""
+    config, v, m = dataclasses.replace(MEMORY_CONFIG, n_layers=8), 2, 8
+    compiled = compile_on_four(config, m, schedule="interleaved", microbatches=m, virtual_stages=v)
+    mesh = Plan.create(f"pipe={STAGES}", devices=jax.devices()[:STAGES]).mesh
+    ops = inspect.collective_ops(compiled, mesh)
+    outside = [(op.kind, op.shapes) for op in ops if op.count == 1 and op.kind != "all-reduce"]
+    assert not outside, f"collectives outside the pipeline's loops: {outside}"
+    permutes = [op for op in ops if op.kind == "collective-permute"]
+    assert {op.bytes for op in permutes} == {config.seq_len * config.d_model * 4}
+    assert sum(op.count for op in permutes) == 2 * (v * m + STAGES - 1)
 
 
 # -- bad input fails before compiling ----------------------------------------------------------------------
