@@ -583,9 +583,6 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
                                   "activations forward and cotangents backward, one per tick"))
             out.append(Collective("pipe", "all-to-all", one * m, 2 * layout.grad_accum,
                                   "the loss head's positions and their gradients"))
-        if layout.virtual_stages > 1:
-            out.append(Collective("pipe", "all-to-all", inv.stacked_local * (p_comm + g_comm), 1,
-                                  "layers into round-robin chunks and their gradients back"))
         out.append(Collective("pipe", "all-reduce", inv.replicated_over_pipe * max(g_comm, 4), 1,
                               "embedding and head gradients summed over stages (fp32)"))
     if layout.replica > 1:
