@@ -10,7 +10,16 @@ executes these tables; this module also measures their bubble and draws them.
 - 1f1b: forward of j at stage i on tick i + j and its backward on tick
   2p - 2 - i + j (the last stage runs the loss head and the backward in the
   tick of the forward). Ticks split into warm-up (forward only), steady
-  (forward and backward) and cool-down (backward only) phases.
+  (forward and backward) and cool-down (backward only) phases. Stage 0
+  keeps 2p - 1 microbatches' residuals, not canonical 1F1B's p: a lockstep
+  tick holds a forward and a backward slot and moves each value one hop, so
+  microbatch j's cotangent is back on stage 0 2(p - 1) ticks after its
+  forward, while stage 0 starts a forward on every steady tick. Canonical
+  1F1B hops once per slot, not per tick. Doing that in lockstep means a tick
+  that is a forward on some stages and a backward on others: every stage
+  then computes both, masked, at twice the work per slot. Starting stage 0's
+  forwards on every other tick instead doubles the steady phase. Either
+  costs more than the p - 1 extra residual sets save.
 - interleaved (Megatron's interleaved 1F1B in lockstep): each device holds v
   chunks, ring position k*p + i on device i. Microbatches go round the ring in
   groups of p: stage i runs the forward of slot u = t - i, u = g*v*p + k*p + s
