@@ -189,13 +189,19 @@ def _show(entry: tuple[tuple[int, ...], str]) -> str:
     return f"{entry[1]}{list(entry[0])}"
 
 
-def _where_they_lie(convert, state: TrainState) -> TrainState:
+def _where_they_lie(convert, state: TrainState, compiled: dict) -> TrainState:
     """`convert(state)` computed where its arrays are, each result sharded (and in the memory) as its input.
 
     Arrays kept in host memory (jaxpar.offload) visit the device for it, as they do for every step's update.
+    `compiled` keeps the jitted `convert` per layout of `state`, so that a run saving every few steps
+    compiles it once.
     """
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    return jax.jit(convert, out_shardings=shardings)(offload.fetched(state))
+    leaves, treedef = jax.tree.flatten(shardings)
+    key = (treedef, tuple(leaves))
+    if key not in compiled:
+        compiled[key] = jax.jit(convert, out_shardings=shardings)
+    return compiled[key](offload.fetched(state))
 
 
 def _filled(state: TrainState) -> list[str]:
@@ -224,6 +230,7 @@ class Checkpoints:
             raise ValueError(f"save_every and keep must be >= 1, got save_every={save_every}, keep={keep}")
         self.config = config
         self.save_every = save_every
+        self._reorders: dict = {}
         if not read_only:
             self._remove_half_written()
         handler = lambda: ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers())  # noqa: E731
@@ -406,7 +413,18 @@ class Checkpoints:
         if model is None or optimizer is None:
             raise ValueError(f"plan with pipe={plan.shape['pipe']} x virtual_stages={plan.virtual_stages} keeps the "
                              "stacked layers in pipeline order: save needs the state's model and optimizer too")
-        return _where_they_lie(lambda s: layer_order.state_to_natural_order(s, model.logical, optimizer, plan), state)
+        return self._reordered(state, model, optimizer, plan, to_natural=True)
+
+    def _reordered(self, state: TrainState, model, optimizer, plan, to_natural: bool) -> TrainState:
+        """`state` between natural and `plan`'s layer order, converted where it lies; the conversion is
+        traced and compiled once per (model, optimizer, plan, direction), then reused at every save."""
+        key = (id(model), id(optimizer), id(plan), to_natural)
+        if key not in self._reorders:
+            reorder = layer_order.state_to_natural_order if to_natural else layer_order.state_to_pipeline_order
+            # the objects ride along so that their ids are not reused while the entry lives
+            self._reorders[key] = (lambda s: reorder(s, model.logical, optimizer, plan), {}, (model, optimizer, plan))
+        convert, compiled, _ = self._reorders[key]
+        return _where_they_lie(convert, state, compiled)
 
     def check_fits(self, target: TrainState, step: int | None = None) -> None:
         """Raise ValueError listing every array whose path, shape or dtype differs from the target state's."""
@@ -426,8 +444,7 @@ class Checkpoints:
         """
         state, meta = self._restore(self._step(step), abstract_state(model, optimizer, plan))
         if layer_order.reorders(plan):
-            state = _where_they_lie(lambda s: layer_order.state_to_pipeline_order(s, model.logical, optimizer, plan),
-                                    state)
+            state = self._reordered(state, model, optimizer, plan, to_natural=False)
         return state, meta
 
     def _restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:

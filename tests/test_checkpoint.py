@@ -98,6 +98,27 @@ def test_restore_onto_another_plan_continues_the_same_run(saved, target):
     assert error <= 1e-5
 
 
+
+def test_interleaved_saves_trace_their_layer_order_conversion_once(saved, tmp_path, monkeypatch):
+    """Saving an interleaved state converts it to natural order: traced and compiled at the first save, reused
+    at the next ones (a run saves every few steps)."""
+    from jaxpar import layer_order
+
+    model, directory, _, _, _ = saved
+    plan = make_plan(*TARGETS["pipe2-interleaved"])
+    with Checkpoints(directory, read_only=True) as checkpoints:
+        state, _ = checkpoints.restore(model, OPTIMIZER, plan)
+    traced = []
+    convert = layer_order.state_to_natural_order
+    monkeypatch.setattr(layer_order, "state_to_natural_order", lambda *a: traced.append(1) or convert(*a))
+    with Checkpoints(tmp_path / "every-step", async_save=False) as saving:
+        for step in (1, 2, 3):
+            saving.save(step, state, model=model, optimizer=OPTIMIZER, plan=plan)
+        assert saving.steps() == [1, 2, 3]
+        assert all(jax.tree.leaves(jax.tree.map(np.array_equal, saving.read_params(3),
+                                                convert(copy_state(state), model.logical, OPTIMIZER, plan).params)))
+    assert len(traced) == 1, f"the conversion was traced {len(traced)} times for 3 saves"
+
 def continued(model, state, plan, data) -> list[float]:
     """Losses of the CONTINUE steps after SAVED_STEP from `state` under `plan`."""
     step = make_train_step(model, loss_fn, OPTIMIZER, plan)
