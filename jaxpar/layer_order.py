@@ -19,6 +19,8 @@ for evaluation or generation (a forward outside the pipeline).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Any
 
@@ -78,17 +80,62 @@ def _reordered(tree, logical, plan, to_natural: bool) -> Any:
 
 
 def _reorder_leaf(plan, to_natural: bool):
-    """x -> x with its p*v chunks transposed between [v, p] (natural) and [p, v] (pipeline) order, if stacked.
-
-    Reshapes only, so numpy arrays, jax arrays and tracers alike.
-    """
+    """x -> x in the other order if x is stacked (its first logical axis is `layers`), else x."""
     p, v = plan.shape["pipe"], plan.virtual_stages
-    outer, inner = (p, v) if to_natural else (v, p)
 
     def one(x, names):
         if not is_logical(names) or names.names[:1] != (zero.SCANNED,):
             return x
-        check_depth(x.shape[0], p, v)
-        return x.reshape(outer, inner, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+        return _swap_chunks(x, p, v, to_natural)
 
     return one
+
+
+def _swap_chunks(x, p: int, v: int, to_natural: bool):
+    """x with its p*v chunks of rows transposed between [v, p] (natural) and [p, v] (pipeline) order.
+
+    Reshapes only, so numpy arrays, jax arrays and tracers alike.
+    """
+    check_depth(x.shape[0], p, v)
+    outer, inner = (p, v) if to_natural else (v, p)
+    return x.reshape(outer, inner, x.shape[0] // (p * v), *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+ORDERS = ("pipeline", "natural")
+_train_state_layers = contextvars.ContextVar("jaxpar_train_state_layers", default=False)
+
+
+@contextlib.contextmanager
+def train_state_layers():
+    """Parameters traced inside come from a train state on the active plan, so in its order (jaxpar's train
+    step traces the loss under this)."""
+    token = _train_state_layers.set(True)
+    try:
+        yield
+    finally:
+        _train_state_layers.reset(token)
+
+
+def stack_in_plan_order(stacked, plan, order: str | None):
+    """`stacked` (arrays whose leading axis is the layers) in `plan`'s order, from the `order` its caller
+    names: "pipeline" (a train state's, the default inside jaxpar's train step) or "natural" (moved into
+    pipeline order here, inside the step: a relayout of the stack each step).
+
+    Under an interleaved plan a stack whose order is not known is refused: taking natural-order layers for
+    pipeline-order ones would train a model with its layers permuted, silently.
+    """
+    if order is not None and order not in ORDERS:
+        raise ValueError(f"layer_order must be one of {ORDERS}, got {order!r}")
+    if not reorders(plan):
+        return stacked
+    order = order or ("pipeline" if _train_state_layers.get() else None)
+    if order is None:
+        p, v = plan.shape["pipe"], plan.virtual_stages
+        raise ValueError(
+            f"the plan's interleaved pipeline (pipe={p} x virtual_stages={v}) takes the stacked layers in pipeline "
+            "order, as a train state on it holds them (jaxpar.layer_order); outside jaxpar's train step pass "
+            "layer_order='pipeline' for parameters from init_state/place_state/restore on this plan, or "
+            "layer_order='natural' for parameters in the model's own order (moved into place each step)")
+    if order == "pipeline":
+        return stacked
+    return jax.tree.map(lambda x: _swap_chunks(x, plan.shape["pipe"], plan.virtual_stages, to_natural=False), stacked)

@@ -49,6 +49,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import attention, layer_order, usage, zero
+from jaxpar.layer_order import stack_in_plan_order
 from jaxpar.plan import active_plan
 from jaxpar.rules import varying_axes
 from jaxpar.schedule import EMPTY, Schedule
@@ -104,11 +105,13 @@ def bubble_fill(value: float):
         _fill.reset(token)
 
 
-def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, targets: jax.Array):
+def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, targets: jax.Array,
+         layer_order: str | None = None):
     """The model's mean loss on a batch; pipelined over `pipe` when the active plan has pipe > 1.
 
     `stacked` comes in the plan's layer order (jaxpar.layer_order), as a train state on the plan
-    holds it: with virtual_stages > 1 not the natural order. With layers that return stats:
+    holds it: with virtual_stages > 1 not the natural order. Outside jaxpar's train step such a plan
+    needs `layer_order` to name the order ("pipeline" or "natural"). With layers that return stats:
     (loss, the stats summed over the layers, averaged over the microbatches); the stats are
     metrics, and only `stages.aux_loss` of them is differentiated (as part of the loss).
     """
@@ -117,6 +120,7 @@ def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, 
         y, sums = stages.run_layers(stacked, stages.embed(embed_params, inputs))
         return _result(stages.with_aux(stages.head(head_params, y, targets), sums), sums)
     usage.mark(usage.PIPELINE)
+    stacked = stack_in_plan_order(stacked, plan, layer_order)
     schedule = Schedule(plan.schedule, plan.shape[AXIS], plan.pipeline_microbatches, plan.virtual_stages)
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     check_shapes(schedule, stacked, inputs, plan.axis_size(*(a for a in plan.batch_axes if a not in manual)))

@@ -123,7 +123,7 @@ class Stack(nnx.Module):
 
 
 def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Callable, inputs, targets,
-                   aux_loss: Callable | None = None):
+                   aux_loss: Callable | None = None, layer_order: str | None = None):
     """The mean loss `head(model, stack(embed(model, inputs)), targets)`, a pipeline over `pipe` when the plan has one.
 
     `embed(model, inputs) -> x` and `head(model, x, targets) -> mean loss` are
@@ -134,7 +134,8 @@ def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Calla
     Blocks that return (x, stats) (an MoE layer's router losses) give
     (loss + aux_loss(sums), sums), sums the stats summed over the layers:
     see `jaxpar.pipeline.Stages` for what `aux_loss` must be. The stack's parameters come in the
-    plan's layer order, as a train state holds them (`jaxpar.layer_order`).
+    plan's layer order, as a train state holds them (`jaxpar.layer_order`); outside jaxpar's train
+    step an interleaved plan needs `layer_order` ("pipeline" or "natural") to say which order they are in.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     layer_graphdef, layer_params, layer_rest = nnx.split(stack.layers, nnx.Param, ...)
@@ -154,4 +155,4 @@ def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Calla
         head=lambda p, x, t: head(nnx.merge(graphdef, p), x, t),
         aux_loss=aux_loss,
     )
-    return pipeline.loss(stages, outside, stacked, outside, inputs, targets)
+    return pipeline.loss(stages, outside, stacked, outside, inputs, targets, layer_order=layer_order)

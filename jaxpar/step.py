@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import offload, precision, usage, zero
+from jaxpar import layer_order, offload, precision, usage, zero
 from jaxpar.plan import Plan
 from jaxpar.rules import specs_over, varying_axes
 from jaxpar.state import ModelDef, TrainState, state_shardings
@@ -176,7 +176,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
 
     def compute(p, b, carried, j):
         key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)  # None over data
-        with zero.layer_registry():
+        with zero.layer_registry(), layer_order.train_state_layers():
             module = model.merge(zero.gather_params(p, param_specs if over_data else None, dtype), carried[1],
                                  rngs=carried[0])
             loss, aux = call_loss(loss_fn, module, b, key)

@@ -136,3 +136,36 @@ def test_stack_writes_back_each_layers_batch_statistics():
     np.testing.assert_allclose(y, h, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(stack.layers.norm.mean[...], jnp.stack(means), rtol=1e-5, atol=1e-7)
     assert float(jnp.abs(stack.layers.norm.mean[...]).max()) > 0
+
+
+def test_an_interleaved_pipeline_in_a_users_own_loop_is_told_the_layer_order():
+    """Outside jaxpar's train step an interleaved plan cannot know the order of the stacked layers it is given:
+    it refuses them unless `layer_order` names it, and both orders then give the one-device loss."""
+    from test_user_pipeline import TinyLM, data
+    from test_user_pipeline import reference as one_device
+
+    plan = jaxpar.Plan.create("data=4,pipe=2", schedule="interleaved", virtual_stages=2)
+    model, state = jaxpar.init_state(lambda: TinyLM(nnx.Rngs(0)), optax.sgd(0.0), plan)
+    held = jax.device_get(state.params)  # a train state on the plan: pipeline order
+    # stored row (i v + k) c + r holds natural layer (k p + i) c + r: p = v = 2, c = 1, a swap of rows 1 and 2
+    natural = {**held, "blocks": jax.tree.map(lambda x: x[np.array([0, 2, 1, 3])], held["blocks"])}
+    batch = data()[0]
+    expected = one_device(natural, optax.sgd(0.0))[0][0]
+
+    def loss(params, order):
+        module = model.merge(params)
+        return jaxpar.pipelined_loss(module, module.blocks, lambda m, tokens: m.embed(tokens),
+                                     lambda m, x, targets: m.loss(x, targets), batch["inputs"], batch["targets"],
+                                     layer_order=order)
+
+    with plan.activate():
+        with pytest.raises(ValueError, match=r"pipe=2 x virtual_stages=2.*layer_order='natural'"):
+            loss(natural, None)
+        with pytest.raises(ValueError, match="layer_order must be one of"):
+            loss(natural, "reversed")
+        given = {order: float(jax.jit(loss, static_argnums=1)(params, order))
+                 for order, params in (("natural", natural), ("pipeline", held))}
+        permuted = float(jax.jit(loss, static_argnums=1)(natural, "pipeline"))
+    for order, value in given.items():
+        assert abs(value / expected - 1) <= 1e-5, (order, value, expected)
+    assert abs(permuted / expected - 1) > 1e-3, "the test cannot tell a permuted stack from the right one"
