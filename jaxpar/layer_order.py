@@ -134,8 +134,9 @@ def stack_in_plan_order(stacked, plan, order: str | None):
         raise ValueError(
             f"the plan's interleaved pipeline (pipe={p} x virtual_stages={v}) takes the stacked layers in pipeline "
             "order, as a train state on it holds them (jaxpar.layer_order); outside jaxpar's train step pass "
-            "layer_order='pipeline' for parameters from init_state/place_state/restore on this plan, or "
-            "layer_order='natural' for parameters in the model's own order (moved into place each step)")
+            "layer_order='pipeline' for parameters from init_state/place_state/restore on this plan (or trace the "
+            "loss under jaxpar.layer_order.train_state_layers()), or layer_order='natural' for parameters in the "
+            "model's own order (moved into place each step)")
     if order == "pipeline":
         return stacked
     return jax.tree.map(lambda x: _swap_chunks(x, plan.shape["pipe"], plan.virtual_stages, to_natural=False), stacked)

@@ -18,7 +18,7 @@ from flax import nnx
 from helpers import TINY, copy_state, gradients, max_relative_error, reference_state, single_device_plan
 from jaxpar import inspect, pipeline, schedule
 from jaxpar.cli import build_parser, main, resolve
-from jaxpar.layer_order import to_pipeline_order
+from jaxpar.layer_order import to_pipeline_order, train_state_layers
 from jaxpar.models.llama import Llama
 from jaxpar.plan import Plan
 from jaxpar.state import abstract_state, describe
@@ -94,7 +94,7 @@ def forward_only_loss(model, state, batch, plan) -> float:
     """The loss without differentiation (only the forward ticks run), bubbles filled with NaN."""
     params = to_pipeline_order(copy_state(state.params), model.logical, plan)
     params = jax.device_put(params, plan.shardings(plan.param_specs(model.logical)))
-    with plan.activate(), pipeline.bubble_fill(NAN):
+    with plan.activate(), pipeline.bubble_fill(NAN), train_state_layers():
         return float(jax.jit(lambda p, b: loss_fn(model.merge(p), b)[0])(params, batch))
 
 
