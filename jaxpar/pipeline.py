@@ -381,8 +381,7 @@ class _ResidualRing:
             rows = slots + 1 if scratch else slots
             return _varying(jnp.full((rows, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
 
-        with jax.named_scope(RING_SCOPE):  # names the buffers in the compiled step for `inspect.residual_ring`
-            self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
 
     def _row(self, j, row):
         return jnp.where(j != EMPTY, row, self.slots) if self.scratch else row
@@ -396,7 +395,10 @@ class _ResidualRing:
         row = self._row(j, row)
         if not self.scratch:
             kept = [jnp.where(j != EMPTY, r, _row(buf, row)) for buf, r in zip(buffers, kept)]
-        return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
+        # Each buffer's own write names it in the compiled step (`inspect.residual_ring_bytes`); their initial
+        # values XLA may merge with other arrays'.
+        with jax.named_scope(RING_SCOPE):
+            return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
 
     def load(self, buffers: list, j, row, params) -> Callable:
         """The VJP of a slot's forward, rebuilt from its stored residuals and its chunk's parameters."""
@@ -404,6 +406,12 @@ class _ResidualRing:
         stored = iter(_row(buf, self._row(j, row)) for buf in buffers)
         leaves = [params[n] if n is not None else next(stored) for n in self.param_of_leaf]
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def ring_rows(schedule: Schedule) -> int:
+    """The rows of a stage's residual ring: a row per set in flight, and a scratch row for the empty slots of a
+    fused backward (BW); zb-h1 reads its ring only under `lax.cond`, in slots that hold a microbatch."""
+    return schedule.in_flight + ("BW" in schedule.actions)
 
 
 def _add_at(total, part, k, v: int):
@@ -472,7 +480,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         loss_axes = {AXIS} | varying_axes(jax.eval_shape(
             lambda y: stages.head(head_params, *_head_share(y, _row(targets, 0), stage, p)), x0))
         ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill,
-                             scratch=back == "BW")
+                             scratch=ring_rows(schedule) > schedule.in_flight)
         saved = schedule.cotangents_in_flight  # zb-h1: cotangents from B to W, in the table's rows
 
         def cotangent_of(dy):
