@@ -263,17 +263,19 @@ def matmul_flops(compiled) -> float:
 
 
 def residual_ring_bytes(compiled, rows: int) -> int:
-    """Bytes per device of the pipeline's residual ring (`rows` rows and one scratch row), 0 without one.
+    """Bytes per device of the pipeline's residual ring (`rows` rows, its scratch row included), 0 without one.
 
-    The ring's buffers are the arrays `jaxpar.pipeline` creates under its
-    `RING_SCOPE`; XLA may merge equal initial values, so they are counted as
-    the tick loops carry them: each array of a ring shape in the loop state.
+    The ring's buffers are the arrays `jaxpar.pipeline` writes under its
+    `RING_SCOPE`, one write each (XLA may merge their initial values with
+    other arrays', so those do not name them all); they are counted as the
+    tick loops carry them: each array of a ring buffer's shape in the loop state.
     """
     from jaxpar.pipeline import RING_SCOPE
 
     lines = _hlo_text(compiled).splitlines()
-    shapes = {(d, dims) for line in lines if RING_SCOPE in line
-              for d, dims in _arrays(line.split("=", 1)[1].split("(", 1)[0]) if dims[:1] == (rows + 1,)}
+    writes = [line.split("=", 1)[1].split(" dynamic-update-slice(", 1)[0]
+              for line in lines if RING_SCOPE in line and " dynamic-update-slice(" in line]
+    shapes = {(d, dims) for out in writes for d, dims in _arrays(out) if dims[:1] == (rows,)}
     carried = [_arrays(line.split("=", 1)[1].split(" while(", 1)[0]) for line in lines if " while(" in line]
     return max((sum(math.prod(dims) * _DTYPE_BYTES[d] for d, dims in state if (d, dims) in shapes)
                 for state in carried), default=0)
@@ -286,18 +288,20 @@ def pipeline_figures(compiled, plan) -> dict | None:
     peak_residual_bytes is the ring without its scratch row, read from the
     compiled step (None for gpipe, whose residuals autodiff keeps per tick).
     """
+    from jaxpar.pipeline import ring_rows
     from jaxpar.schedule import Schedule
 
     if plan.shape["pipe"] == 1:
         return None
     schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.pipeline_microbatches, plan.virtual_stages)
     rows = schedule.in_flight
-    ring = residual_ring_bytes(compiled, rows) if schedule.explicit_backward else None
+    allocated = ring_rows(schedule) if schedule.explicit_backward else None
+    ring = residual_ring_bytes(compiled, allocated) if allocated else None
     return {
         "schedule": schedule.name, "stages": schedule.stages, "microbatches": schedule.microbatches,
         "virtual_stages": schedule.virtual_stages, "bubble": schedule.bubble,
         "live_microbatches": schedule.live_microbatches, "ring_rows": rows if ring is not None else None,
-        "peak_residual_bytes": ring * rows // (rows + 1) if ring is not None else None,
+        "peak_residual_bytes": ring * rows // allocated if ring is not None else None,
     }
 
 

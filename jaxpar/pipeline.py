@@ -367,26 +367,28 @@ class _ResidualRing:
 
     A slot's VJP closes over its chunk's parameters and over per-microbatch
     values; only the latter are stored (the parameters are sliced from the
-    stage's chunks again when the VJP is replayed). One scratch row takes the
-    writes and reads of empty slots.
+    stage's chunks again when the VJP is replayed). With `scratch`, one more
+    row takes the writes and reads of empty slots; without, an empty slot
+    writes back what its row holds, and the executor reads only for slots that
+    hold a microbatch (zb-h1 runs its B and W slots under `lax.cond`).
     """
 
-    def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float):
+    def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float, scratch: bool):
         probe = vjp_of(params, x)
         leaves, self.treedef = jax.tree.flatten(probe)
         position = {id(a): n for n, a in enumerate(jax.tree.leaves(params))}
         self.param_of_leaf = [position.get(id(leaf)) for leaf in leaves]
-        self.slots = slots
+        self.slots, self.scratch = slots, scratch
 
         def blank(leaf):
             value = fill if jnp.issubdtype(leaf.dtype, jnp.floating) else 0
-            return _varying(jnp.full((slots + 1, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
+            rows = slots + 1 if scratch else slots
+            return _varying(jnp.full((rows, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
 
-        with jax.named_scope(RING_SCOPE):  # names the buffers in the compiled step for `inspect.residual_ring`
-            self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
 
     def _row(self, j, row):
-        return jnp.where(j != EMPTY, row, self.slots)
+        return jnp.where(j != EMPTY, row, self.slots) if self.scratch else row
 
     def store(self, buffers: list, j, row, vjp, params) -> list:
         leaves, params = jax.tree.leaves(vjp), jax.tree.leaves(params)
@@ -395,7 +397,12 @@ class _ResidualRing:
             raise AssertionError("the stage's VJP changed structure between ticks")
         kept = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
         row = self._row(j, row)
-        return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
+        if not self.scratch:
+            kept = [jnp.where(j != EMPTY, r, _row(buf, row)) for buf, r in zip(buffers, kept)]
+        # Each buffer's own write names it in the compiled step (`inspect.residual_ring_bytes`); their initial
+        # values XLA may merge with other arrays'.
+        with jax.named_scope(RING_SCOPE):
+            return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
 
     def load(self, buffers: list, j, row, params) -> Callable:
         """The VJP of a slot's forward, rebuilt from its stored residuals and its chunk's parameters."""
@@ -403,6 +410,12 @@ class _ResidualRing:
         stored = iter(_row(buf, self._row(j, row)) for buf in buffers)
         leaves = [params[n] if n is not None else next(stored) for n in self.param_of_leaf]
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def ring_rows(schedule: Schedule) -> int:
+    """The rows of a stage's residual ring: a row per set in flight, and a scratch row for the empty slots of a
+    fused backward (BW); zb-h1 reads its ring only under `lax.cond`, in slots that hold a microbatch."""
+    return schedule.in_flight + ("BW" in schedule.actions)
 
 
 def _add_at(total, part, k, v: int):
@@ -422,9 +435,13 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
     stage's output of the last chunk, B or BW (backward from the stored
     residuals; BW also accumulates the weight gradients, B saves its cotangent
     for a later W), and W (the stored VJP replayed on the saved cotangent,
-    parameter part only). Activations move forward after F ticks, cotangents
-    backward after B ticks, one `ppermute` each; with v > 1 chunks the rings
-    close (device p - 1's chunk k feeds device 0's chunk k + 1).
+    parameter part only). B and W run under `lax.cond`, only in a slot that
+    holds a microbatch: otherwise XLA slices both slots' residuals out of the
+    ring before either runs and their copies are live together (zb-h1's temp
+    was above 1f1b's), and a ring read only there needs no scratch row.
+    Activations move forward after F ticks, cotangents backward after B ticks,
+    one `ppermute` each; with v > 1 chunks the rings close (device p - 1's
+    chunk k feeds device 0's chunk k + 1).
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     hops = range(p) if v > 1 else range(p - 1)
@@ -466,8 +483,9 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         ).dtype
         loss_axes = {AXIS} | varying_axes(jax.eval_shape(
             lambda y: stages.head(head_params, *_head_share(y, _row(targets, 0), stage, p)), x0))
-        ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill)
-        saved = max(schedule.cotangents_in_flight, 1)  # zb-h1: cotangents from B to W, in the table's rows
+        ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill,
+                             scratch=ring_rows(schedule) > schedule.in_flight)
+        saved = schedule.cotangents_in_flight  # zb-h1: cotangents from B to W, in the table's rows
 
         def cotangent_of(dy):
             return (dy, aux_cotangent) if weighted else dy
@@ -498,30 +516,43 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             into the embedding.
 
             fused (BW): the weight gradients too. Otherwise (B) only the input
-            gradient, which XLA prunes the weight matmuls from; the cotangent is
-            saved for the W slot. An empty slot's gradients are masked out, so its
-            aux loss needs no masked cotangent.
+            gradient, which XLA prunes the weight matmuls from, and only for a
+            microbatch (`lax.cond`); the cotangent is saved for the W slot. An
+            empty slot's gradients are masked out, so its aux loss needs no
+            masked cotangent.
             """
             valid = j != EMPTY
             dy = jnp.where(valid, cotangent, jnp.zeros_like(cotangent))
-            d_params, dx = ring.load(carry["ring"], j, row, params_of(k))(cotangent_of(dy))
             if fused:
+                d_params, dx = ring.load(carry["ring"], j, row, params_of(k))(cotangent_of(dy))
                 carry["d_stage"] = _add_at(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params),
                                            k, v)
             else:
+                q = params_of(k)
+                dx = jax.lax.cond(valid, lambda b, c: ring.load(b, j, row, q)(cotangent_of(c))[1],
+                                  lambda b, c: jnp.zeros_like(c), carry["ring"], dy)
+                kept = _row(carry["saved"], saved_row)  # an empty slot writes back what its row holds
                 carry["saved"] = jax.lax.dynamic_update_index_in_dim(
-                    carry["saved"], dy, jnp.where(valid, saved_row, saved), 0)
+                    carry["saved"], jnp.where(valid, dy, kept), saved_row, 0)
             _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
             carry["d_embed"] = _add(carry["d_embed"], embed_vjp(jnp.where(valid & (stage == 0) & (k == 0), dx, 0))[0])
             return jnp.where(valid, dx, jnp.full_like(dx, fill))
 
         def weight_slot(carry, j, k, row, saved_row):
-            """Weight gradients of microbatch j: its stored VJP replayed on its saved cotangent, parameter part only."""
+            """Weight gradients of microbatch j: its stored VJP replayed on its saved cotangent, parameter part only.
+
+            The replay recomputes the input-gradient chain inside the stage
+            (layer l's weight gradient needs the cotangent of layer l's output).
+            """
             valid = j != EMPTY
-            dy = _row(carry["saved"], jnp.where(valid, saved_row, saved))
-            d_params, _ = ring.load(carry["ring"], j, row, params_of(k))(
-                cotangent_of(jnp.where(valid, dy, jnp.zeros_like(dy))))
-            carry["d_stage"] = _add_at(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params), k, v)
+            q = params_of(k)
+
+            def replay(buffers, cotangents, total):
+                d_params = ring.load(buffers, j, row, q)(cotangent_of(_row(cotangents, saved_row)))[0]
+                return _add_at(total, d_params, k, v)
+
+            carry["d_stage"] = jax.lax.cond(valid, replay, lambda _, __, total: total, carry["ring"], carry["saved"],
+                                            carry["d_stage"])
 
         def tick_of(kinds: tuple[str, ...], head: bool):
             def tick(carry, tables):
@@ -560,7 +591,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             "loss": _varying(jnp.zeros((), jnp.float32), loss_axes),
         }
         if "W" in actions:
-            carry["saved"] = _varying(jnp.full((saved + 1, *act.shape), fill, act.dtype), act_axes)
+            carry["saved"] = _varying(jnp.full((saved, *act.shape), fill, act.dtype), act_axes)
         def tables_of(kinds, ticks):
             """The slot tables of `kinds` at `ticks` (an index array: [ticks] or [rounds, ticks])."""
             tables = {}

@@ -1,5 +1,7 @@
 """The HLO reader: replica groups in each of XLA's text forms map to the right mesh axes."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -84,30 +86,62 @@ def test_matmul_flops_count_every_layer_of_the_scan(layers):
     assert inspect.matmul_flops(compiled) == pytest.approx(mfu.model_flops_per_step("tiny", config, 4, 32), rel=0.01)
 
 
-def test_pipeline_figures_come_from_the_schedule_and_the_compiled_ring():
-    """pipe=4, 8 layers: bubble and live-microbatch bound from the tick tables; the residual ring's bytes read from
-    the compiled step, flat in m; a set is its input activation and its layers' residuals, so a chunk's (one layer,
-    v = 2) holds half the layer residuals of a whole stage's (two layers, 1f1b)."""
+def ring_set_bytes(config, layers: int) -> tuple[int, int]:
+    """Bytes of one ring row as the model makes it: (the residuals the layer scan stacks, all residuals) of the VJP
+    of `layers` blocks on one sequence, its parameters left out."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpar.models.llama import Llama, run_layers
+    from jaxpar.state import describe
+
+    logical = describe(lambda: Llama(config, nnx.Rngs(0))).logical["blocks"]
+    blocks = {k: jax.ShapeDtypeStruct((layers, *a.shape[1:]), a.dtype) for k, a in logical.items()}
+
+    def residuals(q, x):
+        own = {id(a) for a in jax.tree.leaves(q)}
+        return [r for r in jax.tree.leaves(jax.vjp(functools.partial(run_layers, cfg=config), q, x)[1])
+                if id(r) not in own]
+
+    leaves = jax.eval_shape(residuals, blocks, jax.ShapeDtypeStruct((1, config.seq_len, config.d_model), jnp.float32))
+    nbytes = [math.prod(r.shape) * r.dtype.itemsize for r in leaves]
+    return sum(n for n, r in zip(nbytes, leaves) if r.shape[:1] == (layers,)), sum(nbytes)
+
+
+def compiled_pipeline_figures(config, mesh: str, schedule: str, m: int, batch: int, v: int = 1, **devices):
     import jax
     import optax
     from flax import nnx
 
-    from jaxpar.models import model_config
     from jaxpar.models.llama import Llama
     from jaxpar.plan import Plan
-    from jaxpar.schedule import Schedule
     from jaxpar.state import abstract_state, describe
     from jaxpar.step import make_train_step
 
-    config = model_config("tiny", {"n_layers": 8, "seq_len": 32})
     model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
+    plan = Plan.create(mesh, schedule=schedule, microbatches=m, virtual_stages=v, **devices)
+    spec = {k: jax.ShapeDtypeStruct((batch, config.seq_len), np.int32) for k in ("inputs", "targets")}
+    compiled = make_train_step(model, lambda mod, b: mod(b), optimizer, plan).lower(
+        abstract_state(model, optimizer, plan), spec).compile()
+    return compiled, inspect.summary(compiled, plan.mesh, plan)["pipeline"]
+
+
+def test_pipeline_figures_come_from_the_schedule_and_the_compiled_ring():
+    """pipe=4, 8 layers: bubble and live-microbatch bound from the tick tables; the residual ring's bytes read from
+    the compiled step, flat in m; a chunk's set (one layer, v = 2) holds less than a whole stage's (two layers,
+    1f1b), which holds what the model's two layers stack, at most all their residuals."""
+    import jax
+
+    from jaxpar.models import model_config
+    from jaxpar.schedule import Schedule
+
+    config = model_config("tiny", {"n_layers": 8, "seq_len": 32})
 
     def figures(schedule, m, v=1):
-        plan = Plan.create("pipe=4", devices=jax.devices()[:4], schedule=schedule, microbatches=m, virtual_stages=v)
-        batch = {k: jax.ShapeDtypeStruct((m, 32), np.int32) for k in ("inputs", "targets")}
-        compiled = make_train_step(model, lambda mod, b: mod(b), optimizer, plan).lower(
-            abstract_state(model, optimizer, plan), batch).compile()
-        out = inspect.summary(compiled, plan.mesh, plan)["pipeline"]
+        compiled, out = compiled_pipeline_figures(config, "pipe=4", schedule, m, m, v, devices=jax.devices()[:4])
         assert out["peak_residual_bytes"] < inspect.memory(compiled)["temp"]
         assert out["bubble"] == Schedule(schedule, 4, m, v).bubble
         return out
@@ -117,4 +151,18 @@ def test_pipeline_figures_come_from_the_schedule_and_the_compiled_ring():
         (11, 5.5, 7, 7)
     assert small["peak_residual_bytes"] == large["peak_residual_bytes"] > 0
     per_chunk, per_stage = small["peak_residual_bytes"] / 11, whole["peak_residual_bytes"] / 7
-    assert 2 * per_chunk - per_stage == 32 * config.d_model * 4  # one [1, 32, d] fp32 activation
+    stacked, every = ring_set_bytes(config, 2)
+    assert per_chunk < per_stage and stacked <= per_stage <= every
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)])
+def test_residual_ring_bytes_count_every_buffer_of_the_ring(schedule, v):
+    """data=4 x pipe=2, m = 4, one sequence per device per microbatch: the compiled ring holds, per row in flight,
+    every residual the stage's (or chunk's) layer scan stacks, as computed from the model, and at most all its
+    residuals (XLA merges the rows' equal position tables and drops residuals the backward does not read)."""
+    from jaxpar.models import model_config
+
+    config = model_config("tiny", {"n_layers": 8, "seq_len": 32})
+    _, figures = compiled_pipeline_figures(config, "data=4,pipe=2", schedule, 4, 16, v)
+    stacked, every = ring_set_bytes(config, config.n_layers // (2 * v))
+    assert figures["ring_rows"] * stacked <= figures["peak_residual_bytes"] <= figures["ring_rows"] * every

@@ -221,6 +221,14 @@ def test_interleaved_memory_stays_flat_and_its_flops_show_the_bubble():
     assert ratio > 1 + 0.5 * (STAGES - 1) / (v * m)  # the bubble ticks' masked work is there, not optimised away
 
 
+def test_zb_h1_temp_memory_is_no_higher_than_1f1b():
+    """zb-h1 splits 1F1B's backward into B and W slots and keeps up to p cotangents from one to the other; its
+    compiled temp at p = 4, m = 8 (benchmarks/pipeline.py's model) is still at most 1F1B's."""
+    config = dataclasses.replace(MEMORY_CONFIG, n_layers=8)
+    temp = {name: temp_bytes(compile_on_four(config, 8, schedule=name, microbatches=8)) for name in ("1f1b", "zb-h1")}
+    assert temp["zb-h1"] <= temp["1f1b"]
+
+
 def test_interleaved_moves_no_weights_per_step():
     """The state holds the layers in pipeline order (jaxpar.layer_order), so every collective-permute is an
     activation or cotangent inside the tick loops: one per forward and one per backward tick. Outside the loops
