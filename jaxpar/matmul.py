@@ -38,7 +38,8 @@ from jaxpar.rules import varying_axes
 
 
 def weight_einsum(equation: str, x, w):
-    """jnp.einsum(equation, x, w) for an activation x and a weight w; the same values and gradients."""
+    """jnp.einsum(equation, x, w) for an activation x and a weight w; the same values and gradients (a batched
+    product's fp32 sums may be added in another order)."""
     if jax.default_backend() != "cpu":
         return jnp.einsum(equation, x, w)
     return _einsum(equation.replace(" ", ""), x, w)
