@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar import usage
+from jaxpar.matmul import weight_einsum
 from jaxpar.rules import constrain, rule_axes
 
 
@@ -123,7 +124,7 @@ def combine(expert_out: jax.Array, gate: jax.Array, slot: jax.Array) -> jax.Arra
     d = expert_out.shape[-1]
     padded = jnp.concatenate([expert_out.reshape(-1, d), jnp.zeros((1, d), expert_out.dtype)])
     picked = padded[slot]  # [tokens, top_k, d]
-    return jnp.einsum("tk,tkd->td", gate, picked.astype(jnp.float32)).astype(expert_out.dtype)
+    return jnp.sum(gate[..., None] * picked.astype(jnp.float32), axis=1).astype(expert_out.dtype)
 
 
 EXPERT_PARAMS = ("router", "expert_gate", "expert_up", "expert_down")
@@ -132,14 +133,14 @@ _HIDDEN = (None, "experts", None, "expert_mlp")
 
 def expert_in(p: dict, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Gate and up projections of each expert's slots [groups, experts, capacity, d], split over `expert_mlp`."""
-    gate = constrain(jnp.einsum("gecd,edf->gecf", slots, p["expert_gate"]), _HIDDEN)
-    up = constrain(jnp.einsum("gecd,edf->gecf", slots, p["expert_up"]), _HIDDEN)
+    gate = constrain(weight_einsum("gecd,edf->gecf", slots, p["expert_gate"]), _HIDDEN)
+    up = constrain(weight_einsum("gecd,edf->gecf", slots, p["expert_up"]), _HIDDEN)
     return gate, up
 
 
 def expert_out(p: dict, gate: jax.Array, up: jax.Array) -> jax.Array:
     """SwiGLU and the row-parallel down projection: [groups, experts, capacity, d]."""
-    out = jnp.einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, p["expert_down"])
+    out = weight_einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, p["expert_down"])
     return constrain(out, (None, "experts", None, "embed"))
 
 
@@ -149,7 +150,7 @@ def route_and_dispatch(router: jax.Array, x: jax.Array, cfg: MoEConfig):
     group = cfg.group(seq)
     capacity = cfg.capacity(group)
     groups = x.reshape(batch * seq // group, group, d)
-    logits = jnp.einsum("gtd,de->gte", groups.astype(jnp.float32), router.astype(jnp.float32))
+    logits = weight_einsum("gtd,de->gte", groups.astype(jnp.float32), router.astype(jnp.float32))
     routing, stats = jax.vmap(lambda z: route(z, cfg, capacity))(logits)
     slots = jax.vmap(lambda t, s: dispatch(t, s, cfg.n_experts, capacity))(groups, routing.slot)
     return (routing.gate, slots, stats), routing.slot

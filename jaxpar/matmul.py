@@ -12,6 +12,16 @@ shard_map over data nothing separates them. Here the gradient is computed with
 w's features first, kept that way by an optimization barrier, and only then
 transposed into w's order: one copy of a weight-sized array.
 
+A batched weight einsum (a letter in x, w and the output: an MoE layer's
+expert axis, `gecd,edf->gecf`) is not helped by that order: its tokens sit
+between the batch and feature dimensions of both operands, and XLA:CPU runs
+such a batched dot, forward or backward, on the generic path unless its
+operands are laid out as [batch, rows, contracted] and [batch, contracted,
+columns]. There every product (the forward and both gradients) is computed in
+exactly that form, the operands and the result pinned by optimization
+barriers so XLA cannot fold the transposes back into the dot: copies of
+activation-sized arrays.
+
 Only the CPU backend takes this path; GPU matmul libraries read transposed
 operands directly, so there `weight_einsum` is `jnp.einsum`.
 """
@@ -19,6 +29,7 @@ operands directly, so there `weight_einsum` is `jnp.einsum`.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +38,8 @@ from jaxpar.rules import varying_axes
 
 
 def weight_einsum(equation: str, x, w):
-    """jnp.einsum(equation, x, w) for an activation x and a weight w; the same values and gradients."""
+    """jnp.einsum(equation, x, w) for an activation x and a weight w; the same values and gradients (a batched
+    product's fp32 sums may be added in another order)."""
     if jax.default_backend() != "cpu":
         return jnp.einsum(equation, x, w)
     return _einsum(equation.replace(" ", ""), x, w)
@@ -35,17 +47,54 @@ def weight_einsum(equation: str, x, w):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _einsum(equation, x, w):
-    return jnp.einsum(equation, x, w)
+    return _product(equation, x, w)
 
 
 def _forward(equation, x, w):
-    return jnp.einsum(equation, x, w), (x, w)
+    return _product(equation, x, w), (x, w)
+
+
+def _batch_letters(equation) -> list[str]:
+    """The letters of a batched product (in both operands and the output); none where it is not one (see above)."""
+    inputs, out = equation.split("->")
+    a_letters, b_letters = inputs.split(",")
+    if (set(a_letters) ^ set(b_letters)) - set(out):  # a letter summed within one operand: left to jnp.einsum
+        return []
+    return [c for c in out if c in a_letters and c in b_letters]
+
+
+def _product(equation, a, b):
+    """jnp.einsum(equation, a, b); a batched product as a [batch, rows, contracted] x [batch, contracted, columns] dot."""
+    inputs, out = equation.split("->")
+    a_letters, b_letters = inputs.split(",")
+    batch = _batch_letters(equation)
+    if not batch:
+        return jnp.einsum(equation, a, b)
+    contracted = [c for c in a_letters if c in b_letters and c not in out]
+    rows = [c for c in out if c in a_letters and c not in batch]
+    columns = [c for c in out if c in b_letters and c not in batch]
+    size = dict(zip(a_letters, a.shape)) | dict(zip(b_letters, b.shape))
+
+    def pinned(x, letters, groups):
+        order = [letters.index(c) for group in groups for c in group]
+        return jnp.transpose(x, order).reshape([math.prod(size[c] for c in group) for group in groups])
+
+    a3, b3 = jax.lax.optimization_barrier((pinned(a, a_letters, (batch, rows, contracted)),
+                                           pinned(b, b_letters, (batch, contracted, columns))))
+    y = jax.lax.optimization_barrier(jnp.einsum("bmk,bkn->bmn", a3, b3))
+    grouped = [*batch, *rows, *columns]
+    y = y.reshape([size[c] for c in grouped])
+    return jnp.transpose(y, [grouped.index(c) for c in out])
 
 
 def _backward(equation, saved, cotangent):
     x, w = saved
     inputs, out = equation.split("->")
     x_letters, w_letters = inputs.split(",")
+    if _batch_letters(equation):
+        dx = _product(f"{out},{w_letters}->{x_letters}", cotangent, w)
+        grad = _product(f"{x_letters},{out}->{w_letters}", x, cotangent)
+        return _like(dx.astype(x.dtype), x), _like(grad.astype(w.dtype), w)
     _, input_gradient = jax.vjp(lambda a: jnp.einsum(equation, a, w), x)
     (dx,) = input_gradient(cotangent)
     # w's letters with its output features first: the cotangent is the dot's left operand, contracted last.

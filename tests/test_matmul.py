@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.matmul import weight_einsum
 from jaxpar.models.llama import Llama, LlamaConfig
+from jaxpar.models.moe import CONFIGS as MOE_CONFIGS, MoeLlama
 from jaxpar.plan import Plan
 from jaxpar.state import abstract_state, describe
 from jaxpar.step import make_train_step
@@ -22,21 +23,29 @@ EQUATIONS = {  # equation: (x shape, w shape), the layers' own einsums
     "bsd,dhk->bshk": ((2, 8, 16), (16, 4, 8)),
     "bshk,hkd->bsd": ((2, 8, 4, 8), (4, 8, 16)),
     "gecd,edf->gecf": ((2, 3, 4, 16), (3, 16, 8)),  # an expert axis in both operands and the output
+    "gecf,efd->gecd": ((2, 3, 4, 8), (3, 8, 16)),
 }
+
+
+def _small_integers(key, shape):
+    """fp32 arrays of integers in [-4, 4]: every product and sum below is exact, in whatever order XLA adds."""
+    return jax.random.randint(key, shape, -4, 5).astype(jnp.float32)
 
 
 @pytest.mark.parametrize("equation", EQUATIONS)
 def test_values_and_gradients_are_einsums(equation):
+    """Bit for bit: on exactly representable sums any summation order (a batched product's pinned layout sums in
+    another than the einsum's) gives the same values, so a wrong contraction or transpose cannot hide in rounding."""
     x_shape, w_shape = EQUATIONS[equation]
     kx, kw, kc = jax.random.split(jax.random.key(0), 3)
-    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    x, w = _small_integers(kx, x_shape), _small_integers(kw, w_shape)
     ours, ours_vjp = jax.vjp(lambda a, b: weight_einsum(equation, a, b), x, w)
     ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b), x, w)
-    cotangent = jax.random.normal(kc, ref.shape)
-    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+    cotangent = _small_integers(kc, ref.shape)
+    np.testing.assert_array_equal(ours, ref)
     for got, want in zip(ours_vjp(cotangent), ref_vjp(cotangent)):
         assert got.shape == want.shape and got.dtype == want.dtype
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_replicated_weight_in_a_shard_map_gets_its_gradient_summed_over_the_batch():
@@ -59,15 +68,21 @@ def _plain_dots(hlo: str) -> list[str]:
             for line in c.splitlines() if " dot(" in line]
 
 
-@pytest.mark.parametrize("mesh", ["data=8", "data=2,tensor=4", "data=4,pipe=2"])
-def test_every_matmul_of_the_step_runs_fused_on_cpu(mesh):
+LLAMA = LlamaConfig(vocab=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=256, seq_len=16,
+                    tie_embeddings=False)
+
+
+@pytest.mark.parametrize("mesh, name", [("data=8", "llama"), ("data=2,tensor=4", "llama"),
+                                        ("data=4,pipe=2", "llama"), ("data=4,expert=2", "moe-tiny")])
+def test_every_matmul_of_the_step_runs_fused_on_cpu(mesh, name):
     """Issue 16: differentiated as plain einsums, the MLP's and the output layer's weight gradients were dots with
-    a left operand contracted along its leading dimension, run outside XLA:CPU's fused kernels."""
-    config = LlamaConfig(vocab=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=256,
-                         seq_len=16, tie_embeddings=False)
+    a left operand contracted along its leading dimension, run outside XLA:CPU's fused kernels; on moe-tiny the
+    experts' batched dots, forward and backward, the router's weight gradient and the combine's weighted sum
+    were 8 such dots at data=4,expert=2."""
+    config = LLAMA if name == "llama" else MOE_CONFIGS[name]
     plan = Plan.create(mesh, precision="bf16", **({"microbatches": 2} if "pipe" in mesh else {}))
     optimizer = optax.adamw(1e-3)
-    model = describe(lambda: Llama(config, nnx.Rngs(0)))
+    model = describe(lambda: (Llama if name == "llama" else MoeLlama)(config, nnx.Rngs(0)))
     batch = {k: jax.ShapeDtypeStruct((16, config.seq_len), jnp.int32, sharding=plan.sharding(plan.batch_spec(2)))
              for k in ("inputs", "targets")}
     compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(
