@@ -537,6 +537,9 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
             # that gather out of the accumulation loop); autodiff reduce-scatters each gather's gradient.
             stacked_split = inv.stacked_local * split / inv.local if inv.local else 0.0
             rest, layers = split - stacked_split, stacked_split
+            lookup = sharded_lookup(model, layout)
+            if lookup and any(leaf.path.endswith("head") for leaf in model.leaves):
+                rest -= model.vocab * d  # the table is used nowhere else: neither gathered nor reduce-scattered
             scattered = rest + layers
             if layout.zero >= 2:
                 layers *= layout.grad_accum * schedule_ticks(layout)
@@ -547,6 +550,12 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
                                   "ZeRO parameters gathered" + (" per layer" if layout.zero >= 2 else " after the update")))
             if unsharded > 0.5:
                 out.append(Collective("data", "all-reduce", unsharded * g_comm, 1, "gradients ZeRO leaves whole"))
+            if lookup:  # per embedding run: one per microbatch, under a pipeline one per tick
+                rows = b * n * s * layout.grad_accum * (schedule_ticks(layout) if p > 1 else 1)
+                out.append(Collective("data", "all-gather", rows * (4 + d * act_comm), 1,
+                                      "the data group's tokens, and its embedding rows' cotangents"))
+                out.append(Collective("data", "reduce-scatter", rows * d * act_comm, 1,
+                                      "embedding rows looked up in each rank's shard, summed back to their ranks"))
     if t > 1:
         # Megatron: each block half ends in one all-reduce (SP: a reduce-scatter, and starts with an
         # all-gather) forward, and one more in the backward pass. Full remat re-runs the forward in the
@@ -609,6 +618,14 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
             out.append(Collective("expert", "all-gather", rows * (d * act_comm + 4), 1,
                                   "the embedding's cotangents and token ids"))
     return out
+
+
+def sharded_lookup(model: Model, layout: Layout) -> bool:
+    """Whether ZeRO-2/3 look the tokens up in each data rank's rows of the embedding table
+    (jaxpar.tensor.embedding_lookup) instead of gathering it: ZeRO splits the table along the vocabulary
+    (its larger dimension, dividing by data) and no tensor axis splits it."""
+    v, d, n = model.vocab, model.d_model, layout.data
+    return layout.zero >= 2 and n > 1 and layout.tensor == 1 and v % n == 0 and (v >= d or d % n)
 
 
 def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes: float, value_bytes: int) -> list[Collective]:
@@ -774,7 +791,10 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     # ZeRO-2/3, which reduce-scatter each layer's gradient as soon as the backward pass produces it.
     grads = G * (inv.sharded if z >= 2 else inv.local)
     per_layer = inv.stacked_local / max(model.scan_depth / layout.pipe, 1)
-    transient = G * (per_layer + inv.local - inv.stacked_local) if z >= 2 else 0.0  # one layer's whole gradient
+    outside = inv.local - inv.stacked_local  # gathered and differentiated whole under ZeRO-2/3
+    if sharded_lookup(model, layout) and any(leaf.path.endswith("head") for leaf in model.leaves):
+        outside -= model.vocab * model.d_model  # except a table looked up in its shards (its gradient stays one)
+    transient = G * (per_layer + outside) if z >= 2 else 0.0  # one layer's whole gradient
     if (layout.grad_accum > 1 or layout.pipe > 1) and G < 4:
         transient += 4 * (inv.sharded if z >= 2 else inv.local)  # fp32 accumulators of low-precision gradients
     if device.widens_low_precision and G < 4 and z <= 1 and n > 1:
@@ -784,7 +804,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     activations = activation_bytes(model, layout, work, act_bytes, (C if z == 2 else P) * inv.stacked_local)
     gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
     if z == 3:
-        gathered = C * (per_layer + (inv.local - inv.stacked_local) - (inv.sharded - inv.stacked_sharded))
+        gathered = C * (per_layer + outside - (inv.sharded - inv.stacked_sharded))
     workspace = transient + layer_workspace(model, layout, work) + update_workspace(inv, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
     host = offloaded_bytes(layout, z, at_rest, optimizer)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import usage
+from jaxpar import usage, zero
 from jaxpar.attention import context_order
 from jaxpar.context import active_plan
 from jaxpar.matmul import weight_einsum
@@ -129,14 +129,25 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
 def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logical=RESIDUAL):
     """Rows of `table` for `tokens`; a table split along the vocabulary is looked up shard by shard and summed.
 
-    Under context parallelism the tokens are first put in the load-balanced
-    sequence order the rest of the model runs in (jaxpar.attention).
+    Under ZeRO-3 the table is not gathered for this: each data rank looks up the
+    whole data group's tokens in the rows it holds and the rows are summed back
+    to each rank's batch (a token gather and a reduce-scatter of activations,
+    against gathering the table and reduce-scattering its whole gradient), as
+    MaxText does. Under context parallelism the tokens are first put in the
+    load-balanced sequence order the rest of the model runs in (jaxpar.attention).
     """
     tokens = context_order(tokens, usage.CONTEXT_TOKENS)
     axes = _region_axes(table_logical[:1])
     if axes:
         usage.mark(usage.TENSOR)
-    if axes and _explicit():
+    held = None if axes else zero.held_rows(table)
+    if held is not None:
+        shard, data_axes = held
+        everyone = jax.lax.all_gather(tokens, data_axes, axis=0, tiled=True)
+        local, hit = _local_index(everyone, shard.shape[0], data_axes)
+        found = jnp.where(hit[..., None], jnp.take(shard, local, axis=0), 0)
+        rows = jax.lax.psum_scatter(found, data_axes, scatter_dimension=0, tiled=True)
+    elif axes and _explicit():
         rows = _explicit_embedding(tokens, table, table_logical, out_logical, axes)
     else:
         rows = constrain(jnp.take(table, tokens, axis=0), _replicated_over(out_logical, axes))

@@ -273,6 +273,8 @@ def gather_params(params, specs=None, dtype=None):
                 _remember(low, x, Use(None, cast))
             return low
         whole = gather(low, entries)
+        if _dim_over_data(entries) == 0 and (registry := _registry.get()) is not None:
+            registry["rows", id(whole)] = (whole, low, _zero_axes(entries[0]))
         if x.ndim > 1 and _dim_over_data(entries) != 0:
             _remember(whole, x, Use(entries[1:], cast))
         return whole
@@ -330,6 +332,12 @@ def _remember(array, source, use: Use) -> None:
 
 def _lookup(array):
     found = (_registry.get() or {}).get(id(array))
+    return found[1:] if found is not None and found[0] is array else None
+
+
+def held_rows(array):
+    """(the shard `array` was gathered from along its first dimension, as it is used; the ZeRO axes) or None."""
+    found = (_registry.get() or {}).get(("rows", id(array)))
     return found[1:] if found is not None and found[0] is array else None
 
 

@@ -104,3 +104,11 @@ class ResidualMLP(nnx.Module):
 
     def __call__(self, x):
         return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+def sharded_lookup_bytes(config, group_rows: int) -> dict[str, int]:
+    """The collective bytes a ZeRO-2/3 embedding lookup trades (jaxpar.tensor.embedding_lookup) for a data group
+    of `group_rows` sequences: the fp32 table is neither all-gathered nor its gradient reduce-scattered; the
+    group's int32 tokens are all-gathered, and its fp32 rows reduce-scattered forward and all-gathered backward."""
+    return {"table": config.vocab * config.d_model * 4, "tokens": group_rows * config.seq_len * 4,
+            "rows": group_rows * config.seq_len * config.d_model * 4}

@@ -12,7 +12,8 @@ import optax
 import pytest
 from flax import nnx
 
-from helpers import batches, compile_and_train, copy_state, gradients, max_relative_error, single_device_plan
+from helpers import (batches, compile_and_train, copy_state, gradients, max_relative_error, sharded_lookup_bytes,
+                     single_device_plan)
 from jaxpar import inspect
 from jaxpar.checkpoint import Checkpoints
 from jaxpar.models.llama import Llama, LlamaConfig
@@ -72,8 +73,12 @@ def test_hsdp_matches_single_device_with_a_shard_all_reduced_over_replica(refere
     layers = sum(leaf.nbytes for leaf in jax.tree.leaves(model.logical) if leaf.names[0] == "layers")
     found = rows(compiled, plan)
     assert plan.zero_report(model.logical).replicated == ()
-    assert found["reduce-scatter", ("data",)]["bytes"] == psi
-    assert found["all-gather", ("data",)]["bytes"] == (psi + layers if zero == 3 else psi)
+    # ZeRO-2/3 look the tokens up in each rank's rows of the table: a data group holds half the batch's rows
+    lookup = sharded_lookup_bytes(CONFIG, 16 // plan.shape["replica"]) if zero >= 2 else dict.fromkeys(
+        ("table", "tokens", "rows"), 0)
+    assert found["reduce-scatter", ("data",)]["bytes"] == psi - lookup["table"] + lookup["rows"]
+    assert found["all-gather", ("data",)]["bytes"] == (
+        (psi + layers if zero == 3 else psi) - lookup["table"] + lookup["tokens"] + lookup["rows"])
     shard = found["all-reduce", ("replica",)]
     assert shard["count"] == 1 and shard["bytes"] == psi // plan.shape["data"]
     assert shard["traffic"] == psi / plan.shape["data"]  # a ring all-reduce over 2 sends 2(2-1)/2 = 1 x the shard
@@ -91,7 +96,8 @@ def test_zero_over_replica_and_data_shards_across_hosts_too(reference, runs):
     assert max_relative_error(final.params, ref_final.params) <= 1e-5
     psi = model.param_bytes()
     found = rows(compiled, plan)
-    assert found["reduce-scatter", ("replica", "data")]["bytes"] == psi
+    lookup = sharded_lookup_bytes(CONFIG, 16)  # the lookup's group is all eight ranks, the whole batch
+    assert found["reduce-scatter", ("replica", "data")]["bytes"] == psi - lookup["table"] + lookup["rows"]
     assert all(r["bytes"] < 64 for (kind, _), r in found.items() if kind == "all-reduce")
     assert not any(axes == ("data",) or axes == ("replica",) for kind, axes in found if kind != "all-reduce")
 

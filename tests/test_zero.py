@@ -6,7 +6,7 @@ import optax
 import pytest
 from flax import nnx
 
-from helpers import batches, compile_and_train, max_relative_error, single_device_plan
+from helpers import batches, compile_and_train, max_relative_error, sharded_lookup_bytes, single_device_plan
 from jaxpar import inspect, zero
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.plan import Plan
@@ -70,14 +70,19 @@ def test_zero_matches_single_device_with_its_collectives(reference, mesh, option
     # ZeRO-3 again for the backward pass; the other parameters' gathers do not
     # depend on the microbatch and XLA hoists them out of the loop. The
     # all-reduces left over data carry scalars only (loss, norms).
+    # ZeRO-2/3 look the tokens up in each rank's rows of the table (when no other axis splits it) and trade
+    # its gather and reduce-scatter for the tokens' and the rows' (`sharded_lookup_bytes`).
     stage, k = plan.zero, plan.grad_accum
     psi, layers = local_param_bytes(model, plan), local_param_bytes(model, plan, only_layers=True)
     rows = rows_by_kind(compiled, plan)
     assert set(rows) == {"reduce-scatter", "all-gather", "all-reduce"}
     assert rows["all-reduce"]["bytes"] < 64
-    assert rows["reduce-scatter"]["bytes"] == (psi * k if stage >= 2 else psi)
+    lookup = {"table": 0, "tokens": 0, "rows": 0}
+    if stage >= 2 and plan.shape["tensor"] == 1:
+        lookup = sharded_lookup_bytes(CONFIG, 16)
+    assert rows["reduce-scatter"]["bytes"] == ((psi - lookup["table"]) * k + lookup["rows"] if stage >= 2 else psi)
     gathers = {1: psi, 2: psi + (k - 1) * layers, 3: psi + (2 * k - 1) * layers}[stage]
-    assert rows["all-gather"]["bytes"] == gathers
+    assert rows["all-gather"]["bytes"] == gathers - lookup["table"] + lookup["tokens"] + lookup["rows"]
     if stage >= 2:
         # Layers are gathered inside the layer scan (a loop body run once per
         # layer): the forward scan, and under ZeRO-3 the backward scan too.
@@ -123,7 +128,8 @@ def test_zero3_under_bf16_gathers_bf16_casts_of_fp32_shards():
         batch = {k: jax.ShapeDtypeStruct((16, CONFIG.seq_len), np.int32, sharding=plan.sharding(plan.batch_spec(2)))
                  for k in ("inputs", "targets")}
         text = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(state, batch).as_text()
-        gathers[name] = [line.split("->")[-1] for line in text.splitlines() if "all_gather" in line]
+        gathers[name] = [line.split("->")[-1] for line in text.splitlines() if "all_gather" in line
+                         and "xi32>" not in line.split("->")[-1]]  # the embedding lookup's token gather
     assert gathers["fp32"] and all("xf32>" in g for g in gathers["fp32"])
     assert len(gathers["bf16"]) == len(gathers["fp32"]) and all("xbf16>" in g for g in gathers["bf16"])
     assert not any(g.startswith(f" tensor<{CONFIG.n_layers}x") for g in gathers["bf16"])  # no whole-stack gather
