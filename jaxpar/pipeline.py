@@ -367,9 +367,9 @@ class _ResidualRing:
 
     A slot's VJP closes over its chunk's parameters and over per-microbatch
     values; only the latter are stored (the parameters are sliced from the
-    stage's chunks again when the VJP is replayed). The executor stores and
-    loads only in slots that hold a microbatch (under `lax.cond`), so no row
-    takes an empty slot's writes and no live row is overwritten by one.
+    stage's chunks again when the VJP is replayed). An idle slot does not
+    store (its slot's `lax.cond`), or writes its row back as it was (masked),
+    so no scratch row takes its writes and no live row is overwritten.
     """
 
     def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float):
@@ -384,12 +384,14 @@ class _ResidualRing:
 
         self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
 
-    def store(self, buffers: list, row, vjp, params) -> list:
+    def store(self, buffers: list, row, vjp, params, mask: Callable) -> list:
+        """`buffers` with row `row` holding `vjp`'s residuals: mask(new, old) keeps an idle slot's row as it was."""
         leaves, params = jax.tree.leaves(vjp), jax.tree.leaves(params)
         if len(leaves) != len(self.param_of_leaf) or any(
                 n is not None and leaf is not params[n] for leaf, n in zip(leaves, self.param_of_leaf)):
             raise AssertionError("the stage's VJP changed structure between ticks")
-        kept = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        stored = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        kept = [mask(leaf, _row(buf, row)) for buf, leaf in zip(buffers, stored)]
         # Each buffer's own write names it in the compiled step (`inspect.residual_ring_bytes`); their initial
         # values XLA may merge with other arrays'.
         with jax.named_scope(RING_SCOPE):
@@ -401,6 +403,19 @@ class _ResidualRing:
         stored = iter(_row(buf, row) for buf in buffers)
         leaves = [params[n] if n is not None else next(stored) for n in self.param_of_leaf]
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _permutes(jaxpr) -> bool:
+    """Whether `jaxpr` (or a jaxpr inside it) has a `ppermute`."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and _permutes(inner):
+                    return True
+    return False
 
 
 def ring_rows(schedule: Schedule) -> int:
@@ -427,8 +442,9 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
     for a later W), and W (the stored VJP replayed on the saved cotangent,
     parameter part only). Every slot runs under `lax.cond`, only when it holds
     a microbatch, so a bubble slot costs no compute at run time (the compiled
-    FLOPs still count both branches); an idle slot hands on `fill`, and as it
-    neither stores nor loads, the ring needs no scratch row. Under B and W the
+    FLOPs still count each slot's work on every tick); an idle slot hands on
+    `fill`, and as it neither stores nor loads, the ring needs no scratch row
+    (a stage whose layers permute masks its slots instead: `per_slot`). Under B and W the
     cond also keeps their residual copies from being live together (XLA would
     slice both out of the ring before either ran). Collectives inside a stage
     (tensor, ZeRO gathers over data, expert all_to_all) run inside the
@@ -480,30 +496,49 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             lambda y: stages.head(head_params, *_head_share(y, _row(targets, 0), stage, p)), x0))
         ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill)
         saved = schedule.cotangents_in_flight  # zb-h1: cotangents from B to W, in the table's rows
+        permutes = _permutes(jax.make_jaxpr(run)(first, x0).jaxpr)
 
         def cotangent_of(dy):
             return (dy, aux_cotangent) if weighted else dy
+
+        def per_slot(live, work: Callable, idle: Callable, *operands):
+            """work(*operands, mask) in a slot that holds a microbatch (`live`), idle(*operands) in a bubble slot.
+
+            Under `lax.cond`, so a bubble slot costs nothing at run time, and
+            `mask(new, old=zeros)` is `new`. A stage whose layers permute (ring
+            attention over context) runs every slot and masks its results
+            instead: XLA:CPU rendezvous every device at a collective-permute,
+            and the stages' slots idle at different ticks (a cond deadlocks).
+            """
+            if not permutes:
+                return jax.lax.cond(live, lambda *a: work(*a, lambda new, old=None: new), idle, *operands)
+
+            def mask(new, old=None):
+                old = jax.tree.map(jnp.zeros_like, new) if old is None else old
+                return jax.tree.map(lambda a, b: jnp.where(live, a, b), new, old)
+
+            return work(*operands, mask)
 
         def forward_slot(carry, j, k, row):
             """Forward of microbatch j through chunk k (embedded here on stage 0's chunk 0); its VJP goes into the ring."""
             q = params_of(k)
 
-            def run_forward(buffers, sums, incoming):
-                x = jnp.where((stage == 0) & (k == 0), stages.embed(embed_params, _row(tokens, j)), incoming)
+            def work(buffers, sums, incoming, mask):
+                x = mask(jnp.where((stage == 0) & (k == 0), stages.embed(embed_params, _row(tokens, j)), incoming))
                 out, vjp, part = jax.vjp(layers, q, x, has_aux=True)
                 y = out[0] if weighted else out
-                return y, ring.store(buffers, row, vjp, q), _add(sums, part)
+                return mask(y, jnp.full_like(y, fill)), ring.store(buffers, row, vjp, q, mask), _add(sums, mask(part))
 
-            y, carry["ring"], carry["sums"] = jax.lax.cond(
-                j != EMPTY, run_forward, lambda buffers, sums, incoming: (jnp.full_like(incoming, fill), buffers, sums),
+            y, carry["ring"], carry["sums"] = per_slot(
+                j != EMPTY, work, lambda buffers, sums, incoming: (jnp.full_like(incoming, fill), buffers, sums),
                 carry["ring"], carry["sums"], carry["fwd_in"])
             return y
 
         def head_slot(carry, y, j):
             """Loss of microbatch j on each stage's share of positions: the cotangent of the last stage's y.
 
-            j is the same on every stage (the last stage's slot), so the
-            collectives over pipe inside the `lax.cond` run on all of them or none.
+            j is the same on every stage (the last stage's slot), so all of
+            them take the same branch of its `lax.cond`, collectives included.
             """
 
             def run_head(d_head, total, y):
@@ -528,28 +563,30 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             """
             q = params_of(k)
             if fused:
-                def run_backward(buffers, total, dy):
-                    d_params, dx = ring.load(buffers, row, q)(cotangent_of(dy))
-                    return dx, _add_at(total, d_params, k, v)
+                def work(buffers, total, dy, mask):
+                    d_params, dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))
+                    return mask(dx, jnp.full_like(dx, fill)), _add_at(total, mask(d_params), k, v)
 
-                dx, carry["d_stage"] = jax.lax.cond(
-                    j != EMPTY, run_backward, lambda buffers, total, dy: (jnp.full_like(dy, fill), total),
+                dx, carry["d_stage"] = per_slot(
+                    j != EMPTY, work, lambda buffers, total, dy: (jnp.full_like(dy, fill), total),
                     carry["ring"], carry["d_stage"], cotangent)
             else:
-                def run_backward(buffers, cotangents, dy):
-                    dx = ring.load(buffers, row, q)(cotangent_of(dy))[1]
-                    return dx, jax.lax.dynamic_update_index_in_dim(cotangents, dy, saved_row, 0)
+                def work(buffers, cotangents, dy, mask):
+                    dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[1]
+                    kept = mask(dy, _row(cotangents, saved_row))
+                    return mask(dx, jnp.full_like(dx, fill)), jax.lax.dynamic_update_index_in_dim(
+                        cotangents, kept, saved_row, 0)
 
-                dx, carry["saved"] = jax.lax.cond(
-                    j != EMPTY, run_backward, lambda buffers, cotangents, dy: (jnp.full_like(dy, fill), cotangents),
+                dx, carry["saved"] = per_slot(
+                    j != EMPTY, work, lambda buffers, cotangents, dy: (jnp.full_like(dy, fill), cotangents),
                     carry["ring"], carry["saved"], cotangent)
 
-            def into_embedding(total, dx):
+            def into_embedding(total, dx, mask):
                 _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
-                return _add(total, embed_vjp(dx)[0])
+                return _add(total, embed_vjp(mask(dx))[0])
 
-            carry["d_embed"] = jax.lax.cond((j != EMPTY) & (stage == 0) & (k == 0), into_embedding,
-                                            lambda total, dx: total, carry["d_embed"], dx)
+            carry["d_embed"] = per_slot((j != EMPTY) & (stage == 0) & (k == 0), into_embedding,
+                                        lambda total, dx: total, carry["d_embed"], dx)
             return dx
 
         def weight_slot(carry, j, k, row, saved_row):
@@ -560,12 +597,12 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             """
             q = params_of(k)
 
-            def replay(buffers, cotangents, total):
-                d_params = ring.load(buffers, row, q)(cotangent_of(_row(cotangents, saved_row)))[0]
-                return _add_at(total, d_params, k, v)
+            def replay(buffers, cotangents, total, mask):
+                d_params = ring.load(buffers, row, q)(cotangent_of(mask(_row(cotangents, saved_row))))[0]
+                return _add_at(total, mask(d_params), k, v)
 
-            carry["d_stage"] = jax.lax.cond(j != EMPTY, replay, lambda _, __, total: total, carry["ring"],
-                                            carry["saved"], carry["d_stage"])
+            carry["d_stage"] = per_slot(j != EMPTY, replay, lambda _, __, total: total, carry["ring"],
+                                        carry["saved"], carry["d_stage"])
 
         def tick_of(kinds: tuple[str, ...], head: bool):
             def tick(carry, tables):
