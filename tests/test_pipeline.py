@@ -77,7 +77,7 @@ CONTEXT_CASES = [
     ("1f1b", "pipe=2,context=2,data=2", {"context_form": "ring", "zero": 3}),
     ("gpipe", "pipe=2,context=2,tensor=2", {"context_form": "all-gather", "tensor_form": "explicit"}),
     ("interleaved", "pipe=2,context=4", {"context_form": "ring", "virtual_stages": 2}),
-    ("zb-h1", "pipe=2,context=2,data=2", {"context_form": "ring"}),  # B and W under cond would deadlock: masked
+    ("zb-h1", "pipe=2,context=2,data=2", {"context_form": "ring"}),  # ring attention: masked slots (per_slot)
 ]
 
 
