@@ -11,25 +11,27 @@
 - the temp memory of the compiled step for m = 8, 16, 32 at a fixed microbatch size, side by side.
 
 Measured 2026-11-30 and again, unchanged, 2026-12-01 with the layers held in pipeline order (jax 0.10.2,
-XLA:CPU, tiny model with 8 layers, seq 32); zb-h1 again 2026-12-01 with its B and W slots under `lax.cond`:
+XLA:CPU, tiny model with 8 layers, seq 32); zb-h1 again 2026-12-01 with its B and W slots under `lax.cond`,
+and 1f1b, interleaved and zb-h1 again 2026-12-01 with every slot (F, head, BW) under `lax.cond`:
 
                 temp MiB, m = 8 / 16 / 32   m=32 / m=8   matmul FLOPs / unpipelined (formula), m = 8 / 16 / 32
     gpipe        10.06 / 16.11 / 28.21       2.80        1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
-    1f1b          5.25 /  5.25 /  5.25       1.001       1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
-    interleaved   4.11 /  4.15 /  4.15       1.010       1.179 / 1.089 / 1.045  (1.188 / 1.094 / 1.047)
-    zb-h1         4.90 /  4.91 /  4.91       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
+    1f1b          4.81 /  4.81 /  4.82       1.001       1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
+    interleaved   3.91 /  3.92 /  3.92       1.002       1.179 / 1.089 / 1.045  (1.188 / 1.094 / 1.047)
+    zb-h1         4.85 /  4.85 /  4.85       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
 
 Residual rings: 1f1b and zb-h1 keep 7 stage-sized sets, interleaved 11 chunk-sized ones (5.5
-stages' worth), gpipe every tick's; 1f1b and interleaved have one more, scratch, row for their empty
-slots. zb-h1 was 5.64 / 5.64 / 5.65 MiB, above 1f1b: XLA sliced the B and the W slot's residuals out
-of the ring (copied into their layer loops) before either ran, so both sets were live at once. Under
-`lax.cond` (only in a slot that holds a microbatch) they are not, and its ring and its up to p saved
-cotangents need no scratch row. The FLOPs ratios sit just below the formula (within 1.5%):
+stages' worth), gpipe every tick's. With F and BW masked, not under `lax.cond`, 1f1b and interleaved
+needed one more, scratch, row for their empty slots: 5.25 / 5.25 / 5.25 and 4.11 / 4.15 / 4.15 MiB. zb-h1 was 5.64 / 5.64 / 5.65 MiB with B and W
+masked: XLA sliced both slots' residuals out of the ring (copied into their layer loops) before
+either ran, so both sets were live at once; 4.90 / 4.91 / 4.91 with only B and W under `lax.cond`.
+It is now 0.04 MiB above 1f1b: its up to p saved cotangents (4 x 8 KiB). The FLOPs ratios sit just
+below the formula (within 1.5%), and count each slot's work on every tick, bubble slots included,
+which `lax.cond` skips at run time:
 the head and embedding are not multiplied by the bubble (interleaved runs its head only on ticks
 with a last chunk's output; running it on every steady tick put it 1.3 / 2.9 / 3.8% above the
 formula). zb-h1's W slot replays the stage's stored VJP, which recomputes the input-gradient chain,
-so its table idles less than 1f1b's but its FLOPs are higher (the counts include the bubble slots'
-B and W, which `lax.cond` skips at run time). Not done: B keeping each layer's output cotangent
+so its table idles less than 1f1b's but its FLOPs are higher. Not done: B keeping each layer's output cotangent
 would let W run layer by layer and drop only the matmuls into each layer's input (wq, wk and wv's:
 3 of a llama block's 7 input-gradient matmuls; the others feed the block's weight gradients), for
 L/p - 1 more saved activations per cotangent in flight, and the stage function (`Stages.layers`)

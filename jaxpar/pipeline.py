@@ -367,55 +367,60 @@ class _ResidualRing:
 
     A slot's VJP closes over its chunk's parameters and over per-microbatch
     values; only the latter are stored (the parameters are sliced from the
-    stage's chunks again when the VJP is replayed). With `scratch`, one more
-    row takes the writes and reads of empty slots; without, an empty slot
-    writes back what its row holds, and the executor reads only for slots that
-    hold a microbatch (zb-h1 runs its B and W slots under `lax.cond`).
+    stage's chunks again when the VJP is replayed). An idle slot does not
+    store (its slot's `lax.cond`), or writes its row back as it was (masked),
+    so no scratch row takes its writes and no live row is overwritten.
     """
 
-    def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float, scratch: bool):
+    def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float):
         probe = vjp_of(params, x)
         leaves, self.treedef = jax.tree.flatten(probe)
         position = {id(a): n for n, a in enumerate(jax.tree.leaves(params))}
         self.param_of_leaf = [position.get(id(leaf)) for leaf in leaves]
-        self.slots, self.scratch = slots, scratch
 
         def blank(leaf):
             value = fill if jnp.issubdtype(leaf.dtype, jnp.floating) else 0
-            rows = slots + 1 if scratch else slots
-            return _varying(jnp.full((rows, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
+            return _varying(jnp.full((slots, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
 
         self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
 
-    def _row(self, j, row):
-        return jnp.where(j != EMPTY, row, self.slots) if self.scratch else row
-
-    def store(self, buffers: list, j, row, vjp, params) -> list:
+    def store(self, buffers: list, row, vjp, params, mask: Callable) -> list:
+        """`buffers` with row `row` holding `vjp`'s residuals: mask(new, old) keeps an idle slot's row as it was."""
         leaves, params = jax.tree.leaves(vjp), jax.tree.leaves(params)
         if len(leaves) != len(self.param_of_leaf) or any(
                 n is not None and leaf is not params[n] for leaf, n in zip(leaves, self.param_of_leaf)):
             raise AssertionError("the stage's VJP changed structure between ticks")
-        kept = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
-        row = self._row(j, row)
-        if not self.scratch:
-            kept = [jnp.where(j != EMPTY, r, _row(buf, row)) for buf, r in zip(buffers, kept)]
+        stored = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        kept = [mask(leaf, _row(buf, row)) for buf, leaf in zip(buffers, stored)]
         # Each buffer's own write names it in the compiled step (`inspect.residual_ring_bytes`); their initial
         # values XLA may merge with other arrays'.
         with jax.named_scope(RING_SCOPE):
             return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
 
-    def load(self, buffers: list, j, row, params) -> Callable:
+    def load(self, buffers: list, row, params) -> Callable:
         """The VJP of a slot's forward, rebuilt from its stored residuals and its chunk's parameters."""
         params = jax.tree.leaves(params)
-        stored = iter(_row(buf, self._row(j, row)) for buf in buffers)
+        stored = iter(_row(buf, row) for buf in buffers)
         leaves = [params[n] if n is not None else next(stored) for n in self.param_of_leaf]
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def _permutes(jaxpr) -> bool:
+    """Whether `jaxpr` (or a jaxpr inside it) has a `ppermute`."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "ppermute":
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns") and _permutes(inner):
+                    return True
+    return False
+
+
 def ring_rows(schedule: Schedule) -> int:
-    """The rows of a stage's residual ring: a row per set in flight, and a scratch row for the empty slots of a
-    fused backward (BW); zb-h1 reads its ring only under `lax.cond`, in slots that hold a microbatch."""
-    return schedule.in_flight + ("BW" in schedule.actions)
+    """The rows of a stage's residual ring: a row per set in flight (empty slots neither store nor load)."""
+    return schedule.in_flight
 
 
 def _add_at(total, part, k, v: int):
@@ -429,19 +434,25 @@ def _add_at(total, part, k, v: int):
 def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """The executor of an action table (1f1b, interleaved, zb-h1): one scan per segment, loss and all gradients.
 
-    A tick runs the slots its segment has, each masked per stage by its
-    microbatch (EMPTY: idle) and run on its chunk: F (forward; its VJP
+    A tick runs the slots its segment has, each on its chunk for the
+    microbatch the stage's table gives (EMPTY: idle): F (forward; its VJP
     residuals go into the ring row the table gives), the loss head on the last
     stage's output of the last chunk, B or BW (backward from the stored
     residuals; BW also accumulates the weight gradients, B saves its cotangent
     for a later W), and W (the stored VJP replayed on the saved cotangent,
-    parameter part only). B and W run under `lax.cond`, only in a slot that
-    holds a microbatch: otherwise XLA slices both slots' residuals out of the
-    ring before either runs and their copies are live together (zb-h1's temp
-    was above 1f1b's), and a ring read only there needs no scratch row.
-    Activations move forward after F ticks, cotangents backward after B ticks,
-    one `ppermute` each; with v > 1 chunks the rings close (device p - 1's
-    chunk k feeds device 0's chunk k + 1).
+    parameter part only). Every slot runs under `lax.cond`, only when it holds
+    a microbatch, so a bubble slot costs no compute at run time (the compiled
+    FLOPs still count each slot's work on every tick); an idle slot hands on
+    `fill`, and as it neither stores nor loads, the ring needs no scratch row
+    (a stage whose layers permute masks its slots instead: `per_slot`). Under B and W the
+    cond also keeps their residual copies from being live together (XLA would
+    slice both out of the ring before either ran). Collectives inside a stage
+    (tensor, ZeRO gathers over data, expert all_to_all) run inside the
+    branches: every member of such a group is on the same stage and slot, so
+    takes the same branch. Activations move forward after F ticks, cotangents
+    backward after B ticks, one `ppermute` each, outside the conds (a stage
+    sends and receives whether or not its slot is idle); with v > 1 chunks the
+    rings close (device p - 1's chunk k feeds device 0's chunk k + 1).
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     hops = range(p) if v > 1 else range(p - 1)
@@ -483,60 +494,100 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         ).dtype
         loss_axes = {AXIS} | varying_axes(jax.eval_shape(
             lambda y: stages.head(head_params, *_head_share(y, _row(targets, 0), stage, p)), x0))
-        ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill,
-                             scratch=ring_rows(schedule) > schedule.in_flight)
+        ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill)
         saved = schedule.cotangents_in_flight  # zb-h1: cotangents from B to W, in the table's rows
+        permutes = _permutes(jax.make_jaxpr(run)(first, x0).jaxpr)
 
         def cotangent_of(dy):
             return (dy, aux_cotangent) if weighted else dy
 
+        def per_slot(live, work: Callable, idle: Callable, *operands):
+            """work(*operands, mask) in a slot that holds a microbatch (`live`), idle(*operands) in a bubble slot.
+
+            Under `lax.cond`, so a bubble slot costs nothing at run time, and
+            `mask(new, old=zeros)` is `new`. A stage whose layers permute (ring
+            attention over context) runs every slot and masks its results
+            instead: XLA:CPU rendezvous every device at a collective-permute,
+            and the stages' slots idle at different ticks (a cond deadlocks).
+            """
+            if not permutes:
+                return jax.lax.cond(live, lambda *a: work(*a, lambda new, old=None: new), idle, *operands)
+
+            def mask(new, old=None):
+                old = jax.tree.map(jnp.zeros_like, new) if old is None else old
+                return jax.tree.map(lambda a, b: jnp.where(live, a, b), new, old)
+
+            return work(*operands, mask)
+
         def forward_slot(carry, j, k, row):
             """Forward of microbatch j through chunk k (embedded here on stage 0's chunk 0); its VJP goes into the ring."""
-            valid = j != EMPTY
             q = params_of(k)
-            x = jnp.where((stage == 0) & (k == 0), stages.embed(embed_params, _row(tokens, j)), carry["fwd_in"])
-            out, vjp, sums = jax.vjp(layers, q, jnp.where(valid, x, jnp.zeros_like(x)), has_aux=True)
-            y = out[0] if weighted else out
-            carry["ring"] = ring.store(carry["ring"], j, row, vjp, q)
-            carry["sums"] = _add(carry["sums"], _masked(sums, valid))
-            return jnp.where(valid, y, jnp.full_like(y, fill))
+
+            def work(buffers, sums, incoming, mask):
+                x = mask(jnp.where((stage == 0) & (k == 0), stages.embed(embed_params, _row(tokens, j)), incoming))
+                out, vjp, part = jax.vjp(layers, q, x, has_aux=True)
+                y = out[0] if weighted else out
+                return mask(y, jnp.full_like(y, fill)), ring.store(buffers, row, vjp, q, mask), _add(sums, mask(part))
+
+            y, carry["ring"], carry["sums"] = per_slot(
+                j != EMPTY, work, lambda buffers, sums, incoming: (jnp.full_like(incoming, fill), buffers, sums),
+                carry["ring"], carry["sums"], carry["fwd_in"])
+            return y
 
         def head_slot(carry, y, j):
-            """Loss of microbatch j on each stage's share of positions: the cotangent of the last stage's y."""
-            valid = j != EMPTY
-            share, tgt = _head_share(y, _row(targets, j), stage, p)
-            value, head_vjp = jax.vjp(lambda h, x: stages.head(h, x, tgt), head_params, share)
-            d_head, d_share = head_vjp(jnp.ones_like(value) / (m * p))
-            carry["d_head"] = _add(carry["d_head"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_head))
-            carry["loss"] = carry["loss"] + jnp.where(valid, value.astype(jnp.float32), 0)
-            return jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True)
+            """Loss of microbatch j on each stage's share of positions: the cotangent of the last stage's y.
+
+            j is the same on every stage (the last stage's slot), so all of
+            them take the same branch of its `lax.cond`, collectives included.
+            """
+
+            def run_head(d_head, total, y):
+                share, tgt = _head_share(y, _row(targets, j), stage, p)
+                value, head_vjp = jax.vjp(lambda h, x: stages.head(h, x, tgt), head_params, share)
+                part, d_share = head_vjp(jnp.ones_like(value) / (m * p))
+                dy = jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True)
+                return dy, _add(d_head, part), total + value.astype(jnp.float32)
+
+            dy, carry["d_head"], carry["loss"] = jax.lax.cond(
+                j != EMPTY, run_head, lambda d_head, total, y: (jnp.full_like(y, fill), d_head, total),
+                carry["d_head"], carry["loss"], y)
+            return dy
 
         def backward_slot(carry, j, k, row, saved_row, cotangent, fused: bool):
             """Backward of microbatch j through chunk k from its stored residuals; stage 0's chunk 0 also backs
             into the embedding.
 
             fused (BW): the weight gradients too. Otherwise (B) only the input
-            gradient, which XLA prunes the weight matmuls from, and only for a
-            microbatch (`lax.cond`); the cotangent is saved for the W slot. An
-            empty slot's gradients are masked out, so its aux loss needs no
-            masked cotangent.
+            gradient, which XLA prunes the weight matmuls from; the cotangent is
+            saved for the W slot.
             """
-            valid = j != EMPTY
-            dy = jnp.where(valid, cotangent, jnp.zeros_like(cotangent))
+            q = params_of(k)
             if fused:
-                d_params, dx = ring.load(carry["ring"], j, row, params_of(k))(cotangent_of(dy))
-                carry["d_stage"] = _add_at(carry["d_stage"], jax.tree.map(lambda g: jnp.where(valid, g, 0), d_params),
-                                           k, v)
+                def work(buffers, total, dy, mask):
+                    d_params, dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))
+                    return mask(dx, jnp.full_like(dx, fill)), _add_at(total, mask(d_params), k, v)
+
+                dx, carry["d_stage"] = per_slot(
+                    j != EMPTY, work, lambda buffers, total, dy: (jnp.full_like(dy, fill), total),
+                    carry["ring"], carry["d_stage"], cotangent)
             else:
-                q = params_of(k)
-                dx = jax.lax.cond(valid, lambda b, c: ring.load(b, j, row, q)(cotangent_of(c))[1],
-                                  lambda b, c: jnp.zeros_like(c), carry["ring"], dy)
-                kept = _row(carry["saved"], saved_row)  # an empty slot writes back what its row holds
-                carry["saved"] = jax.lax.dynamic_update_index_in_dim(
-                    carry["saved"], jnp.where(valid, dy, kept), saved_row, 0)
-            _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
-            carry["d_embed"] = _add(carry["d_embed"], embed_vjp(jnp.where(valid & (stage == 0) & (k == 0), dx, 0))[0])
-            return jnp.where(valid, dx, jnp.full_like(dx, fill))
+                def work(buffers, cotangents, dy, mask):
+                    dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[1]
+                    kept = mask(dy, _row(cotangents, saved_row))
+                    return mask(dx, jnp.full_like(dx, fill)), jax.lax.dynamic_update_index_in_dim(
+                        cotangents, kept, saved_row, 0)
+
+                dx, carry["saved"] = per_slot(
+                    j != EMPTY, work, lambda buffers, cotangents, dy: (jnp.full_like(dy, fill), cotangents),
+                    carry["ring"], carry["saved"], cotangent)
+
+            def into_embedding(total, dx, mask):
+                _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
+                return _add(total, embed_vjp(mask(dx))[0])
+
+            carry["d_embed"] = per_slot((j != EMPTY) & (stage == 0) & (k == 0), into_embedding,
+                                        lambda total, dx: total, carry["d_embed"], dx)
+            return dx
 
         def weight_slot(carry, j, k, row, saved_row):
             """Weight gradients of microbatch j: its stored VJP replayed on its saved cotangent, parameter part only.
@@ -544,15 +595,14 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             The replay recomputes the input-gradient chain inside the stage
             (layer l's weight gradient needs the cotangent of layer l's output).
             """
-            valid = j != EMPTY
             q = params_of(k)
 
-            def replay(buffers, cotangents, total):
-                d_params = ring.load(buffers, j, row, q)(cotangent_of(_row(cotangents, saved_row)))[0]
-                return _add_at(total, d_params, k, v)
+            def replay(buffers, cotangents, total, mask):
+                d_params = ring.load(buffers, row, q)(cotangent_of(mask(_row(cotangents, saved_row))))[0]
+                return _add_at(total, mask(d_params), k, v)
 
-            carry["d_stage"] = jax.lax.cond(valid, replay, lambda _, __, total: total, carry["ring"], carry["saved"],
-                                            carry["d_stage"])
+            carry["d_stage"] = per_slot(j != EMPTY, replay, lambda _, __, total: total, carry["ring"],
+                                        carry["saved"], carry["d_stage"])
 
         def tick_of(kinds: tuple[str, ...], head: bool):
             def tick(carry, tables):
