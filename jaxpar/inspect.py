@@ -263,7 +263,7 @@ def matmul_flops(compiled) -> float:
 
 
 def residual_ring_bytes(compiled, rows: int) -> int:
-    """Bytes per device of the pipeline's residual ring (`rows` rows, its scratch row included), 0 without one.
+    """Bytes per device of the pipeline's residual ring (`rows` rows), 0 without one.
 
     The ring's buffers are the arrays `jaxpar.pipeline` writes under its
     `RING_SCOPE`, one write each (XLA may merge their initial values with
@@ -285,23 +285,21 @@ def pipeline_figures(compiled, plan) -> dict | None:
     """The schedule's bubble, the live-microbatch bound and the residual ring's bytes (None without a pipeline).
 
     live_microbatches counts whole stages' residual sets (a chunk's are 1/v);
-    peak_residual_bytes is the ring without its scratch row, read from the
-    compiled step (None for gpipe, whose residuals autodiff keeps per tick).
+    peak_residual_bytes is the ring read from the compiled step (None for
+    gpipe, whose residuals autodiff keeps per tick).
     """
-    from jaxpar.pipeline import ring_rows
     from jaxpar.schedule import Schedule
 
     if plan.shape["pipe"] == 1:
         return None
     schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.pipeline_microbatches, plan.virtual_stages)
     rows = schedule.in_flight
-    allocated = ring_rows(schedule) if schedule.explicit_backward else None
-    ring = residual_ring_bytes(compiled, allocated) if allocated else None
+    ring = residual_ring_bytes(compiled, rows) if schedule.explicit_backward else None
     return {
         "schedule": schedule.name, "stages": schedule.stages, "microbatches": schedule.microbatches,
         "virtual_stages": schedule.virtual_stages, "bubble": schedule.bubble,
         "live_microbatches": schedule.live_microbatches, "ring_rows": rows if ring is not None else None,
-        "peak_residual_bytes": ring * rows // allocated if ring is not None else None,
+        "peak_residual_bytes": ring,
     }
 
 

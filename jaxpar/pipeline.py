@@ -418,11 +418,6 @@ def _permutes(jaxpr) -> bool:
     return False
 
 
-def ring_rows(schedule: Schedule) -> int:
-    """The rows of a stage's residual ring: a row per set in flight (empty slots neither store nor load)."""
-    return schedule.in_flight
-
-
 def _add_at(total, part, k, v: int):
     """total[k] += part leaf by leaf: `total` stacks the gradients of a stage's v chunks."""
     if v == 1:

@@ -853,12 +853,12 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
 
 def activation_bytes(model: Model, layout: Layout, work: Workload, value_bytes: int, stage_weights: float) -> float:
     """Activations kept per device: values per token x tokens of a microbatch x layers of a chunk x the
-    chunk-sized sets alive at once (one; every tick's under GPipe; the residual ring's rows and its scratch
-    row under 1F1B and interleaved). GPipe's tick scan also keeps each tick's stage weights, a per-tick
+    chunk-sized sets alive at once (one; every tick's under GPipe; the residual ring's rows under 1F1B,
+    interleaved and zb-h1). GPipe's tick scan also keeps each tick's stage weights, a per-tick
     value to autodiff; the ring keeps ZeRO-2's gathered weights with each microbatch's residuals."""
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     layers = model.n_layers / (layout.pipe * layout.virtual_stages)
-    sets = in_flight(layout) + explicit_backward(layout)
+    sets = in_flight(layout)
     kept = value_bytes * b * s * block_values_per_token(model, layout, scores_kept(layout, work.seq_len)) * layers * sets
     if layout.pipe > 1 and not explicit_backward(layout):
         kept += stage_weights * schedule_ticks(layout)
