@@ -16,10 +16,13 @@ executes these tables; this module also measures their bubble and draws them.
   microbatch j's cotangent is back on stage 0 2(p - 1) ticks after its
   forward, while stage 0 starts a forward on every steady tick. Canonical
   1F1B hops once per slot, not per tick. Doing that in lockstep means a tick
-  that is a forward on some stages and a backward on others: every stage
-  then computes both, masked, at twice the work per slot. Starting stage 0's
-  forwards on every other tick instead doubles the steady phase. Either
-  costs more than the p - 1 extra residual sets save.
+  that is a forward on some stages and a backward on others. Each stage runs
+  only its own slot (`jaxpar.pipeline` runs slots under `lax.cond`), but the
+  stages meet at every tick's `ppermute`, so such a tick lasts a backward
+  (about two forwards) on every stage: the steady phase takes 2m backward-long
+  ticks against m ticks of a forward and a backward, a third longer.
+  Starting stage 0's forwards on every other tick instead doubles the steady
+  phase. Either costs more than the p - 1 extra residual sets save.
 - interleaved (Megatron's interleaved 1F1B in lockstep): each device holds v
   chunks, ring position k*p + i on device i. Microbatches go round the ring in
   groups of p: stage i runs the forward of slot u = t - i, u = g*v*p + k*p + s
