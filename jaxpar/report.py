@@ -119,7 +119,7 @@ def inspection(run: Run) -> dict:
     shape = (run.config.batch_size, run.config.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=run.batch_sharding) for k in ("inputs", "targets")}
     compiled = run.step_fn.lower(state, batch).compile()
-    summary = inspect_lib.summary(compiled, run.plan.mesh)
+    summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
     return {"model": run.config.model, "params": run.model.param_count(), **summary}
 
 
@@ -142,4 +142,9 @@ def print_inspection(run: Run, console: Console, as_json: bool) -> int:
     memory.add_row(*(_bytes(report["memory"][k]) for k in ("arguments", "outputs", "temp", "total")))
     console.print(memory)
     console.print(f"[bold]FLOPs per device per step[/] {report['flops']:.4g}")
+    if pipe := report.get("pipeline"):
+        ring = "" if pipe["peak_residual_bytes"] is None else (
+            f", residual ring {pipe['ring_rows']} rows, {_bytes(pipe['peak_residual_bytes'])}")
+        console.print(f"[bold]pipeline[/] {pipe['schedule']}: bubble {pipe['bubble']:.1%}, "
+                      f"{pipe['live_microbatches']:g} microbatches' residuals live{ring}")
     return 0
