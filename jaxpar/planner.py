@@ -102,11 +102,16 @@ class Model:
         return self.n_layers // self.moe_every if self.n_experts else self.n_layers
 
     @functools.cached_property
+    def separate_head(self) -> bool:
+        """Whether the output layer has its own weight (not tied to the embedding table)."""
+        return any(leaf.path.endswith("head") for leaf in self.leaves)
+
+    @functools.cached_property
     def flop_params(self) -> int:
         """Parameters a token's forward multiplies with (2 FLOPs each): all but the embedding table and
         the experts a token does not visit."""
         n = self.params
-        if any(leaf.path.endswith("head") for leaf in self.leaves):
+        if self.separate_head:
             n -= self.vocab * self.d_model  # the embedding lookup is no matmul (tied: the table is the head)
         if self.n_experts:
             per_expert = 3 * self.d_model * self.expert_d_ff
@@ -538,7 +543,7 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
             stacked_split = inv.stacked_local * split / inv.local if inv.local else 0.0
             rest, layers = split - stacked_split, stacked_split
             lookup = sharded_lookup(model, layout)
-            if lookup and any(leaf.path.endswith("head") for leaf in model.leaves):
+            if lookup and model.separate_head:
                 rest -= model.vocab * d  # the table is used nowhere else: neither gathered nor reduce-scattered
             scattered = rest + layers
             if layout.zero >= 2:
@@ -792,7 +797,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     grads = G * (inv.sharded if z >= 2 else inv.local)
     per_layer = inv.stacked_local / max(model.scan_depth / layout.pipe, 1)
     outside = inv.local - inv.stacked_local  # gathered and differentiated whole under ZeRO-2/3
-    if sharded_lookup(model, layout) and any(leaf.path.endswith("head") for leaf in model.leaves):
+    if sharded_lookup(model, layout) and model.separate_head:
         outside -= model.vocab * model.d_model  # except a table looked up in its shards (its gradient stays one)
     transient = G * (per_layer + outside) if z >= 2 else 0.0  # one layer's whole gradient
     if (layout.grad_accum > 1 or layout.pipe > 1) and G < 4:

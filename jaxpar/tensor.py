@@ -129,7 +129,7 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
 def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logical=RESIDUAL):
     """Rows of `table` for `tokens`; a table split along the vocabulary is looked up shard by shard and summed.
 
-    Under ZeRO-3 the table is not gathered for this: each data rank looks up the
+    Under ZeRO-2/3 the table is not gathered for this: each data rank looks up the
     whole data group's tokens in the rows it holds and the rows are summed back
     to each rank's batch (a token gather and a reduce-scatter of activations,
     against gathering the table and reduce-scattering its whole gradient), as

@@ -273,8 +273,8 @@ def gather_params(params, specs=None, dtype=None):
                 _remember(low, x, Use(None, cast))
             return low
         whole = gather(low, entries)
-        if _dim_over_data(entries) == 0 and (registry := _registry.get()) is not None:
-            registry["rows", id(whole)] = (whole, low, _zero_axes(entries[0]))
+        if _dim_over_data(entries) == 0:
+            _remember(whole, low, _zero_axes(entries[0]), kind="rows")
         if x.ndim > 1 and _dim_over_data(entries) != 0:
             _remember(whole, x, Use(entries[1:], cast))
         return whole
@@ -321,24 +321,23 @@ def sum_gradients(grads, grad_specs):
 
 # id(array) -> (array, what it was made from (its fp32 shard over data), the `Use` that makes one layer of
 # it). The array itself is kept so that its id cannot be reused while the trace runs.
-_registry: contextvars.ContextVar[dict[int, tuple] | None] = contextvars.ContextVar("jaxpar_zero_layers", default=None)
+_registry: contextvars.ContextVar[dict[tuple[str, int], tuple] | None] = contextvars.ContextVar("jaxpar_zero_layers", default=None)
 
 
-def _remember(array, source, use: Use) -> None:
+def _remember(array, source, use, kind: str = "use") -> None:
     registry = _registry.get()
     if registry is not None:
-        registry[id(array)] = (array, source, use)
+        registry[kind, id(array)] = (array, source, use)
 
 
-def _lookup(array):
-    found = (_registry.get() or {}).get(id(array))
+def _lookup(array, kind: str = "use"):
+    found = (_registry.get() or {}).get((kind, id(array)))
     return found[1:] if found is not None and found[0] is array else None
 
 
 def held_rows(array):
     """(the shard `array` was gathered from along its first dimension, as it is used; the ZeRO axes) or None."""
-    found = (_registry.get() or {}).get(("rows", id(array)))
-    return found[1:] if found is not None and found[0] is array else None
+    return _lookup(array, kind="rows")
 
 
 def layer_sources(stacked):
