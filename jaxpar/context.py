@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from typing import TYPE_CHECKING
 
 import jax
@@ -18,6 +19,18 @@ if TYPE_CHECKING:
     from jaxpar.plan import Plan
 
 _active: contextvars.ContextVar[Plan | None] = contextvars.ContextVar("jaxpar_plan", default=None)
+# jax caches what it traces (jit, eval_shape, scan and checkpoint bodies) by the function, not by jaxpar's plan:
+# a model's module-level function traced under one plan would be reused under another (sequence parallelism
+# changes its shapes). Tracing under a plan therefore sets this jax user context to the plan's own key.
+_traced_under = jax.make_user_context(None)
+_keys = itertools.count()
+
+
+def _key_of(plan: Plan) -> int:
+    """A number unique to this plan object for the life of the process (a Plan holds dicts: unhashable)."""
+    if "_trace_key" not in plan.__dict__:
+        object.__setattr__(plan, "_trace_key", next(_keys))
+    return plan.__dict__["_trace_key"]
 
 
 def active_plan() -> Plan | None:
@@ -30,7 +43,7 @@ def activate(plan: Plan):
     """Make `plan` the active plan and its mesh jax's current mesh while the body runs."""
     token = _active.set(plan)
     try:
-        with jax.set_mesh(plan.mesh):
+        with jax.set_mesh(plan.mesh), _traced_under(_key_of(plan)):
             yield
     finally:
         _active.reset(token)

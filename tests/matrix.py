@@ -48,7 +48,7 @@ OPTIONS: dict[str, tuple] = {
     "zero": (0, 1, 2, 3),
     "tensor_form": ("annotation", "explicit"),
     "sequence_parallel": (False, True),
-    "schedule": ("gpipe", "1f1b", "interleaved"),
+    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1"),
     "grad_accum": (1, 2),
     "remat": ("none", "full", "selective"),
     "precision": ("fp32", "bf16", "fp16", "bf16-params"),

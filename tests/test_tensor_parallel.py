@@ -1,5 +1,6 @@
 """Megatron tensor and sequence parallelism: both layer forms train like one device and communicate as Megatron says."""
 
+import dataclasses
 import functools
 import math
 
@@ -245,3 +246,17 @@ def test_sequence_not_divisible_under_sequence_parallelism_fails_before_compilin
 def test_plan_rejects_unknown_tensor_form():
     with pytest.raises(ValueError, match="tensor_form must be one of"):
         Plan.create("tensor=8", tensor_form="gspmd")
+
+
+def test_a_second_plan_traces_the_model_afresh():
+    """jax caches a trace by its function, and the model's embedding is a module-level function whose output is
+    split along the sequence under sequence parallelism: a pipelined step built next, under a plan without it,
+    must not reuse that shape (it did: the loss head got half the positions and failed to trace)."""
+    config = dataclasses.replace(CONFIG, n_layers=4)
+    model, state = init_state(lambda: Llama(config, nnx.Rngs(0)), OPTIMIZER, single_device_plan())
+    state = copy_state(state)
+    ref_losses = run(model, state, single_device_plan())[1]
+    for sequence_parallel in (True, False):
+        plan = make_plan("data=2,tensor=2,pipe=2", tensor_form="explicit", sequence_parallel=sequence_parallel)
+        losses = run(model, state, plan)[1]
+        assert np.max(np.abs(losses / ref_losses - 1)) <= 1e-5, sequence_parallel
