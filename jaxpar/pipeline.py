@@ -666,8 +666,10 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             return jax.tree.map(lambda a, ref: a.astype(ref.dtype), tree, like)
 
         d_chunks = jax.tree.map(lambda a: a[None], cast(carry["d_stage"], local))
-        d_embed = cast(_sum_over_stages(carry["d_embed"]), embed_params)
-        d_head = cast(_sum_over_stages(carry["d_head"]), head_params)
+        # Cast before the sum: one fewer table-sized f32 buffer after the loop (XLA:CPU kept the sum and its
+        # cast apart: pp2 x dp4 on MaxText's model, 394.0 -> 369.7 MB); the embedding's is exact (one stage adds).
+        d_embed = _sum_over_stages(cast(carry["d_embed"], embed_params))
+        d_head = _sum_over_stages(cast(carry["d_head"], head_params))
         loss = (jax.lax.psum(carry["loss"], AXIS) / (m * p)).astype(loss_dtype)
         sums = jax.tree.map(lambda s: s / m, _sum_over_stages(carry["sums"]))
         return (stages.with_aux(loss, sums), sums), (d_embed, d_chunks, d_head)
