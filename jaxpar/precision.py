@@ -16,6 +16,13 @@ Adam moments: (2 + 2)Psi + 12Psi/N, ZeRO's P_os. The step updates each rank's
 master shard and all-gathers its 2-byte cast. `Optimizer.zero` is the ZeRO
 stage that acts on the state (`for_plan`), so every caller agrees on the layout.
 
+Gradients are summed over the data ranks in the compute dtype: 2 bytes per
+parameter on the wire (half of fp32's) and no fp32 copy of the summed
+gradients beside the update (a rank's gradient of one 2-byte use is 2-byte
+anyway; the sums are rounded, the cross-rank one once where the collective
+adds in fp32, as XLA:CPU's does). The optimizer casts them to the parameters'
+dtype.
+
 `fp16` also scales the loss so small gradients survive its narrow range,
 skipping a step (and halving the scale) whenever a gradient overflows.
 `bf16-params` holds and updates bf16 parameters.
@@ -116,10 +123,9 @@ class Optimizer:
         return state.loss_scale.scale if self.policy.loss_scaling else None
 
     def grad_norm(self, grads) -> jax.Array:
-        """The global gradient norm `apply` reports (in fp32 under a master); without loss scaling only."""
-        if self.master:
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return optax.tree.norm(grads)
+        """The global gradient norm `apply` reports, summed in fp32 (the gradients may be 2-byte); without loss
+        scaling only."""
+        return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)), grads))
 
     def updated_master(self, grads, state):
         """(new fp32 master, new state, metrics) under ZeRO-1's master: the step casts and gathers the params."""

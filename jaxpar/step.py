@@ -132,8 +132,8 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     backward scan produces them: no full-size gradient ever exists.
     `loss_scale` multiplies the loss before differentiation (fp16). The
     model computes with the parameters cast to the plan's compute dtype where
-    they are used (`jaxpar.zero.gather_params`), so the gradients come back
-    in the dtype the parameters are held in.
+    they are used (`jaxpar.zero.gather_params`), and the gradients are summed
+    and come back in that dtype (`_to`; the optimizer casts them).
 
     A model with variables besides its parameters (BatchNorm statistics) or
     random numbers (dropout, a loss_fn taking `rngs`) runs on the global
@@ -191,12 +191,28 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
         (loss, aux, grads), carried = one_microbatch(batch, carried)
     else:
         (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
+    grads = _to(grads, dtype)
     if over_data:
         grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs)
         loss, aux = zero.mean((loss, aux))
     if k > 1:
         loss, aux = loss / k, jax.tree.map(lambda x: x / k, aux)
     return loss, aux, grads, carried[1]
+
+
+def _to(grads, dtype):
+    """Gradients in the compute dtype (None: as they are): summed over the batch ranks and returned in it.
+
+    A rank's gradient of one 2-byte use is 2-byte already (the fp32 view is
+    the transpose of the cast); its sums over microbatches or over tied uses
+    and the cross-rank sum are rounded. The sum moves 2 bytes per parameter, as
+    ZeRO-2/3's reduce-scatters (the transposes of 2-byte gathers) do, and the
+    optimizer casts it to fp32 inside its update, so no fp32 copy of the summed
+    gradients is kept (`Optimizer.apply`).
+    """
+    if dtype is None:
+        return grads
+    return jax.tree.map(lambda g: g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
 
 
 def _accumulate(one_microbatch: Callable, batch: dict, k: int, carried):
