@@ -11,7 +11,7 @@ backward pass gathers nothing), while ZeRO-3 gathers each layer again and holds 
 The formulas count P, G and K bytes per parameter for the parameters, gradients and optimizer
 state of the dtypes used, Psi parameters and N data ranks:
 (P+G+K)Psi, (P+G)Psi + K Psi/N, P Psi + (G+K)Psi/N and (P+G+K)Psi/N. Under bf16/fp16 jaxpar holds
-fp32 parameters once (4 + 4 + 8) at ZeRO-0/2/3, and at ZeRO-1, whose parameters are whole on every
+fp32 parameters once and 2-byte gradients (4 + 2 + 8) at ZeRO-0/2/3, and at ZeRO-1, whose parameters are whole on every
 rank, 2-byte parameters and an fp32 master sharded with Adam's moments (2 + 2 + 12, ZeRO's P_os;
 issue 16: the step's arguments at data=8 on a 655,680-parameter model 3.28 -> 2.30 MB, temp
 5.07 -> 4.34 MB). P and K are read from each stage's own state.

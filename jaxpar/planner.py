@@ -295,14 +295,14 @@ def _fmt(v) -> str:
 def state_bytes_per_param(precision: str, zero: int = 0) -> tuple[int, int, int]:
     """(P, G, K): bytes per parameter of the parameters, gradients and AdamW state (ZeRO's notation).
 
-    fp32, and bf16/fp16 at ZeRO-0/2/3, which hold fp32 parameters and compute
-    with 2-byte casts (jaxpar.precision): 4 + 4 + 8 (two moments). Under
-    ZeRO-1 bf16/fp16 hold the paper's 2 + 2 + 12: the 2-byte parameters whole,
-    the fp32 master sharded with the moments. bf16-params: 2 + 2 + 4.
+    fp32: 4 + 4 + 8 (two moments). bf16/fp16 at ZeRO-0/2/3 hold fp32 parameters,
+    compute with 2-byte casts and sum the gradients in 2 bytes (jaxpar.precision):
+    4 + 2 + 8. Under ZeRO-1 they hold the paper's 2 + 2 + 12: the 2-byte
+    parameters whole, the fp32 master sharded with the moments. bf16-params: 2 + 2 + 4.
     """
     if zero == 1 and precision in ("bf16", "fp16"):
         return 2, 2, 12
-    return {"fp32": (4, 4, 8), "bf16": (4, 4, 8), "fp16": (4, 4, 8), "bf16-params": (2, 2, 4)}[precision]
+    return {"fp32": (4, 4, 8), "bf16": (4, 2, 8), "fp16": (4, 2, 8), "bf16-params": (2, 2, 4)}[precision]
 
 
 def compute_bytes(precision: str) -> int:
