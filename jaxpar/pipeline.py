@@ -18,8 +18,10 @@ with one `ppermute` each.
   weight-backward for zb-h1) slots of different microbatches and chunks share
   a tick, one scan per segment of ticks with the same slot kinds. Each stage
   keeps the VJP residuals of its (microbatch, chunk) pairs in flight in a ring
-  buffer whose rows the table assigns (2p - 1 for 1f1b, about 2p chunk-sized
-  ones for interleaved), whatever m is (zb-h1 also up to p saved cotangents).
+  buffer whose rows the table assigns (2p - 2 for 1f1b and zb-h1, fewer
+  stages' worth of chunk-sized ones for interleaved), whatever m is; zb-h1
+  keeps its cotangents from B to W in rows of that ring no residuals hold at
+  the time.
   Loss and gradients come out of these scans, wrapped in a `jax.custom_vjp`
   so the train step differentiates it like any loss. Without differentiation
   only the forward ticks run (`_forward_loss`).
@@ -376,8 +378,10 @@ class _ResidualRing:
 
     A row no residual set holds for a while can keep a cotangent from a B slot
     to its W slot (zb-h1): it goes into `holder`, a residual buffer whose row
-    ends in an activation's shape and dtype, at index 0 of the row's leading
-    dims (None: no buffer can hold one, the cotangents get a buffer of their own).
+    ends in an activation's shape and dtype (and varies over the same axes),
+    at index 0 of the row's leading dims, so it keeps the activation's layout
+    and sharding (None: no buffer can hold one, the cotangents get a buffer of
+    their own).
     """
 
     def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float):
@@ -489,17 +493,28 @@ def _add_at(total, part, k, v: int):
 def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """The executor of an action table (1f1b, interleaved, zb-h1): one scan per segment, loss and all gradients.
 
-    A tick runs the slots its segment has, each on its chunk for the
-    microbatch the stage's table gives (EMPTY: idle): F (forward; its VJP
-    residuals go into the ring row the table gives), the loss head on the last
-    stage's output of the last chunk, B or BW (backward from the stored
-    residuals; BW also accumulates the weight gradients, B saves its cotangent
-    for a later W), and W (the stored VJP replayed on the saved cotangent,
-    parameter part only). Every slot runs under `lax.cond`, only when it holds
-    a microbatch, so a bubble slot costs no compute at run time (the compiled
-    FLOPs still count each slot's work on every tick); an idle slot hands on
-    `fill`, and as it neither stores nor loads, the ring needs no scratch row
-    (a stage whose layers permute masks its slots instead: `per_slot`). Under B and W the
+    A tick runs the slots its segment has, in `jaxpar.schedule.ORDER`, each on
+    its chunk for the microbatch the stage's table gives (EMPTY: idle): F
+    (forward; its VJP residuals go into the ring row the table gives), the loss
+    head on the last stage's output of the last chunk, B or BW (backward from
+    the stored residuals; BW also accumulates the weight gradients, B keeps
+    its cotangent for a later W in the ring row the table gives), and W (the
+    stored VJP replayed on the kept cotangent, or in its B's tick on the one
+    that B takes, parameter part only). F and W have two places in a tick, a
+    stage running each slot at the one `Schedule.places` gives (the other is
+    idle there): the last chunk's forward before the head and its backward,
+    every other forward after the backward slots, whose freed rows it takes in
+    the same tick. A slot that writes the ring after others read it in the
+    tick writes at an index computed from what they return (`_after`), so XLA
+    updates the ring in place. Every slot runs under `lax.cond`, only when it
+    holds a microbatch, so a bubble slot costs no compute at run time (the
+    compiled FLOPs still count each slot's work on every tick, once for a
+    slot's two places); an idle slot hands on `fill`, and as it neither
+    stores nor loads, the ring needs no scratch row. A stage whose layers
+    permute masks its slots instead (`per_slot`): it computes each slot once
+    per tick (forward, head, backward, W) and writes the ring after all of
+    them, a backward taking the residuals its forward made in the tick as
+    they are (`masked_tick_of`). Under B and W the
     cond also keeps their residual copies from being live together (XLA would
     slice both out of the ring before either ran). Collectives inside a stage
     (tensor, ZeRO gathers over data, expert all_to_all) run inside the

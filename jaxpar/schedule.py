@@ -11,10 +11,12 @@ executes these tables; this module also measures their bubble and draws them.
   2p - 2 - i + j (the last stage runs the loss head and the backward in the
   tick of the forward). Ticks split into warm-up (forward only), steady
   (forward and backward) and cool-down (backward only) phases. Stage 0
-  keeps 2p - 1 microbatches' residuals, not canonical 1F1B's p: a lockstep
+  keeps 2p - 2 microbatches' residuals, not canonical 1F1B's p: a lockstep
   tick holds a forward and a backward slot and moves each value one hop, so
   microbatch j's cotangent is back on stage 0 2(p - 1) ticks after its
-  forward, while stage 0 starts a forward on every steady tick. Canonical
+  forward, while stage 0 starts a forward on every steady tick; it starts
+  that of j + 2p - 2 after the backward of j, in the tick of that backward,
+  in the ring row the backward has just freed (`ORDER`). Canonical
   1F1B hops once per slot, not per tick. Doing that in lockstep means a tick
   that is a forward on some stages and a backward on others. Each stage runs
   only its own slot (`jaxpar.pipeline` runs slots under `lax.cond`), but the
@@ -22,7 +24,7 @@ executes these tables; this module also measures their bubble and draws them.
   (about two forwards) on every stage: the steady phase takes 2m backward-long
   ticks against m ticks of a forward and a backward, a third longer.
   Starting stage 0's forwards on every other tick instead doubles the steady
-  phase. Either costs more than the p - 1 extra residual sets save.
+  phase. Either costs more than the p - 2 extra residual sets save.
 - interleaved (Megatron's interleaved 1F1B in lockstep): each device holds v
   chunks, ring position k*p + i on device i. Microbatches go round the ring in
   groups of p: stage i runs the forward of slot u = t - i, u = g*v*p + k*p + s
@@ -37,13 +39,25 @@ executes these tables; this module also measures their bubble and draws them.
   gradient (W) of j on tick 2p - 2 + j, when stage 0 runs its B of j: stage
   i defers its W's by i ticks, which fills the ticks where 1F1B runs no
   backward on stage 0 (W slots run on m ticks only, 1F1B's fused backward
-  on m + p - 1).
+  on m + p - 1). Stage i keeps i cotangents from B to W where it keeps i
+  residual sets fewer than stage 0, so they take ring rows no set holds, and
+  stage 0's W takes the cotangent its B of the same microbatch takes: the
+  ring has 1F1B's rows (for m >= 2p - 2; with fewer microbatches the
+  cotangents that find no free row get a buffer of their own).
+
+Within a tick a stage runs its slots in `ORDER`: a weight-backward first,
+then the forward of a last chunk, the loss head and the backward that takes
+its cotangent, then every other forward. Slots that free ring rows (W, B or
+BW reading residuals for the last time) so run before the slots that take
+them (F, and B keeping a cotangent), in the same tick, wherever the data
+allow; `Schedule.places` says which of its kind's places each slot runs at.
 
 Schedules with an explicit backward are data: `Schedule.actions` maps each
 slot kind (F forward, BW fused backward, B input-backward, W weight-backward)
 to a [ticks, stages] table of microbatches (EMPTY: idle), `Schedule.chunks`
 to the chunk each slot runs, `Schedule.rows` to the residual-ring row it
-writes or reads (rows reused as soon as a slot is free), and
+writes or reads (a row freed by a slot is taken by a later slot, of the same
+tick too; `Schedule.ring_layout`), and
 `Schedule.segments` cuts the ticks into phases with the same slot kinds;
 `Schedule.loops` cuts them further where the loss head starts or stops
 running and folds repeating runs into loops, which `jaxpar.pipeline` runs as
@@ -139,7 +153,7 @@ class Schedule:
 
         Kinds: "F" forward, "BW" fused backward (input and weight gradients),
         "B" input-backward and "W" weight-backward. Within a tick the slots run
-        in the order F, (loss head), B or BW, W.
+        in `ORDER`, each at its kind's place `places` gives.
         """
         return self._generated[0]
 
@@ -402,7 +416,8 @@ class Schedule:
 
     @property
     def live_microbatches(self) -> float:
-        """in_flight in whole-stage units (a chunk's residuals are 1/v of a stage's)."""
+        """in_flight in whole-stage units (a chunk's residuals are 1/v of a stage's): the ring's rows, zb-h1's
+        kept cotangents included (they take rows no residual set holds at the time)."""
         return self.in_flight / self.virtual_stages
 
     def summary(self) -> dict:
@@ -410,7 +425,7 @@ class Schedule:
             "schedule": self.name, "stages": self.stages, "microbatches": self.microbatches,
             "virtual_stages": self.virtual_stages, "ticks": self.ticks, "bubble": self.bubble,
             "bubble_formula": self.bubble_formula, "in_flight": self.in_flight,
-            "live_microbatches": self.live_microbatches,
+            "live_microbatches": self.live_microbatches, "cotangents_in_flight": self.cotangents_in_flight,
         }
 
 
@@ -551,7 +566,12 @@ def _residuals(schedule: Schedule) -> str:
     if not schedule.explicit_backward:
         return f"residuals kept: all {schedule.microbatches} microbatches' (autodiff of the tick scan)"
     chunks = f" ({schedule.in_flight} chunk-sized sets)" if schedule.virtual_stages > 1 else ""
-    return f"residuals kept: at most {schedule.live_microbatches:g} microbatches' per stage{chunks}"
+    text = f"residuals kept: at most {schedule.live_microbatches:g} microbatches' per stage{chunks}"
+    if schedule.cotangents_in_flight:
+        extra = schedule.ring_layout().cotangent_buffer_rows
+        text += f"; up to {schedule.cotangents_in_flight} cotangents kept from B to W, in ring rows no residuals hold"
+        text += f" ({extra} rows of their own where none is free)" if extra else ""
+    return text
 
 
 def save_png(schedule: Schedule, path: str) -> None:
