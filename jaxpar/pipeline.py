@@ -692,14 +692,11 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                     j != EMPTY, work, lambda buffers, total, dy: (jnp.full_like(dy, fill), total),
                     carry["ring"], carry["d_stage"], cotangent)
             else:
-                def work(buffers, saved, dy, mask):
+                def work(buffers, dy, mask):
                     dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[1]
-                    kept = keep_cotangent(buffers, saved, _after(s["saved"], dx), dy, True)  # read, then write
-                    return (mask(dx, jnp.full_like(dx, fill)), *kept)
+                    return mask(dx, jnp.full_like(dx, fill))
 
-                dx, carry["ring"], carry["saved"] = per_slot(
-                    j != EMPTY, work, lambda buffers, saved, dy: (jnp.full_like(dy, fill), buffers, saved),
-                    carry["ring"], carry["saved"], cotangent)
+                dx = per_slot(j != EMPTY, work, lambda buffers, dy: jnp.full_like(dy, fill), carry["ring"], cotangent)
             into_embedding(carry, j, k, dx)
             return dx
 
@@ -755,9 +752,11 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                             weight_slot(carry, s, carry["bwd_in"] if place == 0 else handed)
                         reads.append(carry["d_stage"])
                     else:
-                        if kind == "B":
-                            s["saved"], reads = _after(s["saved"], reads), []
                         handed = incoming_of(carry, s, head, dy)
+                        if kind == "B":  # the cotangent it takes, kept for a W in a later tick, before it runs
+                            carry["ring"], carry["saved"] = keep_cotangent(
+                                carry["ring"], carry["saved"], _after(s["saved"], reads), handed, s["j"] != EMPTY)
+                            reads = []
                         dx = backward_slot(carry, s, handed, fused=kind == "BW")
                         reads.append((dx, carry["d_stage"]))
                 return permute(carry, kinds, y, dx), None
