@@ -678,9 +678,10 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             """Backward of microbatch j through chunk k from its stored residuals (under `lax.cond`).
 
             fused (BW): the weight gradients too. Otherwise (B) only the input
-            gradient, which XLA prunes the weight matmuls from; the cotangent is
-            kept for the W slot in the row the table gives (none when W runs in
-            this tick: it takes it as it is).
+            gradient, which XLA prunes the weight matmuls from; the tick keeps
+            the cotangent it takes for the W slot (`keep_cotangent`, before the
+            B runs) in the row the table gives (none when W runs in this tick:
+            it takes it as it is).
             """
             j, k, row, q = s["j"], s["k"], s["row"], params_of(s["k"])
             if fused:
