@@ -91,6 +91,25 @@ def test_schedule_with_context_parallelism_matches_single_device(references, nam
     assert max_relative_error(grads, ref_grads) <= 1e-5
 
 
+@pytest.mark.parametrize("pipe, m", [(2, 2), (4, 4)])
+def test_zb_h1_with_its_cotangents_in_a_buffer_of_their_own_matches_single_device(references, monkeypatch, pipe, m):
+    """Where no residual buffer can hold a cotangent, zb-h1 keeps them in a buffer of their own (and at m < 2p - 2,
+    where the ring has no row free for some, those go there): same loss and gradients, NaN-filled bubbles."""
+    model, state, _, batch, ref_loss, ref_grads = references(CONFIG)
+    init = pipeline._ResidualRing.__init__
+
+    def without_holder(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.holder = None
+
+    monkeypatch.setattr(pipeline._ResidualRing, "__init__", without_holder)
+    plan = Plan.create(MESHES[pipe], schedule="zb-h1", microbatches=m)
+    with pipeline.bubble_fill(NAN):
+        loss, grads = gradients(model, state.params, batch, plan)
+    assert relative(loss, ref_loss) <= 1e-5
+    assert max_relative_error(grads, ref_grads) <= 1e-5
+
+
 def forward_only_loss(model, state, batch, plan) -> float:
     """The loss without differentiation (only the forward ticks run), bubbles filled with NaN."""
     params = to_pipeline_order(copy_state(state.params), model.logical, plan)
