@@ -465,21 +465,27 @@ def _permutes(jaxpr) -> bool:
     return False
 
 
-def _after(index, reads):
-    """`index` (an int32 scalar) as XLA must compute it: after the slots that produced `reads`.
+def _after(index, tokens):
+    """`index` (an int32 scalar) as XLA must compute it: after the slots that returned `tokens`.
 
     A slot that writes a row of the ring in a tick after other slots read it
     (a row freed and taken in the same tick) writes at such an index, so XLA
     orders the reads first and updates the ring in place. Without the
     dependency it would copy the whole ring to let the write go first (an
-    `optimization_barrier` does not survive until XLA places the copies). The
-    added zero is a float product XLA does not fold, of finite values.
+    `optimization_barrier` does not survive until XLA places the copies). A
+    token is a float scalar a slot's `lax.cond` returns (`_token`): the
+    added zero, a product with it XLA does not fold, needs no communication.
     """
-    leaves = [jnp.ravel(x)[0].astype(jnp.float32) for x in jax.tree.leaves(reads)]
-    if not leaves:
+    if not tokens:
         return index
-    zero = sum(jnp.abs(jnp.nan_to_num(x)) for x in leaves) * 0
-    return index + zero.astype(index.dtype)
+    return index + (sum(tokens) * 0).astype(index.dtype)
+
+
+def _token(index, live: bool):
+    """What a reading slot's branch returns for `_after`: its index where it runs, -1 where it idles (unlike
+    values, so XLA cannot take it out of the `lax.cond`)."""
+    value = index.astype(jnp.float32)
+    return value if live else value * 0 - 1
 
 
 def _add_at(total, part, k, v: int):
@@ -687,19 +693,20 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             if fused:
                 def work(buffers, total, dy, mask):
                     d_params, dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))
-                    return mask(dx, jnp.full_like(dx, fill)), _add_at(total, mask(d_params), k, v)
+                    return mask(dx, jnp.full_like(dx, fill)), _add_at(total, mask(d_params), k, v), _token(row, True)
 
-                dx, carry["d_stage"] = per_slot(
-                    j != EMPTY, work, lambda buffers, total, dy: (jnp.full_like(dy, fill), total),
+                dx, carry["d_stage"], token = per_slot(
+                    j != EMPTY, work, lambda buffers, total, dy: (jnp.full_like(dy, fill), total, _token(row, False)),
                     carry["ring"], carry["d_stage"], cotangent)
             else:
                 def work(buffers, dy, mask):
                     dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[1]
-                    return mask(dx, jnp.full_like(dx, fill))
+                    return mask(dx, jnp.full_like(dx, fill)), _token(row, True)
 
-                dx = per_slot(j != EMPTY, work, lambda buffers, dy: jnp.full_like(dy, fill), carry["ring"], cotangent)
+                dx, token = per_slot(j != EMPTY, work, lambda buffers, dy: (jnp.full_like(dy, fill), _token(row, False)),
+                                     carry["ring"], cotangent)
             into_embedding(carry, j, k, dx)
-            return dx
+            return dx, token
 
         def weight_slot(carry, s, handed):
             """Weight gradients of microbatch j: its stored VJP replayed on its kept cotangent, parameter part only.
@@ -712,10 +719,11 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             def replay(buffers, saved, total, handed, mask):
                 dy = kept_cotangent(buffers, saved, s["saved"], handed)
                 d_params = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[0]
-                return _add_at(total, mask(d_params), k, v)
+                return _add_at(total, mask(d_params), k, v), _token(row, True)
 
-            carry["d_stage"] = per_slot(j != EMPTY, replay, lambda _, __, total, ___: total, carry["ring"],
-                                        carry["saved"], carry["d_stage"], handed)
+            carry["d_stage"], token = per_slot(j != EMPTY, replay, lambda _, __, total, ___: (total, _token(row, False)),
+                                               carry["ring"], carry["saved"], carry["d_stage"], handed)
+            return token
 
         def incoming_of(carry, b, head, dy):
             """A backward slot's cotangent: the loss head's on the last stage's last chunk, else the one passed back."""
@@ -750,18 +758,32 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                             y = forward_slot(carry, s, y)
                     elif kind == "W":  # before B, a W in B's tick takes the cotangent B is about to take
                         with scope:
-                            weight_slot(carry, s, carry["bwd_in"] if place == 0 else handed)
-                        reads.append(carry["d_stage"])
+                            reads.append(weight_slot(carry, s, carry["bwd_in"] if place == 0 else handed))
                     else:
                         handed = incoming_of(carry, s, head, dy)
                         if kind == "B":  # the cotangent it takes, kept for a W in a later tick, before it runs
                             carry["ring"], carry["saved"] = keep_cotangent(
                                 carry["ring"], carry["saved"], _after(s["saved"], reads), handed, s["j"] != EMPTY)
                             reads = []
-                        dx = backward_slot(carry, s, handed, fused=kind == "BW")
-                        reads.append((dx, carry["d_stage"]))
+                        dx, token = backward_slot(carry, s, handed, fused=kind == "BW")
+                        reads.append(token)
                 return permute(carry, kinds, y, dx), None
             return tick
+
+        def fenced(always, fn: Callable, index, *operands):
+            """(fn(*operands), its `_token`) from a `lax.cond` on `always`, which holds on every device.
+
+            Every device takes the same branch, so collectives inside fn (ring
+            attention's permutes) still meet, and the token orders the ring's
+            writes after fn's reads without communication.
+            """
+            shapes = jax.eval_shape(fn, *operands)
+
+            def idle(*_):
+                zeros = jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype), varying_axes(a)), shapes)
+                return zeros, _token(index, False)
+
+            return jax.lax.cond(always, lambda *a: (fn(*a), _token(index, True)), idle, *operands)
 
         def masked_tick_of(kinds: tuple[str, ...], head: bool):
             """One tick of a stage whose layers permute: every slot computed once and masked, in the order F,
@@ -770,7 +792,9 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             def tick(carry, tables):
                 carry, writes = dict(carry), []
                 slot = {key: {name: table[stage] for name, table in columns.items()} for key, columns in tables.items()}
-                y = dx = dy = handed = None
+                y = dx = dy = handed = token = None
+                # True on every device (a predicate of the whole tables), which XLA cannot know: see `fenced`.
+                always = jnp.all(jnp.stack([columns["j"] for columns in tables.values()]) >= EMPTY)
                 if "F" in kinds:
                     f = slot["F", None]
                     live_f, q = f["j"] != EMPTY, params_of(f["k"])
@@ -790,10 +814,12 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                         stored = [jnp.where(now, new, old) for new, old in zip(fresh, stored)]
                     handed = mask(incoming_of(carry, b, head, dy))
                     if back == "BW":
-                        d_params, dx = ring.vjp(stored, q)(cotangent_of(handed))
+                        (d_params, dx), token = fenced(
+                            always, lambda st, h: ring.vjp(st, q)(cotangent_of(h)), b["row"], stored, handed)
                         carry["d_stage"] = _add_at(carry["d_stage"], mask(d_params), b["k"], v)
                     else:
-                        dx = ring.vjp(stored, q)(cotangent_of(handed))[1]
+                        dx, token = fenced(
+                            always, lambda st, h: ring.vjp(st, q)(cotangent_of(h))[1], b["row"], stored, handed)
                         writes.append(lambda c, reads, b=b, dy=handed, live=live_b: c.update(zip(
                             ("ring", "saved"), keep_cotangent(c["ring"], c["saved"], _after(b["saved"], reads), dy,
                                                               live))))
@@ -802,11 +828,15 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                 if "W" in kinds:
                     w = slot["W", None]
                     live_w, q = w["j"] != EMPTY, params_of(w["k"])
-                    cotangent = kept_cotangent(carry["ring"], carry["saved"], w["saved"], handed)
-                    d_params = ring.load(carry["ring"], w["row"], q)(cotangent_of(masker(live_w)(cotangent)))[0]
+                    def replay(buffers, saved, handed):
+                        cotangent = kept_cotangent(buffers, saved, w["saved"], handed)
+                        return ring.load(buffers, w["row"], q)(cotangent_of(masker(live_w)(cotangent)))[0]
+
+                    d_params, w_token = fenced(always, replay, w["row"], carry["ring"], carry["saved"], handed)
                     carry["d_stage"] = _add_at(carry["d_stage"], masker(live_w)(d_params), w["k"], v)
+                    token = w_token if token is None else token + w_token
                 for write in writes:  # after every read of the ring in this tick
-                    write(carry, [dx, carry["d_stage"]])
+                    write(carry, [] if token is None else [token])
                 return permute(carry, kinds, y, dx), None
             return tick
 
