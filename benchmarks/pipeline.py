@@ -10,24 +10,42 @@
   outside the tick loops (none: the state holds the layers in the schedule's order, jaxpar.layer_order);
 - the temp memory of the compiled step for m = 8, 16, 32 at a fixed microbatch size, side by side.
 
-Measured 2026-11-30 and again, unchanged, 2026-12-01 with the layers held in pipeline order (jax 0.10.2,
-XLA:CPU, tiny model with 8 layers, seq 32); zb-h1 again 2026-12-01 with its B and W slots under `lax.cond`,
-and 1f1b, interleaved and zb-h1 again 2026-12-01 with every slot (F, head, BW) under `lax.cond`:
+Measured 2026-12-01 (XLA:CPU, tiny model with 8 layers, seq 32, the layers held in pipeline order, every
+slot under `lax.cond`), with a tick's slots in `jaxpar.schedule.ORDER`: a slot that frees ring rows before one
+that takes them, in the same tick. jax 0.10.2 (jax 0.12.0.1 where it differs):
 
                 temp MiB, m = 8 / 16 / 32   m=32 / m=8   matmul FLOPs / unpipelined (formula), m = 8 / 16 / 32
     gpipe        10.06 / 16.11 / 28.21       2.80        1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
-    1f1b          4.81 /  4.81 /  4.82       1.001       1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
-    interleaved   3.91 /  3.92 /  3.92       1.002       1.179 / 1.089 / 1.045  (1.188 / 1.094 / 1.047)
-    zb-h1         4.85 /  4.85 /  4.85       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
+    1f1b          4.35 /  4.35 /  4.36       1.001       1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
+    interleaved   3.82 /  3.83 /  3.83       1.002       1.179 / 1.089 / 1.045  (1.188 / 1.094 / 1.047)
+                  (3.56 /  3.56 /  3.56 with jax 0.12)
+    zb-h1         4.36 /  4.36 /  4.36       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
 
-Residual rings: 1f1b and zb-h1 keep 7 stage-sized sets, interleaved 11 chunk-sized ones (5.5
-stages' worth), gpipe every tick's. With F and BW masked, not under `lax.cond`, 1f1b and interleaved
-needed one more, scratch, row for their empty slots: 5.25 / 5.25 / 5.25 and 4.11 / 4.15 / 4.15 MiB. zb-h1 was 5.64 / 5.64 / 5.65 MiB with B and W
+In bytes at m = 8 / 16 / 32 (jax 0.10.2): 1f1b 4561056 / 4563232 / 4567584, interleaved 4008264 / 4011856 /
+4015952, zb-h1 4567968 / 4570144 / 4574496; jax 0.12: 1f1b 4567328 / 4567456 / 4567712, interleaved 3734984 /
+3736656 / 3736656, zb-h1 4574400 / 4574528 / 4574784.
+
+Residual rings: 1f1b and zb-h1 keep 6 stage-sized sets (2p - 2), interleaved 10 chunk-sized ones (5
+stages' worth), gpipe every tick's. With the slots in the order F, head, B or BW, W (a row freed in a
+tick taken in the next) they kept 7 and 11: 1f1b 4.81 / 4.81 / 4.82, interleaved 3.91 / 3.92 / 3.92 MiB
+(jax 0.12: 3.65 / 3.66 / 3.66), zb-h1 4.85 / 4.85 / 4.85 MiB (its up to p cotangents from B to W in a
+buffer of their own, 4 x 8 KiB). zb-h1 now keeps them in ring rows no residual set holds (stage i keeps
+i cotangents where it keeps i sets fewer than stage 0; stage 0's W, run before its B of the same
+microbatch, takes the cotangent that B takes), so its ring is 1f1b's, rows and bytes; its temp stays
+6912 B above 1f1b's (7072 B with jax 0.12), less than one activation (8 KiB): XLA's bookkeeping for its
+extra slot (B and W where 1f1b has BW) and its extra scan (ticks with F and B before the first W), seen
+as small buffers (pointer tables of conds and loops) above the peak of the large ones, which is the same
+byte in both. Interleaved saves less than a ring row (0.09 MiB of a 0.24 MiB chunk row): its peak is not
+where the whole ring is. With F and BW masked, not under `lax.cond`, 1f1b and interleaved
+needed one more, scratch, row for their empty slots. zb-h1 was 5.64 / 5.64 / 5.65 MiB with B and W
 masked: XLA sliced both slots' residuals out of the ring (copied into their layer loops) before
-either ran, so both sets were live at once; 4.90 / 4.91 / 4.91 with only B and W under `lax.cond`.
-It is now 0.04 MiB above 1f1b: its up to p saved cotangents (4 x 8 KiB). The FLOPs ratios sit just
+either ran, so both sets were live at once. A slot writing the ring after others read it in its tick
+writes at an index computed from a token their conds return: without that XLA copied the whole ring
+each tick (7.71 MiB for 1f1b at m = 8). A stage whose layers permute (ring attention) computes each
+slot once per tick, masked, and writes the ring after its reads, fenced in a cond every device takes:
+pipe=2 x context=2, m = 4, its temp fell from 2.08 to 1.75 MiB (1f1b), 2.10 to 1.77 MiB (zb-h1). The FLOPs ratios sit just
 below the formula (within 1.5%), and count each slot's work on every tick, bubble slots included,
-which `lax.cond` skips at run time:
+which `lax.cond` skips at run time, once for a slot with two places in a tick (a stage runs it at one):
 the head and embedding are not multiplied by the bubble (interleaved runs its head only on ticks
 with a last chunk's output; running it on every steady tick put it 1.3 / 2.9 / 3.8% above the
 formula). zb-h1's W slot replays the stage's stored VJP, which recomputes the input-gradient chain,

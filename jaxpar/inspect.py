@@ -86,13 +86,28 @@ def _split_computations(text: str) -> dict[str, list[str]]:
 
 
 def _execution_counts(computations: dict[str, list[str]]) -> dict[str, int]:
-    """How many times each computation runs per step, following calls and while loops."""
+    """How many times each computation runs per step, following calls and while loops.
+
+    Every branch of a conditional counts as running (an upper bound), except
+    that of the pipeline's conditionals of one slot kind at its places in a
+    tick (`jaxpar.pipeline.PLACE_SCOPE`) only the first counts: a stage runs
+    the slot at one of them.
+    """
+    from jaxpar.pipeline import PLACE_SCOPE
+
+    place = re.compile(r'op_name="[^"]*/' + PLACE_SCOPE.format(kind=r"(\w+)") + '/cond"')
     entry = computations["__entry__"][0]
     counts: dict[str, int] = collections.defaultdict(int)
 
     def visit(name: str, times: int) -> None:
         counts[name] += times
+        placed = set()
         for line in computations.get(name, []):
+            slot = place.search(line) if " conditional(" in line else None
+            if slot and slot.group(1) in placed:
+                continue
+            if slot:
+                placed.add(slot.group(1))
             trip = _TRIP.search(line)
             for role, callees in _CALLEE.findall(line):
                 multiplier = int(trip.group(1)) if (role == "body" and trip) else 1

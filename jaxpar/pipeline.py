@@ -18,8 +18,10 @@ with one `ppermute` each.
   weight-backward for zb-h1) slots of different microbatches and chunks share
   a tick, one scan per segment of ticks with the same slot kinds. Each stage
   keeps the VJP residuals of its (microbatch, chunk) pairs in flight in a ring
-  buffer whose rows the table assigns (2p - 1 for 1f1b, about 2p chunk-sized
-  ones for interleaved), whatever m is (zb-h1 also up to p saved cotangents).
+  buffer whose rows the table assigns (2p - 2 for 1f1b and zb-h1, fewer
+  stages' worth of chunk-sized ones for interleaved), whatever m is; zb-h1
+  keeps its cotangents from B to W in rows of that ring no residuals hold at
+  the time.
   Loss and gradients come out of these scans, wrapped in a `jax.custom_vjp`
   so the train step differentiates it like any loss. Without differentiation
   only the forward ticks run (`_forward_loss`).
@@ -52,11 +54,14 @@ from jaxpar import attention, layer_order, usage, zero
 from jaxpar.layer_order import stack_in_plan_order
 from jaxpar.plan import active_plan
 from jaxpar.rules import varying_axes
-from jaxpar.schedule import EMPTY, Schedule
+from jaxpar.schedule import EMPTY, ORDER, Schedule
 from jaxpar.step import microbatches
 
 AXIS = "pipe"
 RING_SCOPE = "pipeline_residual_ring"
+# A slot kind with two places in the tick (`jaxpar.schedule.ORDER`) runs its `lax.cond` under this scope,
+# "{kind}" filled in: a stage runs one of them per tick, so `inspect.matmul_flops` counts one.
+PLACE_SCOPE = "pipeline_{kind}_slot"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +375,13 @@ class _ResidualRing:
     stage's chunks again when the VJP is replayed). An idle slot does not
     store (its slot's `lax.cond`), or writes its row back as it was (masked),
     so no scratch row takes its writes and no live row is overwritten.
+
+    A row no residual set holds for a while can keep a cotangent from a B slot
+    to its W slot (zb-h1): it goes into `holder`, a residual buffer whose row
+    ends in an activation's shape and dtype (and varies over the same axes),
+    at index 0 of the row's leading dims, so it keeps the activation's layout
+    and sharding (None: no buffer can hold one, the cotangents get a buffer of
+    their own).
     """
 
     def __init__(self, vjp_of: Callable, params, x, slots: int, fill: float):
@@ -377,32 +389,67 @@ class _ResidualRing:
         leaves, self.treedef = jax.tree.flatten(probe)
         position = {id(a): n for n, a in enumerate(jax.tree.leaves(params))}
         self.param_of_leaf = [position.get(id(leaf)) for leaf in leaves]
+        self.rows = slots
 
         def blank(leaf):
             value = fill if jnp.issubdtype(leaf.dtype, jnp.floating) else 0
             return _varying(jnp.full((slots, *leaf.shape), value, leaf.dtype), varying_axes(leaf) | varying_axes(x))
 
         self.empty = [blank(leaf) for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        self.cotangent_shape = x.shape
+        fits = [n for n, buf in enumerate(self.empty)
+                if buf.dtype == x.dtype and buf.shape[buf.ndim - x.ndim:] == x.shape and buf.ndim > x.ndim
+                and varying_axes(buf) == varying_axes(x)]
+        self.holder = fits[0] if fits and slots else None
 
-    def store(self, buffers: list, row, vjp, params, mask: Callable) -> list:
-        """`buffers` with row `row` holding `vjp`'s residuals: mask(new, old) keeps an idle slot's row as it was."""
+    def residuals(self, vjp, params) -> list:
+        """The per-microbatch leaves of `vjp`: what a row stores."""
         leaves, params = jax.tree.leaves(vjp), jax.tree.leaves(params)
         if len(leaves) != len(self.param_of_leaf) or any(
                 n is not None and leaf is not params[n] for leaf, n in zip(leaves, self.param_of_leaf)):
             raise AssertionError("the stage's VJP changed structure between ticks")
-        stored = [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+        return [leaf for leaf, n in zip(leaves, self.param_of_leaf) if n is None]
+
+    def store(self, buffers: list, row, stored: list, mask: Callable) -> list:
+        """`buffers` with row `row` holding `stored` residuals: mask(new, old) keeps an idle slot's row as it was."""
         kept = [mask(leaf, _row(buf, row)) for buf, leaf in zip(buffers, stored)]
         # Each buffer's own write names it in the compiled step (`inspect.residual_ring_bytes`); their initial
         # values XLA may merge with other arrays'.
         with jax.named_scope(RING_SCOPE):
             return [jax.lax.dynamic_update_index_in_dim(buf, r, row, 0) for buf, r in zip(buffers, kept)]
 
-    def load(self, buffers: list, row, params) -> Callable:
-        """The VJP of a slot's forward, rebuilt from its stored residuals and its chunk's parameters."""
-        params = jax.tree.leaves(params)
-        stored = iter(_row(buf, row) for buf in buffers)
+    def at(self, buffers: list, row) -> list:
+        return [_row(buf, row) for buf in buffers]
+
+    def vjp(self, stored: list, params) -> Callable:
+        """The VJP of a slot's forward, rebuilt from its residuals and its chunk's parameters."""
+        params, stored = jax.tree.leaves(params), iter(stored)
         leaves = [params[n] if n is not None else next(stored) for n in self.param_of_leaf]
         return jax.tree.unflatten(self.treedef, leaves)
+
+    def load(self, buffers: list, row, params) -> Callable:
+        """The VJP of a slot's forward, rebuilt from its stored residuals and its chunk's parameters."""
+        return self.vjp(self.at(buffers, row), params)
+
+    def _corner(self, row):
+        buf = self.empty[self.holder]
+        lead = buf.ndim - len(self.cotangent_shape)
+        return (jnp.clip(row, 0, self.rows - 1), *([0] * (buf.ndim - 1))), (1,) * lead + self.cotangent_shape
+
+    def store_cotangent(self, buffers: list, row, dy, keep) -> list:
+        """`buffers` with ring row `row` of the holder starting with `dy` where `keep`, as it was elsewhere."""
+        start, sizes = self._corner(row)
+        buf = buffers[self.holder]
+        old = jax.lax.dynamic_slice(buf, start, sizes)
+        buffers = list(buffers)
+        with jax.named_scope(RING_SCOPE):
+            buffers[self.holder] = jax.lax.dynamic_update_slice(buf, jnp.where(keep, dy.reshape(sizes), old), start)
+        return buffers
+
+    def load_cotangent(self, buffers: list, row):
+        """The cotangent kept in ring row `row`."""
+        start, sizes = self._corner(row)
+        return jax.lax.dynamic_slice(buffers[self.holder], start, sizes).reshape(self.cotangent_shape)
 
 
 def _permutes(jaxpr) -> bool:
@@ -418,6 +465,29 @@ def _permutes(jaxpr) -> bool:
     return False
 
 
+def _after(index, tokens):
+    """`index` (an int32 scalar) as XLA must compute it: after the slots that returned `tokens`.
+
+    A slot that writes a row of the ring in a tick after other slots read it
+    (a row freed and taken in the same tick) writes at such an index, so XLA
+    orders the reads first and updates the ring in place. Without the
+    dependency it would copy the whole ring to let the write go first (an
+    `optimization_barrier` does not survive until XLA places the copies). A
+    token is a float scalar a slot's `lax.cond` returns (`_token`): the
+    added zero, a product with it XLA does not fold, needs no communication.
+    """
+    if not tokens:
+        return index
+    return index + (sum(tokens) * 0).astype(index.dtype)
+
+
+def _token(index, live: bool):
+    """What a reading slot's branch returns for `_after`: its index where it runs, -1 where it idles (unlike
+    values, so XLA cannot take it out of the `lax.cond`)."""
+    value = index.astype(jnp.float32)
+    return value if live else value * 0 - 1
+
+
 def _add_at(total, part, k, v: int):
     """total[k] += part leaf by leaf: `total` stacks the gradients of a stage's v chunks."""
     if v == 1:
@@ -429,17 +499,28 @@ def _add_at(total, part, k, v: int):
 def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """The executor of an action table (1f1b, interleaved, zb-h1): one scan per segment, loss and all gradients.
 
-    A tick runs the slots its segment has, each on its chunk for the
-    microbatch the stage's table gives (EMPTY: idle): F (forward; its VJP
-    residuals go into the ring row the table gives), the loss head on the last
-    stage's output of the last chunk, B or BW (backward from the stored
-    residuals; BW also accumulates the weight gradients, B saves its cotangent
-    for a later W), and W (the stored VJP replayed on the saved cotangent,
-    parameter part only). Every slot runs under `lax.cond`, only when it holds
-    a microbatch, so a bubble slot costs no compute at run time (the compiled
-    FLOPs still count each slot's work on every tick); an idle slot hands on
-    `fill`, and as it neither stores nor loads, the ring needs no scratch row
-    (a stage whose layers permute masks its slots instead: `per_slot`). Under B and W the
+    A tick runs the slots its segment has, in `jaxpar.schedule.ORDER`, each on
+    its chunk for the microbatch the stage's table gives (EMPTY: idle): F
+    (forward; its VJP residuals go into the ring row the table gives), the loss
+    head on the last stage's output of the last chunk, B or BW (backward from
+    the stored residuals; BW also accumulates the weight gradients, B keeps
+    its cotangent for a later W in the ring row the table gives), and W (the
+    stored VJP replayed on the kept cotangent, or in its B's tick on the one
+    that B takes, parameter part only). F and W have two places in a tick, a
+    stage running each slot at the one `Schedule.places` gives (the other is
+    idle there): the last chunk's forward before the head and its backward,
+    every other forward after the backward slots, whose freed rows it takes in
+    the same tick. A slot that writes the ring after others read it in the
+    tick writes at an index computed from what they return (`_after`), so XLA
+    updates the ring in place. Every slot runs under `lax.cond`, only when it
+    holds a microbatch, so a bubble slot costs no compute at run time (the
+    compiled FLOPs still count each slot's work on every tick, once for a
+    slot's two places); an idle slot hands on `fill`, and as it neither
+    stores nor loads, the ring needs no scratch row. A stage whose layers
+    permute masks its slots instead (`per_slot`): it computes each slot once
+    per tick (forward, head, backward, W) and writes the ring after all of
+    them, a backward taking the residuals its forward made in the tick as
+    they are (`masked_tick_of`). Under B and W the
     cond also keeps their residual copies from being live together (XLA would
     slice both out of the ring before either ran). Collectives inside a stage
     (tensor, ZeRO gathers over data, expert all_to_all) run inside the
@@ -453,12 +534,19 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
     hops = range(p) if v > 1 else range(p - 1)
     forward_ring = [(a, (a + 1) % p) for a in hops]
     backward_ring = [((a + 1) % p, a) for a in hops]
-    actions, chunks, rows = schedule.actions, schedule.chunks, schedule.rows
+    actions, chunks, places = schedule.actions, schedule.chunks, schedule.places
     back = "B" if "B" in actions else "BW"
-    saved_rows = schedule.cotangent_rows if "W" in actions else {}
     f_ticks, b_ticks = schedule._slot_ticks("F"), schedule._slot_ticks(back)
+    w_ticks = schedule._slot_ticks("W") if "W" in actions else b_ticks
     if any(f_ticks[p - 1, j, v - 1] != b_ticks[p - 1, j, v - 1] for j in range(m)):
         raise AssertionError(f"schedule {schedule.name!r}: the last chunk must run a backward in its forward's tick")
+    if "W" in actions and any(w_ticks[key] == t for key, t in f_ticks.items()):
+        raise AssertionError(f"schedule {schedule.name!r}: a W slot in its forward's tick")
+    r_ticks = {key: max(b_ticks[key], w_ticks[key]) for key in f_ticks}  # the last tick that reads the residuals
+    # A stage that permutes writes a forward's residuals into the ring only where a later tick reads them.
+    kept = {"F": np.zeros_like(actions["F"])}
+    for (i, j, k), t in f_ticks.items():
+        kept["F"][t, i] = int(r_ticks[i, j, k] > t)
 
     def body(embed_params, chunk_params, head_params, tokens, targets):
         stage = jax.lax.axis_index(AXIS)
@@ -490,11 +578,22 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         loss_axes = {AXIS} | varying_axes(jax.eval_shape(
             lambda y: stages.head(head_params, *_head_share(y, _row(targets, 0), stage, p)), x0))
         ring = _ResidualRing(lambda q, x: jax.vjp(layers, q, x, has_aux=True)[1], first, x0, schedule.in_flight, fill)
-        saved = schedule.cotangents_in_flight  # zb-h1: cotangents from B to W, in the table's rows
+        # zb-h1's kept cotangents: rows below `share` are ring rows (in the holder buffer), the others rows of a
+        # buffer of their own (only where the ring has no row free, or no residual buffer can hold one).
+        layout = schedule.ring_layout(shared=ring.holder is not None)
+        share = layout.ring_rows if ring.holder is not None else 0
+        rows, kept_rows = layout.rows, layout.cotangent_rows
         permutes = _permutes(jax.make_jaxpr(run)(first, x0).jaxpr)
 
         def cotangent_of(dy):
             return (dy, aux_cotangent) if weighted else dy
+
+        def masker(live):
+            def mask(new, old=None):
+                old = jax.tree.map(jnp.zeros_like, new) if old is None else old
+                return jax.tree.map(lambda a, b: jnp.where(live, a, b), new, old)
+
+            return mask
 
         def per_slot(live, work: Callable, idle: Callable, *operands):
             """work(*operands, mask) in a slot that holds a microbatch (`live`), idle(*operands) in a bubble slot.
@@ -507,26 +606,50 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             """
             if not permutes:
                 return jax.lax.cond(live, lambda *a: work(*a, lambda new, old=None: new), idle, *operands)
+            return work(*operands, masker(live))
 
-            def mask(new, old=None):
-                old = jax.tree.map(jnp.zeros_like, new) if old is None else old
-                return jax.tree.map(lambda a, b: jnp.where(live, a, b), new, old)
+        def keep_cotangent(buffers, saved, c, dy, live):
+            """Ring and cotangent buffer with B's cotangent `dy` kept in row c (none where c is EMPTY)."""
+            if ring.holder is not None and share:
+                buffers = ring.store_cotangent(buffers, c, dy, live & (c >= 0) & (c < share))
+            if saved is not None:
+                b = jnp.clip(c - share, 0, saved.shape[0] - 1)
+                saved = jax.lax.dynamic_update_index_in_dim(
+                    saved, jnp.where(live & (c >= share), dy, _row(saved, b)), b, 0)
+            return buffers, saved
 
-            return work(*operands, mask)
+        def kept_cotangent(buffers, saved, c, handed):
+            """W's cotangent: kept in row c, or `handed` on by the B of the same tick (c EMPTY)."""
+            options = []
+            if handed is not None:
+                options.append((c < 0, handed))
+            if ring.holder is not None and share:
+                options.append(((c >= 0) & (c < share), ring.load_cotangent(buffers, c)))
+            if saved is not None:
+                options.append((c >= share, _row(saved, jnp.clip(c - share, 0, saved.shape[0] - 1))))
+            value = options[-1][1]
+            for chosen, other in reversed(options[:-1]):
+                value = jnp.where(chosen, other, value)
+            return value
 
-        def forward_slot(carry, j, k, row):
-            """Forward of microbatch j through chunk k (embedded here on stage 0's chunk 0); its VJP goes into the ring."""
-            q = params_of(k)
+        def forward_work(q, j, k, incoming, mask):
+            """Forward of microbatch j through chunk k (embedded here on stage 0's chunk 0): y, its VJP, its stats."""
+            x = mask(jnp.where((stage == 0) & (k == 0), stages.embed(embed_params, _row(tokens, j)), incoming))
+            out, vjp, part = jax.vjp(layers, q, x, has_aux=True)
+            y = out[0] if weighted else out
+            return mask(y, jnp.full_like(y, fill)), vjp, part
 
-            def work(buffers, sums, incoming, mask):
-                x = mask(jnp.where((stage == 0) & (k == 0), stages.embed(embed_params, _row(tokens, j)), incoming))
-                out, vjp, part = jax.vjp(layers, q, x, has_aux=True)
-                y = out[0] if weighted else out
-                return mask(y, jnp.full_like(y, fill)), ring.store(buffers, row, vjp, q, mask), _add(sums, mask(part))
+        def forward_slot(carry, s, y_idle):
+            """The forward slot (under `lax.cond`): its VJP goes into the ring row the table gives."""
+            j, k, row, q = s["j"], s["k"], s["row"], params_of(s["k"])
+
+            def work(buffers, sums, incoming, _, mask):
+                y, vjp, part = forward_work(q, j, k, incoming, mask)
+                return y, ring.store(buffers, row, ring.residuals(vjp, q), mask), _add(sums, mask(part))
 
             y, carry["ring"], carry["sums"] = per_slot(
-                j != EMPTY, work, lambda buffers, sums, incoming: (jnp.full_like(incoming, fill), buffers, sums),
-                carry["ring"], carry["sums"], carry["fwd_in"])
+                j != EMPTY, work, lambda buffers, sums, incoming, y_idle: (y_idle, buffers, sums),
+                carry["ring"], carry["sums"], carry["fwd_in"], y_idle)
             return y
 
         def head_slot(carry, y, j):
@@ -548,103 +671,213 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                 carry["d_head"], carry["loss"], y)
             return dy
 
-        def backward_slot(carry, j, k, row, saved_row, cotangent, fused: bool):
-            """Backward of microbatch j through chunk k from its stored residuals; stage 0's chunk 0 also backs
-            into the embedding.
-
-            fused (BW): the weight gradients too. Otherwise (B) only the input
-            gradient, which XLA prunes the weight matmuls from; the cotangent is
-            saved for the W slot.
-            """
-            q = params_of(k)
-            if fused:
-                def work(buffers, total, dy, mask):
-                    d_params, dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))
-                    return mask(dx, jnp.full_like(dx, fill)), _add_at(total, mask(d_params), k, v)
-
-                dx, carry["d_stage"] = per_slot(
-                    j != EMPTY, work, lambda buffers, total, dy: (jnp.full_like(dy, fill), total),
-                    carry["ring"], carry["d_stage"], cotangent)
-            else:
-                def work(buffers, cotangents, dy, mask):
-                    dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[1]
-                    kept = mask(dy, _row(cotangents, saved_row))
-                    return mask(dx, jnp.full_like(dx, fill)), jax.lax.dynamic_update_index_in_dim(
-                        cotangents, kept, saved_row, 0)
-
-                dx, carry["saved"] = per_slot(
-                    j != EMPTY, work, lambda buffers, cotangents, dy: (jnp.full_like(dy, fill), cotangents),
-                    carry["ring"], carry["saved"], cotangent)
-
-            def into_embedding(total, dx, mask):
+        def into_embedding(carry, j, k, dx):
+            """Stage 0's chunk 0 backs its input gradient into the embedding."""
+            def work(total, dx, mask):
                 _, embed_vjp = jax.vjp(lambda e: stages.embed(e, _row(tokens, j)), embed_params)
                 return _add(total, embed_vjp(mask(dx))[0])
 
-            carry["d_embed"] = per_slot((j != EMPTY) & (stage == 0) & (k == 0), into_embedding,
-                                        lambda total, dx: total, carry["d_embed"], dx)
-            return dx
+            carry["d_embed"] = per_slot((j != EMPTY) & (stage == 0) & (k == 0), work, lambda total, dx: total,
+                                        carry["d_embed"], dx)
 
-        def weight_slot(carry, j, k, row, saved_row):
-            """Weight gradients of microbatch j: its stored VJP replayed on its saved cotangent, parameter part only.
+        def backward_slot(carry, s, cotangent, fused: bool):
+            """Backward of microbatch j through chunk k from its stored residuals (under `lax.cond`).
+
+            fused (BW): the weight gradients too. Otherwise (B) only the input
+            gradient, which XLA prunes the weight matmuls from; the tick keeps
+            the cotangent it takes for the W slot (`keep_cotangent`, before the
+            B runs) in the row the table gives (none when W runs in this tick:
+            it takes it as it is).
+            """
+            j, k, row, q = s["j"], s["k"], s["row"], params_of(s["k"])
+            if fused:
+                def work(buffers, total, dy, mask):
+                    d_params, dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))
+                    return mask(dx, jnp.full_like(dx, fill)), _add_at(total, mask(d_params), k, v), _token(row, True)
+
+                dx, carry["d_stage"], token = per_slot(
+                    j != EMPTY, work, lambda buffers, total, dy: (jnp.full_like(dy, fill), total, _token(row, False)),
+                    carry["ring"], carry["d_stage"], cotangent)
+            else:
+                def work(buffers, dy, mask):
+                    dx = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[1]
+                    return mask(dx, jnp.full_like(dx, fill)), _token(row, True)
+
+                dx, token = per_slot(j != EMPTY, work, lambda buffers, dy: (jnp.full_like(dy, fill), _token(row, False)),
+                                     carry["ring"], cotangent)
+            into_embedding(carry, j, k, dx)
+            return dx, token
+
+        def weight_slot(carry, s, handed):
+            """Weight gradients of microbatch j: its stored VJP replayed on its kept cotangent, parameter part only.
 
             The replay recomputes the input-gradient chain inside the stage
             (layer l's weight gradient needs the cotangent of layer l's output).
             """
-            q = params_of(k)
+            j, k, row, q = s["j"], s["k"], s["row"], params_of(s["k"])
 
-            def replay(buffers, cotangents, total, mask):
-                d_params = ring.load(buffers, row, q)(cotangent_of(mask(_row(cotangents, saved_row))))[0]
-                return _add_at(total, mask(d_params), k, v)
+            def replay(buffers, saved, total, handed, mask):
+                dy = kept_cotangent(buffers, saved, s["saved"], handed)
+                d_params = ring.load(buffers, row, q)(cotangent_of(mask(dy)))[0]
+                return _add_at(total, mask(d_params), k, v), _token(row, True)
 
-            carry["d_stage"] = per_slot(j != EMPTY, replay, lambda _, __, total: total, carry["ring"],
-                                        carry["saved"], carry["d_stage"])
+            carry["d_stage"], token = per_slot(j != EMPTY, replay, lambda _, __, total, ___: (total, _token(row, False)),
+                                               carry["ring"], carry["saved"], carry["d_stage"], handed)
+            return token
+
+        def incoming_of(carry, b, head, dy):
+            """A backward slot's cotangent: the loss head's on the last stage's last chunk, else the one passed back."""
+            if head:
+                return jnp.where((stage == p - 1) & (b["k"] == v - 1), dy, carry["bwd_in"])
+            return carry["bwd_in"]
+
+        def head_of(carry, f, y, head):
+            if not head:
+                return None
+            j_head = jnp.where(f["k"][p - 1] == v - 1, f["j"][p - 1], EMPTY)
+            return head_slot(carry, y, j_head)
 
         def tick_of(kinds: tuple[str, ...], head: bool):
+            """One tick: its slots in `ORDER`, each at its place, then the two ppermutes."""
             def tick(carry, tables):
-                carry = dict(carry)
-                slot = {kind: {name: table[stage] for name, table in tables[kind].items()} for kind in kinds}
-                if "F" in kinds:
-                    y = forward_slot(carry, slot["F"]["j"], slot["F"]["k"], slot["F"]["row"])
-                    if head:
-                        last = tables["F"]
-                        j_head = jnp.where(last["k"][p - 1] == v - 1, last["j"][p - 1], EMPTY)
-                        dy = head_slot(carry, y, j_head)
-                if back in kinds:
-                    b = slot[back]
-                    incoming = carry["bwd_in"]
-                    if head:
-                        incoming = jnp.where((stage == p - 1) & (b["k"] == v - 1), dy, incoming)
-                    dx = backward_slot(carry, b["j"], b["k"], b["row"], b.get("saved"), incoming, fused=back == "BW")
-                if "W" in kinds:
-                    w = slot["W"]
-                    weight_slot(carry, w["j"], w["k"], w["row"], w["saved"])
-                if "F" in kinds:
-                    carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
-                if back in kinds:
-                    carry["bwd_in"] = jax.lax.ppermute(dx, AXIS, backward_ring)
-                return carry, None
+                carry, reads = dict(carry), []
+                slot = {key: {name: table[stage] for name, table in columns.items()} for key, columns in tables.items()}
+                y = jnp.full_like(carry["fwd_in"], fill)
+                dy = dx = handed = None
+                for kind, place in ORDER:
+                    if kind == "head":
+                        if head:
+                            dy = head_of(carry, tables["F", 0], y, head)
+                        continue
+                    if (kind, place) not in slot:
+                        continue
+                    s, scope = dict(slot[kind, place]), jax.named_scope(PLACE_SCOPE.format(kind=kind))
+                    if kind == "F":
+                        s["row"], reads = _after(s["row"], reads), []
+                        with scope:
+                            y = forward_slot(carry, s, y)
+                    elif kind == "W":  # before B, a W in B's tick takes the cotangent B is about to take
+                        with scope:
+                            reads.append(weight_slot(carry, s, carry["bwd_in"] if place == 0 else handed))
+                    else:
+                        handed = incoming_of(carry, s, head, dy)
+                        if kind == "B":  # the cotangent it takes, kept for a W in a later tick, before it runs
+                            carry["ring"], carry["saved"] = keep_cotangent(
+                                carry["ring"], carry["saved"], _after(s["saved"], reads), handed, s["j"] != EMPTY)
+                            reads = []
+                        dx, token = backward_slot(carry, s, handed, fused=kind == "BW")
+                        reads.append(token)
+                return permute(carry, kinds, y, dx), None
             return tick
+
+        def fenced(always, fn: Callable, index, *operands):
+            """(fn(*operands), its `_token`) from a `lax.cond` on `always`, which holds on every device.
+
+            Every device takes the same branch, so collectives inside fn (ring
+            attention's permutes) still meet, and the token orders the ring's
+            writes after fn's reads without communication.
+            """
+            shapes = jax.eval_shape(fn, *operands)
+
+            def idle(*_):
+                zeros = jax.tree.map(lambda a: _varying(jnp.zeros(a.shape, a.dtype), varying_axes(a)), shapes)
+                return zeros, _token(index, False)
+
+            return jax.lax.cond(always, lambda *a: (fn(*a), _token(index, True)), idle, *operands)
+
+        def masked_tick_of(kinds: tuple[str, ...], head: bool):
+            """One tick of a stage whose layers permute: every slot computed once and masked, in the order F,
+            head, B or BW, W; the ring's writes (residuals, kept cotangents) after all its reads, and a backward
+            reading the residuals its forward made in this tick (the last chunk) takes them as they are."""
+            def tick(carry, tables):
+                carry, writes = dict(carry), []
+                slot = {key: {name: table[stage] for name, table in columns.items()} for key, columns in tables.items()}
+                y = dx = dy = handed = token = None
+                # True on every device (a predicate of the whole tables), which XLA cannot know: see `fenced`.
+                always = jnp.all(jnp.stack([columns["j"] for columns in tables.values()]) >= EMPTY)
+                if "F" in kinds:
+                    f = slot["F", None]
+                    live_f, q = f["j"] != EMPTY, params_of(f["k"])
+                    y, vjp, part = forward_work(q, f["j"], f["k"], carry["fwd_in"], masker(live_f))
+                    carry["sums"] = _add(carry["sums"], masker(live_f)(part))
+                    fresh = ring.residuals(vjp, q)
+                    writes.append(lambda c, reads, f=f, fresh=fresh, live=live_f: c.update(ring=ring.store(
+                        c["ring"], _after(f["row"], reads), fresh, masker(live & (f["keep"] == 1)))))
+                    dy = head_of(carry, tables["F", None], y, head)
+                if back in kinds:
+                    b = slot[back, None]
+                    live_b, q = b["j"] != EMPTY, params_of(b["k"])
+                    mask = masker(live_b)
+                    stored = ring.at(carry["ring"], b["row"])
+                    if "F" in kinds:  # the last chunk's backward in its forward's tick
+                        now = live_f & (f["place"] == 0)
+                        stored = [jnp.where(now, new, old) for new, old in zip(fresh, stored)]
+                    handed = mask(incoming_of(carry, b, head, dy))
+                    if back == "BW":
+                        (d_params, dx), token = fenced(
+                            always, lambda st, h: ring.vjp(st, q)(cotangent_of(h)), b["row"], stored, handed)
+                        carry["d_stage"] = _add_at(carry["d_stage"], mask(d_params), b["k"], v)
+                    else:
+                        dx, token = fenced(
+                            always, lambda st, h: ring.vjp(st, q)(cotangent_of(h))[1], b["row"], stored, handed)
+                        writes.append(lambda c, reads, b=b, dy=handed, live=live_b: c.update(zip(
+                            ("ring", "saved"), keep_cotangent(c["ring"], c["saved"], _after(b["saved"], reads), dy,
+                                                              live))))
+                    dx = mask(dx, jnp.full_like(dx, fill))
+                    into_embedding(carry, b["j"], b["k"], dx)
+                if "W" in kinds:
+                    w = slot["W", None]
+                    live_w, q = w["j"] != EMPTY, params_of(w["k"])
+                    def replay(buffers, saved, handed):
+                        cotangent = kept_cotangent(buffers, saved, w["saved"], handed)
+                        return ring.load(buffers, w["row"], q)(cotangent_of(masker(live_w)(cotangent)))[0]
+
+                    d_params, w_token = fenced(always, replay, w["row"], carry["ring"], carry["saved"], handed)
+                    carry["d_stage"] = _add_at(carry["d_stage"], masker(live_w)(d_params), w["k"], v)
+                    token = w_token if token is None else token + w_token
+                for write in writes:  # after every read of the ring in this tick
+                    write(carry, [] if token is None else [token])
+                return permute(carry, kinds, y, dx), None
+            return tick
+
+        def permute(carry, kinds, y, dx):
+            """Activations on forward, cotangents back: one ppermute each, outside the slots' conds."""
+            if "F" in kinds:
+                carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
+            if back in kinds:
+                carry["bwd_in"] = jax.lax.ppermute(dx, AXIS, backward_ring)
+            return carry
 
         carry = {
             "fwd_in": _varying(jnp.full(act.shape, fill, act.dtype), act_axes),
             "bwd_in": _varying(jnp.full(act.shape, fill, act.dtype), act_axes),
             "ring": ring.empty,
+            "saved": None,
             "d_stage": jax.tree.map(_accumulator, local),
             "d_embed": jax.tree.map(_accumulator, embed_params),
             "d_head": jax.tree.map(_accumulator, head_params),
             "sums": jax.tree.map(_accumulator, sums_shape),
             "loss": _varying(jnp.zeros((), jnp.float32), loss_axes),
         }
-        if "W" in actions:
-            carry["saved"] = _varying(jnp.full((saved, *act.shape), fill, act.dtype), act_axes)
+        if layout.cotangent_buffer_rows:
+            carry["saved"] = _varying(jnp.full((layout.cotangent_buffer_rows, *act.shape), fill, act.dtype), act_axes)
+
         def tables_of(kinds, ticks):
-            """The slot tables of `kinds` at `ticks` (an index array: [ticks] or [rounds, ticks])."""
+            """The slot tables of `kinds` at `ticks` (an index array: [ticks] or [rounds, ticks]), by (kind, place):
+            one per place that holds a slot in these ticks; one for all places (None) for a stage that permutes."""
             tables = {}
             for kind in kinds:
                 columns = {"j": actions[kind], "k": chunks[kind], "row": rows[kind]}
-                if kind in saved_rows:
-                    columns["saved"] = saved_rows[kind]
-                tables[kind] = {name: jnp.asarray(table[ticks]) for name, table in columns.items()}
+                if kind in kept_rows:
+                    columns["saved"] = kept_rows[kind]
+                if permutes:
+                    columns |= {"place": places[kind], "keep": kept.get(kind, places[kind])}
+                    tables[kind, None] = {name: jnp.asarray(table[ticks]) for name, table in columns.items()}
+                    continue
+                for place in (0, 1):
+                    j = np.where(places[kind] == place, actions[kind], EMPTY)
+                    if (kind, place) in ORDER and (j[ticks] != EMPTY).any():
+                        tables[kind, place] = {name: jnp.asarray(table[ticks]) for name, table in (columns | {"j": j}).items()}
             return tables
 
         for start, repeats, runs in schedule.loops:
@@ -654,7 +887,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
 
             def one_round(carry, xs, runs=runs):
                 for (_, kinds, head), tables in zip(runs, xs):
-                    carry, _ = jax.lax.scan(tick_of(kinds, head), carry, tables)
+                    carry, _ = jax.lax.scan((masked_tick_of if permutes else tick_of)(kinds, head), carry, tables)
                 return carry, None
 
             if repeats == 1:

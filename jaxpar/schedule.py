@@ -11,10 +11,12 @@ executes these tables; this module also measures their bubble and draws them.
   2p - 2 - i + j (the last stage runs the loss head and the backward in the
   tick of the forward). Ticks split into warm-up (forward only), steady
   (forward and backward) and cool-down (backward only) phases. Stage 0
-  keeps 2p - 1 microbatches' residuals, not canonical 1F1B's p: a lockstep
+  keeps 2p - 2 microbatches' residuals, not canonical 1F1B's p: a lockstep
   tick holds a forward and a backward slot and moves each value one hop, so
   microbatch j's cotangent is back on stage 0 2(p - 1) ticks after its
-  forward, while stage 0 starts a forward on every steady tick. Canonical
+  forward, while stage 0 starts a forward on every steady tick; it starts
+  that of j + 2p - 2 after the backward of j, in the tick of that backward,
+  in the ring row the backward has just freed (`ORDER`). Canonical
   1F1B hops once per slot, not per tick. Doing that in lockstep means a tick
   that is a forward on some stages and a backward on others. Each stage runs
   only its own slot (`jaxpar.pipeline` runs slots under `lax.cond`), but the
@@ -22,7 +24,7 @@ executes these tables; this module also measures their bubble and draws them.
   (about two forwards) on every stage: the steady phase takes 2m backward-long
   ticks against m ticks of a forward and a backward, a third longer.
   Starting stage 0's forwards on every other tick instead doubles the steady
-  phase. Either costs more than the p - 1 extra residual sets save.
+  phase. Either costs more than the p - 2 extra residual sets save.
 - interleaved (Megatron's interleaved 1F1B in lockstep): each device holds v
   chunks, ring position k*p + i on device i. Microbatches go round the ring in
   groups of p: stage i runs the forward of slot u = t - i, u = g*v*p + k*p + s
@@ -37,13 +39,25 @@ executes these tables; this module also measures their bubble and draws them.
   gradient (W) of j on tick 2p - 2 + j, when stage 0 runs its B of j: stage
   i defers its W's by i ticks, which fills the ticks where 1F1B runs no
   backward on stage 0 (W slots run on m ticks only, 1F1B's fused backward
-  on m + p - 1).
+  on m + p - 1). Stage i keeps i cotangents from B to W where it keeps i
+  residual sets fewer than stage 0, so they take ring rows no set holds, and
+  stage 0's W takes the cotangent its B of the same microbatch takes: the
+  ring has 1F1B's rows (for m >= 2p - 2; with fewer microbatches the
+  cotangents that find no free row get a buffer of their own).
+
+Within a tick a stage runs its slots in `ORDER`: a weight-backward first,
+then the forward of a last chunk, the loss head and the backward that takes
+its cotangent, then every other forward. Slots that free ring rows (W, B or
+BW reading residuals for the last time) so run before the slots that take
+them (F, and B keeping a cotangent), in the same tick, wherever the data
+allow; `Schedule.places` says which of its kind's places each slot runs at.
 
 Schedules with an explicit backward are data: `Schedule.actions` maps each
 slot kind (F forward, BW fused backward, B input-backward, W weight-backward)
 to a [ticks, stages] table of microbatches (EMPTY: idle), `Schedule.chunks`
 to the chunk each slot runs, `Schedule.rows` to the residual-ring row it
-writes or reads (rows reused as soon as a slot is free), and
+writes or reads (a row freed by a slot is taken by a later slot, of the same
+tick too; `Schedule.ring_layout`), and
 `Schedule.segments` cuts the ticks into phases with the same slot kinds;
 `Schedule.loops` cuts them further where the loss head starts or stops
 running and folds repeating runs into loops, which `jaxpar.pipeline` runs as
@@ -61,7 +75,10 @@ import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # schedules whose backward slots are in the table
-COST = {"F": 1, "B": 1, "W": 1, "BW": 2}  # slot durations in forward-slot units (equal F, B, W)
+COST = {"F": 1, "B": 1, "W": 1, "BW": 2}
+# The slots of a tick in program order. F and W each have two places; every slot runs at one of its kind's
+# (`Schedule.places`), so that a slot freeing ring rows runs before one taking them wherever the data allow.
+ORDER = (("W", 0), ("F", 0), ("head", 0), ("B", 0), ("BW", 0), ("W", 1), ("F", 1))  # slot durations in forward-slot units (equal F, B, W)
 EMPTY = -1
 
 
@@ -136,7 +153,7 @@ class Schedule:
 
         Kinds: "F" forward, "BW" fused backward (input and weight gradients),
         "B" input-backward and "W" weight-backward. Within a tick the slots run
-        in the order F, (loss head), B or BW, W.
+        in `ORDER`, each at its kind's place `places` gives.
         """
         return self._generated[0]
 
@@ -293,69 +310,114 @@ class Schedule:
         t, i = np.nonzero(self.actions[kind] != EMPTY)
         return {(int(s), int(self.actions[kind][a, s]), int(self.chunks[kind][a, s])): int(a) for a, s in zip(t, i)}
 
-    def _rows(self, first: str, last: str) -> tuple[int, dict[tuple[int, int, int], int]]:
-        """(rows, (stage, j, k) -> row): rows of a buffer a slot holds from its `first` to its `last` tick.
+    @functools.cached_property
+    def places(self) -> dict[str, np.ndarray]:
+        """Slot kind -> [ticks, stages] which of the kind's places in `ORDER` the slot runs at (0: first).
 
-        Greedy by first tick, which needs no more rows than the most slots live
-        at once (an interval graph). Both ends are inclusive: a `first` slot
-        writes before a `last` slot of the same tick reads.
+        A forward runs early (place 0) only when its own backward is in the
+        same tick (the last chunk: forward, loss head, backward), otherwise
+        after the tick's backward and weight-backward slots, which free ring
+        rows it can take. A weight-backward runs early, before the B and F slots
+        that take rows; in its B's tick it takes the cotangent that B takes,
+        which on the last chunk the loss head makes in that tick (place 1,
+        after the B).
         """
-        start, stop = self._slot_ticks(first), self._slot_ticks(last)
-        free_after, rows = {}, {}
-        for key in sorted(start, key=lambda key: (key[0], start[key])):
-            stage = key[0]
-            taken = free_after.setdefault(stage, [])
-            row = next((r for r, busy in enumerate(taken) if busy < start[key]), len(taken))
-            if row == len(taken):
-                taken.append(0)
-            taken[row], rows[key] = stop[key], row
-        return max(len(taken) for taken in free_after.values()), rows
-
-    def _row_tables(self, rows: dict, kinds) -> dict[str, np.ndarray]:
-        out = {}
-        for kind in kinds:
-            table = np.zeros_like(self.actions[kind])
-            for (stage, j, k), t in self._slot_ticks(kind).items():
-                table[t, stage] = rows[stage, j, k]
-            out[kind] = table
+        back = "B" if "B" in self.actions else "BW"
+        out = {kind: np.zeros_like(table) for kind, table in self.actions.items()}
+        backward = self._slot_ticks(back)
+        for (stage, j, k), t in self._slot_ticks("F").items():
+            out["F"][t, stage] = int(backward[stage, j, k] != t)
+        if "W" in self.actions:
+            head_fed = self.stages - 1, self.virtual_stages - 1
+            for (stage, j, k), t in self._slot_ticks("W").items():
+                out["W"][t, stage] = int(backward[stage, j, k] == t and (stage, k) == head_fed)
         return out
 
-    @functools.cached_property
-    def _residual_rows(self):
-        back = "B" if "B" in self.actions else "BW"
-        return self._rows("F", "W" if "W" in self.actions else "BW"), back
+    def _when(self, kind: str) -> dict[tuple[int, int, int], int]:
+        """(stage, microbatch, chunk) -> the position of its `kind` slot in the stage's program (tick, then `ORDER`)."""
+        return {key: t * len(ORDER) + ORDER.index((kind, int(self.places[kind][t, key[0]])))
+                for key, t in self._slot_ticks(kind).items()}
 
     @functools.cached_property
+    def _lives(self) -> dict[str, dict]:
+        """"residuals": (stage, j, k) -> (first, last) positions its VJP residuals are kept (F to the last of BW,
+        B and W); "cotangents" (split backward): from B to W where W runs in a later tick (in B's tick W takes
+        the cotangent B takes)."""
+        first, uses = self._when("F"), [self._when(kind) for kind in ("BW", "B", "W") if kind in self.actions]
+        lives = {"residuals": {key: (first[key], max(use[key] for use in uses)) for key in first}, "cotangents": {}}
+        if "W" in self.actions:
+            made, used = self._when("B"), self._when("W")
+            lives["cotangents"] = {key: (made[key], used[key]) for key in made
+                                   if made[key] // len(ORDER) != used[key] // len(ORDER)}
+        return lives
+
+    def ring_layout(self, shared: bool = True) -> RingLayout:
+        """The rows of the residual ring, and of the kept cotangents (split backward), per slot.
+
+        The residual sets get the fewest rows (`in_flight`). shared: a kept
+        cotangent takes a ring row no set holds over its life (`jaxpar.pipeline`
+        writes it into a residual buffer whose row can hold it), and only those
+        that find none get a buffer of their own; otherwise all do.
+        """
+        if shared not in self._layouts:
+            lives = self._lives
+            rows, where = _allocate({("residuals", *key): span for key, span in lives["residuals"].items()})
+            cotangents = {("cotangents", *key): span for key, span in lives["cotangents"].items()}
+            extra, kept = _allocate(cotangents, where if shared else {}, rows if shared else 0,
+                                    {("residuals", *key): span for key, span in lives["residuals"].items()})
+            residual = {kind: self._row_table(kind, lambda key: where["residuals", *key]) for kind in self.actions}
+            rows_of = {}
+            if "W" in self.actions:
+                rows_of = {kind: self._row_table(kind, lambda key: kept.get(("cotangents", *key), EMPTY))
+                           for kind in "BW"}
+            self._layouts[shared] = RingLayout(rows, residual, extra, rows_of)
+        return self._layouts[shared]
+
+    @functools.cached_property
+    def _layouts(self) -> dict:
+        return {}
+
+    def _row_table(self, kind: str, row_of) -> np.ndarray:
+        table = np.zeros_like(self.actions[kind])
+        for (stage, j, k), t in self._slot_ticks(kind).items():
+            table[t, stage] = row_of((stage, j, k))
+        return table
+
+    @property
     def rows(self) -> dict[str, np.ndarray]:
         """Slot kind -> [ticks, stages] the residual-ring row its (microbatch, chunk) uses, from F to BW or W."""
-        (_, rows), _ = self._residual_rows
-        return self._row_tables(rows, self.actions)
+        return self.ring_layout().rows
 
-    @functools.cached_property
+    @property
     def cotangent_rows(self) -> dict[str, np.ndarray]:
-        """zb-h1: "B", "W" -> [ticks, stages] the row of the saved cotangent a B writes and its W reads."""
-        return self._row_tables(self._rows("B", "W")[1], ("B", "W"))
+        """zb-h1: "B", "W" -> [ticks, stages] the ring row holding the cotangent a B keeps for its W; EMPTY where
+        the W runs in the B's tick and takes the B's cotangent as it is."""
+        return self.ring_layout().cotangent_rows
 
     @functools.cached_property
     def in_flight(self) -> int:
-        """Most (microbatch, chunk) residual sets a stage keeps at once: the rows of its residual ring.
+        """Rows of a stage's residual ring: the most (microbatch, chunk) residual sets it keeps at once, or for
+        zb-h1 sets and kept cotangents together (a cotangent takes a row no set holds at that moment).
 
         gpipe (autodiff) keeps every microbatch's.
         """
         if not self.explicit_backward:
             return self.microbatches
-        return self._residual_rows[0][0]
+        return self.ring_layout().ring_rows
 
     @functools.cached_property
     def cotangents_in_flight(self) -> int:
-        """zb-h1: most cotangents a stage keeps from its B slot to its W slot (0 when the backward is fused)."""
+        """zb-h1: most cotangents a stage keeps at once from its B slot to a W slot in a later tick (0 when the
+        backward is fused). They live in ring rows (`in_flight` counts them); a buffer of their own only where
+        no residual buffer can hold one (`ring_layout(shared=False)`)."""
         if not self.explicit_backward or "W" not in self.actions:
             return 0
-        return self._rows("B", "W")[0]
+        return self.ring_layout(shared=False).cotangent_buffer_rows
 
     @property
     def live_microbatches(self) -> float:
-        """in_flight in whole-stage units (a chunk's residuals are 1/v of a stage's)."""
+        """in_flight in whole-stage units (a chunk's residuals are 1/v of a stage's): the ring's rows, zb-h1's
+        kept cotangents included (they take rows no residual set holds at the time)."""
         return self.in_flight / self.virtual_stages
 
     def summary(self) -> dict:
@@ -363,8 +425,50 @@ class Schedule:
             "schedule": self.name, "stages": self.stages, "microbatches": self.microbatches,
             "virtual_stages": self.virtual_stages, "ticks": self.ticks, "bubble": self.bubble,
             "bubble_formula": self.bubble_formula, "in_flight": self.in_flight,
-            "live_microbatches": self.live_microbatches,
+            "live_microbatches": self.live_microbatches, "cotangents_in_flight": self.cotangents_in_flight,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class RingLayout:
+    """Rows of a stage's residual ring: how many, and which row each slot's residuals (and cotangent) use."""
+
+    ring_rows: int
+    rows: dict  # kind -> [ticks, stages] residual row
+    cotangent_buffer_rows: int  # rows of a separate cotangent buffer (0: cotangents live in the ring)
+    cotangent_rows: dict  # "B", "W" -> [ticks, stages] row of the kept cotangent, EMPTY where W takes B's directly
+
+
+def _allocate(spans: dict, placed: dict | None = None, shared: int = 0,
+              placed_spans: dict | None = None) -> tuple[int, dict]:
+    """(rows, label -> row) for labels (kind, stage, ...) held over (first, last) positions of their stage's program.
+
+    Greedy by first position, which needs no more rows than the most spans
+    live at once (an interval graph). Both ends are inclusive: a row freed at
+    some position can be taken at a later one, in the same tick too. With
+    `placed` (label -> row of `placed_spans`) a span may also take one of the
+    first `shared` rows where no placed span overlaps it; a row numbered
+    `shared + r` is then row r of the rows counted (those of its own).
+    """
+    spans_of = {}  # (stage, row) -> spans held
+    for label, row in (placed or {}).items():
+        if row < shared:
+            spans_of.setdefault((label[1], row), []).append(placed_spans[label])
+    rows, own = {}, {}
+    for label in sorted(spans, key=lambda label: (label[1], spans[label][0])):
+        first, last = spans[label]
+        free = lambda key: all(b < first or a > last for a, b in spans_of.get(key, ()))  # noqa: E731
+        row = next((r for r in range(shared) if free((label[1], r))), None)
+        if row is None:
+            taken = own.setdefault(label[1], [])
+            r = next((r for r, until in enumerate(taken) if until < first), len(taken))
+            if r == len(taken):
+                taken.append(0)
+            taken[r], row = last, shared + r
+        else:
+            spans_of.setdefault((label[1], row), []).append((first, last))
+        rows[label] = row
+    return max((len(taken) for taken in own.values()), default=0), rows
 
 
 # -- table generators (explicit backward) --------------------------------------------------------------
@@ -462,7 +566,12 @@ def _residuals(schedule: Schedule) -> str:
     if not schedule.explicit_backward:
         return f"residuals kept: all {schedule.microbatches} microbatches' (autodiff of the tick scan)"
     chunks = f" ({schedule.in_flight} chunk-sized sets)" if schedule.virtual_stages > 1 else ""
-    return f"residuals kept: at most {schedule.live_microbatches:g} microbatches' per stage{chunks}"
+    text = f"residuals kept: at most {schedule.live_microbatches:g} microbatches' per stage{chunks}"
+    if schedule.cotangents_in_flight:
+        extra = schedule.ring_layout().cotangent_buffer_rows
+        text += f"; up to {schedule.cotangents_in_flight} cotangents kept from B to W, in ring rows no residuals hold"
+        text += f" ({extra} rows of their own where none is free)" if extra else ""
+    return text
 
 
 def save_png(schedule: Schedule, path: str) -> None:

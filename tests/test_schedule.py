@@ -4,7 +4,7 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.plan import Plan
-from jaxpar.schedule import EMPTY, Schedule, render, save_png
+from jaxpar.schedule import EMPTY, ORDER, Schedule, render, save_png
 
 CASES = [("gpipe", 2, 2, 1), ("gpipe", 4, 16, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),
          ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2), ("interleaved", 4, 16, 3),
@@ -80,36 +80,75 @@ def test_backward_follows_its_forward_and_the_next_position(name, p, m, v):
             assert (kind in kinds) == bool((table[start:stop] != EMPTY).any())
 
 
-@pytest.mark.parametrize("name,p,m,v", EXPLICIT)
-def test_a_ring_row_is_never_overwritten_while_its_residuals_are_needed(name, p, m, v):
-    """Rows from the table: a forward writes its row before the backward of that tick reads, so lives are closed."""
+def positions(s: Schedule, kind: str) -> dict[tuple[int, int, int], int]:
+    """(stage, microbatch, chunk) -> where its `kind` slot runs in the stage's program: tick, then place in ORDER."""
+    out = {}
+    for t, stage in zip(*(s.actions[kind] != EMPTY).nonzero()):
+        key = (int(stage), int(s.actions[kind][t, stage]), int(s.chunks[kind][t, stage]))
+        out[key] = int(t) * len(ORDER) + ORDER.index((kind, int(s.places[kind][t, stage])))
+    return out
+
+
+@pytest.mark.parametrize("name,p,m,v", EXPLICIT + [("zb-h1", 4, 5, 1), ("zb-h1", 3, 3, 1), ("interleaved", 2, 8, 3)])
+def test_a_ring_row_is_never_overwritten_while_its_residuals_or_cotangent_are_needed(name, p, m, v):
+    """Rows from the table, held from the slot that writes them to the last that reads them, both included, in
+    program order (a row freed by a slot can be taken by a later slot of the same tick): no two held at once share
+    one. zb-h1's kept cotangents share the ring's rows (beyond them: a buffer of their own), and the ring has as
+    few rows as the most residual sets held at once."""
     s = Schedule(name, p, m, v)
-    end = "W" if "W" in s.actions else "BW"
-    fwd, release = position_ticks(s, "F"), position_ticks(s, end)
-    row_of = {}
-    for kind in ("F", end):
-        for t, stage in zip(*(s.actions[kind] != EMPTY).nonzero()):
-            key = (int(s.actions[kind][t, stage]), int(s.chunks[kind][t, stage]) * p + int(stage))
-            row_of.setdefault((kind, key), int(s.rows[kind][t, stage]))
-    live_max = 0
+    back = "B" if "B" in s.actions else "BW"
+    first, reads = positions(s, "F"), [positions(s, kind) for kind in (back, "W") if kind in s.actions]
+    held = {("res", *key): (first[key], max(r[key] for r in reads)) for key in first}
+    if "W" in s.actions:
+        made, used = positions(s, "B"), positions(s, "W")
+        held |= {("cot", *key): (made[key], used[key]) for key in made if made[key] // len(ORDER) < used[key] // len(ORDER)}
+    row = {}
+    for kind, table in s.actions.items():
+        for t, stage in zip(*(table != EMPTY).nonzero()):
+            key = (int(stage), int(table[t, stage]), int(s.chunks[kind][t, stage]))
+            row.setdefault(("res", *key), set()).add(int(s.rows[kind][t, stage]))
+            if kind in s.cotangent_rows and ("cot", *key) in held:
+                row.setdefault(("cot", *key), set()).add(int(s.cotangent_rows[kind][t, stage]))
+    assert all(len(r) == 1 for r in row.values())  # every slot of a set names the same row
+    row = {label: r.pop() for label, r in row.items()}
+    assert all(row[label] < s.in_flight for label in held if label[0] == "res")
+    most = 0
     for stage in range(p):
-        keys = [key for key in fwd if key[1] % p == stage]
-        for key in keys:
-            assert row_of["F", key] == row_of[end, key] < s.in_flight
-        for t in range(s.ticks):
-            live = [key for key in keys if fwd[key] <= t <= release[key]]
-            assert len({row_of["F", key] for key in live}) == len(live)
-            live_max = max(live_max, len(live))
-    assert s.in_flight == live_max  # as few rows as the most residual sets live at once
+        mine = [label for label in held if label[1] == stage]
+        for point in sorted({x for label in mine for x in held[label]}):
+            live = [label for label in mine if held[label][0] <= point <= held[label][1]]
+            assert len({row[label] for label in live}) == len(live), f"stage {stage} at {point}: rows shared"
+            most = max(most, sum(1 for label in live if label[0] == "res"))
+        for label in mine:  # a W in its B's tick takes the cotangent as the B does: no row
+            if label[0] == "res" and "W" in s.actions and ("cot", *label[1:]) not in held:
+                assert s.cotangent_rows["W"][used[label[1:]] // len(ORDER), stage] == EMPTY
+    assert s.in_flight == most
+
+
+def test_slots_run_in_an_order_their_data_allow():
+    """Within a tick: the last chunk's forward before the loss head and its backward; every other forward after the
+    backward slots that free rows; a W before the B and F slots that take rows, except on the last chunk in its
+    B's tick (it needs the head's cotangent)."""
+    for s in (Schedule("1f1b", 4, 8), Schedule("zb-h1", 4, 8), Schedule("interleaved", 4, 8, 2)):
+        back = "B" if "B" in s.actions else "BW"
+        f, b = positions(s, "F"), positions(s, back)
+        for key, at in f.items():
+            same_tick = at // len(ORDER) == b[key] // len(ORDER)
+            assert (at < ORDER.index(("head", 0)) + at // len(ORDER) * len(ORDER)) == same_tick
+        if "W" in s.actions:
+            assert (s.places["W"][s.actions["W"] != EMPTY] == 0).all()
+    assert ORDER.index(("W", 0)) < ORDER.index(("F", 0)) < ORDER.index(("head", 0)) < ORDER.index(("B", 0)) \
+        < ORDER.index(("F", 1))
 
 
 @pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (4, 3)])
 def test_interleaved_keeps_a_ring_flat_in_m_smaller_than_1f1b(p, v):
-    """Chunk-sized residual sets: as many at m = 2p as at 8p, fewer stage-equivalents than 1F1B's 2p - 1."""
+    """Chunk-sized residual sets: as many at m = 2p as at 8p, fewer stage-equivalents than 1F1B's 2p - 2 (as many
+    at p = 2: two)."""
     rings = [Schedule("interleaved", p, m, v).in_flight for m in (2 * p, 4 * p, 8 * p)]
     assert len(set(rings)) == 1
-    assert rings[0] / v < Schedule("1f1b", p, 2 * p).in_flight == 2 * p - 1
-    assert Schedule("1f1b", p, 2 * p).live_microbatches == 2 * p - 1
+    assert rings[0] / v < Schedule("1f1b", p, 2 * p).in_flight == 2 * p - 2 or rings[0] / v == p == 2
+    assert Schedule("1f1b", p, 2 * p).live_microbatches == 2 * p - 2
 
 
 @pytest.mark.parametrize("name,p,m,v", EXPLICIT)
@@ -131,9 +170,11 @@ def test_loops_cover_the_ticks_and_run_the_head_only_with_a_last_chunk(name, p, 
     assert scans(Schedule(name, p, 8 * p, v)) == scans(Schedule(name, p, 2 * p, v))
 
 
-def test_1f1b_ring_holds_2p_minus_1_microbatches():
-    assert [Schedule("1f1b", 4, m).in_flight for m in (4, 8, 32)] == [4, 7, 7]
-    assert Schedule("zb-h1", 4, 8).in_flight == 7
+def test_1f1b_ring_holds_2p_minus_2_microbatches():
+    """Stage 0 starts the forward of j + 2p - 2 in the tick of j's backward, after it, in the row it freed."""
+    assert [Schedule("1f1b", 4, m).in_flight for m in (4, 8, 32)] == [4, 6, 6]
+    assert [Schedule("zb-h1", 4, m).in_flight for m in (4, 8, 32)] == [4, 6, 6]
+    assert Schedule("interleaved", 4, 8, 2).in_flight == 10
 
 
 def test_1f1b_phases_are_warm_up_steady_and_cool_down():
@@ -153,12 +194,12 @@ def test_zb_h1_fills_1f1b_cool_down_with_deferred_weight_gradients(p, m):
     bwd, weight = slot_ticks(zb.actions["B"], m, p), slot_ticks(zb.actions["W"], m, p)
     assert all(weight[j, i] - bwd[j, i] == i for j in range(m) for i in range(p))  # stage i defers W by i
     assert sum(1 for t in range(zb.ticks) if (zb.actions["W"][t] != EMPTY).any()) == m
-    assert zb.in_flight == ref.in_flight  # as many residual rows as 1F1B
-    assert zb.cotangents_in_flight == min(p, m)
-    saved = zb.cotangents_in_flight
-    for i in range(p):
-        for j in range(m - saved):
-            assert bwd[j + saved, i] > weight[j, i], "a B would overwrite a cotangent its W still needs"
+    assert zb.in_flight == ref.in_flight  # as many ring rows as 1F1B, kept cotangents included
+    assert zb.cotangents_in_flight == p - 1  # the last stage's; stage 0's W takes its cotangent as its B does
+    # Stage i keeps i cotangents where it keeps i residual sets fewer than stage 0: in the ring's rows, from
+    # m = 2p - 2 on (fewer microbatches leave rows free for fewer cotangents: the rest get a buffer of their own).
+    assert zb.ring_layout().cotangent_buffer_rows == max(0, 2 * p - 2 - m)
+    assert zb.ring_layout(shared=False).cotangent_buffer_rows == p - 1
     assert zb.bubble == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)), abs=1e-12)
     assert zb.bubble < ref.bubble
 
