@@ -459,7 +459,7 @@ def in_flight(layout: Layout) -> int:
 
     No pipeline: one microbatch. GPipe differentiates the tick scan, so every
     tick's residuals stay (bubble ticks too); 1F1B and interleaved keep the rows
-    of their residual ring (min(m, 2p - 1) microbatches under 1F1B).
+    of their residual ring (at most 2p - 2 microbatches under 1F1B).
     """
     if layout.pipe == 1:
         return 1

@@ -52,7 +52,7 @@ def test_inspect_shows_the_pipeline_it_compiles(capsys):
     flags = ["inspect", "--mesh", "data=4,pipe=2", "--microbatches", "4", "--batch-size", "16", "--seq-len", "32"]
     assert main([*flags, "--json"]) == 0
     pipe = json.loads(capsys.readouterr().out)["pipeline"]
-    assert (pipe["schedule"], pipe["stages"], pipe["microbatches"], pipe["ring_rows"]) == ("1f1b", 2, 4, 3)
+    assert (pipe["schedule"], pipe["stages"], pipe["microbatches"], pipe["ring_rows"]) == ("1f1b", 2, 4, 2)
     assert pipe["bubble"] == pytest.approx(1 / 5) and pipe["peak_residual_bytes"] > 0
     assert main(flags) == 0
     assert "pipeline 1f1b: bubble 20.0%" in capsys.readouterr().out
