@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import os
 from typing import TYPE_CHECKING
 
 import jax
@@ -26,10 +27,11 @@ _traced_under = jax.make_user_context(None)
 _keys = itertools.count()
 
 
-def _key_of(plan: Plan) -> int:
-    """A number unique to this plan object for the life of the process (a Plan holds dicts: unhashable)."""
+def _key_of(plan: Plan) -> tuple[int, int]:
+    """A key of this plan object (a Plan holds dicts: unhashable), unique in the process; the process id keeps a
+    plan pickled in another process from taking a local plan's key."""
     if "_trace_key" not in plan.__dict__:
-        object.__setattr__(plan, "_trace_key", next(_keys))
+        object.__setattr__(plan, "_trace_key", (os.getpid(), next(_keys)))
     return plan.__dict__["_trace_key"]
 
 
