@@ -732,6 +732,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             return carry["bwd_in"]
 
         def head_of(carry, f, y, head):
+            """The loss head's cotangent of the last stage's output `y` (None in a tick without the head)."""
             if not head:
                 return None
             j_head = jnp.where(f["k"][p - 1] == v - 1, f["j"][p - 1], EMPTY)

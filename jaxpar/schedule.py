@@ -75,10 +75,10 @@ import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # schedules whose backward slots are in the table
-COST = {"F": 1, "B": 1, "W": 1, "BW": 2}
+COST = {"F": 1, "B": 1, "W": 1, "BW": 2}  # slot durations in forward-slot units (equal F, B, W)
 # The slots of a tick in program order. F and W each have two places; every slot runs at one of its kind's
 # (`Schedule.places`), so that a slot freeing ring rows runs before one taking them wherever the data allow.
-ORDER = (("W", 0), ("F", 0), ("head", 0), ("B", 0), ("BW", 0), ("W", 1), ("F", 1))  # slot durations in forward-slot units (equal F, B, W)
+ORDER = (("W", 0), ("F", 0), ("head", 0), ("B", 0), ("BW", 0), ("W", 1), ("F", 1))
 EMPTY = -1
 
 
