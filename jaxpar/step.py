@@ -218,8 +218,8 @@ def _to(grads, dtype):
 def _accumulate(one_microbatch: Callable, batch: dict, k: int, carried):
     """Sum (loss, aux, grads) over k strided microbatches in a scan, in fp32 accumulators; carry the model's state.
 
-    The sums come back in the dtypes one microbatch gives, so gradients are
-    communicated in the parameters' dtype. The model's variables and RNG
+    The sums come back in the dtypes one microbatch gives (the step then sums
+    the gradients over the ranks in the compute dtype, `_to`). The model's variables and RNG
     streams pass from one microbatch to the next, as over consecutive batches.
     """
     mb = microbatches(batch, k)
