@@ -219,8 +219,9 @@ def _accumulate(one_microbatch: Callable, batch: dict, k: int, carried):
     """Sum (loss, aux, grads) over k strided microbatches in a scan, in fp32 accumulators; carry the model's state.
 
     The sums come back in the dtypes one microbatch gives (the step then sums
-    the gradients over the ranks in the compute dtype, `_to`). The model's variables and RNG
-    streams pass from one microbatch to the next, as over consecutive batches.
+    the gradients over the ranks in the compute dtype, `_to`). The model's
+    variables and RNG streams pass from one microbatch to the next, as over
+    consecutive batches.
     """
     mb = microbatches(batch, k)
     shapes = jax.eval_shape(one_microbatch, jax.tree.map(lambda x: x[0], mb), carried)[0]
