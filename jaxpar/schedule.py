@@ -361,10 +361,10 @@ class Schedule:
         """
         if shared not in self._layouts:
             lives = self._lives
-            rows, where = _allocate({("residuals", *key): span for key, span in lives["residuals"].items()})
+            residuals = {("residuals", *key): span for key, span in lives["residuals"].items()}
+            rows, where = _allocate(residuals)
             cotangents = {("cotangents", *key): span for key, span in lives["cotangents"].items()}
-            extra, kept = _allocate(cotangents, where if shared else {}, rows if shared else 0,
-                                    {("residuals", *key): span for key, span in lives["residuals"].items()})
+            extra, kept = _allocate(cotangents, where if shared else {}, rows if shared else 0, residuals)
             residual = {kind: self._row_table(kind, lambda key: where["residuals", *key]) for kind in self.actions}
             rows_of = {}
             if "W" in self.actions:
