@@ -124,7 +124,9 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     over `plan.step_manual_axes` (`data`; `tensor` too under the explicit
     form, whose layers then write their collectives directly). Under ZeRO-0/1 its gradients stay local while microbatches
     accumulate and are summed over `data` once per step: all-reduced (ZeRO-0)
-    or reduce-scattered into the optimizer's shards (ZeRO-1). Under HSDP the
+    or reduce-scattered into the optimizer's shards (ZeRO-1). With one
+    microbatch under remat, ZeRO-0 all-reduces each layer's gradients in the backward
+    layer scan instead (`_sums_at_use`). Under HSDP the
     shard_map is manual over `replica` too, and each shard is then all-reduced
     over it once per step (`jaxpar.zero.sum_gradients`). Under ZeRO-2/3
     the parameters arrive sharded and each layer's are gathered inside the
@@ -162,9 +164,10 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
               variables, step, loss_scale=None):
     """One data rank's share of `loss_and_grads` (`over_data`: inside the shard_map, manual over data)."""
     param_specs, grad_specs = plan.param_specs(model.logical), plan.gradient_specs(model.logical)
-    if over_data:
-        params = zero.vary(params, param_specs)
     k = plan.grad_accum
+    at_use = zero.summed_at_use(param_specs, grad_specs) if over_data and _sums_at_use(plan) else None
+    if over_data:
+        params = zero.vary(params, param_specs, at_use)
     ranks = plan.axis_size(*plan.rank_axes) if over_data else 1
     # Each rank differentiates its share of the global mean, so the gradients summed over ranks and
     # microbatches are the mean's: nothing sums k * ranks full-size gradients first (fp16 would overflow).
@@ -177,7 +180,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     def compute(p, b, carried, j):
         key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)  # None over data
         with zero.layer_registry(), layer_order.train_state_layers():
-            module = model.merge(zero.gather_params(p, param_specs if over_data else None, dtype), carried[1],
+            module = model.merge(zero.gather_params(p, param_specs if over_data else None, dtype, at_use), carried[1],
                                  rngs=carried[0])
             loss, aux = call_loss(loss_fn, module, b, key)
         return (loss if loss_scale is None and k * ranks == 1 else loss * share), (loss, aux, model.carried_of(module))
@@ -193,11 +196,23 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
         (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
     grads = _to(grads, dtype)
     if over_data:
-        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs)
+        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, at_use)
         loss, aux = zero.mean((loss, aux))
     if k > 1:
         loss, aux = loss / k, jax.tree.map(lambda x: x / k, aux)
     return loss, aux, grads, carried[1]
+
+
+def _sums_at_use(plan: Plan) -> bool:
+    """Whether whole gradients are all-reduced where their parameters are used (`zero.summed_at_use`).
+
+    Only with one microbatch per step and no pipeline: every microbatch's
+    backward, or every pipeline slot's, would sum its gradients again. And only
+    under remat: without it the backward keeps what the forward made of each
+    layer's parameters, so the per-layer mark would keep a copy of every
+    layer (+16.8 MB fp32 per device on issue 16's llama2 at data=8).
+    """
+    return plan.grad_accum == 1 and plan.axis_size("pipe") == 1 and plan.remat != "none"
 
 
 def _to(grads, dtype):

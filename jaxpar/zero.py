@@ -86,14 +86,19 @@ def _rank_axes() -> tuple[str, ...]:
 def choose_dim(names: Sequence[str | None], shape: Sequence[int], spec: P, data: int) -> int | None:
     """The dimension of one array that ZeRO shards over its `data` ranks (the product of the ZeRO axes; None: whole).
 
-    The largest dimension that no mesh axis shards yet, that is not the stacked
-    `layers` axis, and whose size divides by `data`; ties go to the first.
+    The first (most major) dimension that no mesh axis shards yet, that is
+    not the stacked `layers` axis, and whose size divides by `data`. Gathered
+    along its major dimension, an array comes back as contiguous blocks in its
+    own layout; gathered along a minor one it needs a relayout. On issue 16's
+    fsdp8 the output layer gathered along its vocabulary (the largest
+    dimension, chosen before) cost a transposing copy and converts, 2982 ms of
+    op self time per device-step against 2695 ms (jax.profiler, XLA:CPU).
     """
     entries = _entries(spec, len(shape))
     if data == 1 or _over_data(entries):
         return None
     free = [d for d, e in enumerate(entries) if e is None and names[d] != SCANNED and shape[d] % data == 0]
-    return max(free, key=lambda d: shape[d]) if free else None
+    return free[0] if free else None
 
 
 def add_data_axis(spec: P, leaf, plan) -> P:
@@ -202,19 +207,53 @@ def mean(tree):
     return jax.tree.map(lambda x: _fully_manual(lambda v: jax.lax.pmean(v, axes), x), tree)
 
 
-def vary(params, specs):
+def _summed_axes(spec) -> tuple[str, ...]:
+    """The batch rank axes a parameter (or gradient) with `spec` is whole over: its gradient is summed over them."""
+    held = {a for e in spec for a in _zero_axes(e)}
+    return tuple(a for a in _rank_axes() if a not in held)
+
+
+def summed_at_use(param_specs, grad_specs):
+    """Per parameter: True where autodiff can all-reduce its gradient where the model uses it.
+
+    Those whole at rest whose gradients are whole too (ZeRO-0's): marked at
+    their use (`vary_at_use`, per layer in `jaxpar.scan_layers`), each layer's
+    gradients are summed inside the backward layer scan as it makes them, as
+    DDP's buckets are: the sum overlaps the backward pass, and no full-size
+    gradient waits for one combined all-reduce at the end of it. The step
+    chooses this only with one microbatch per step (`jaxpar.step`): each
+    microbatch's backward would sum again.
+    """
+    return jax.tree.map(lambda p, g: not _over_data(tuple(p)) and not _over_data(tuple(g)) and bool(_summed_axes(p)),
+                        param_specs, grad_specs, is_leaf=lambda v: isinstance(v, P))
+
+
+def vary(params, specs, at_use=None):
     """Mark each parameter varying over the batch ranks it is whole over, so its gradients stay per-device sums.
 
     Under HSDP a shard over `data` is whole over `replica`: marked varying
     there too, its gradient is summed over `replica` once per step
-    (`sum_gradients`) rather than by autodiff at every use.
+    (`sum_gradients`) rather than by autodiff at every use. Parameters
+    `at_use` marks (`summed_at_use`) are left to `gather_params`, which marks
+    them where they are used.
     """
-    def one(x, spec):
-        held = {a for e in spec for a in _zero_axes(e)}
-        axes = tuple(a for a in _rank_axes() if a not in held)
-        return jax.lax.pcast(x, axes, to="varying") if axes else x
+    at_use = jax.tree.map(lambda _: False, params) if at_use is None else at_use
 
-    return jax.tree.map(one, params, specs, is_leaf=lambda v: isinstance(v, P))
+    def one(x, spec, later):
+        axes = _summed_axes(spec)
+        return jax.lax.pcast(x, axes, to="varying") if axes and not later else x
+
+    return jax.tree.map(one, params, specs, at_use, is_leaf=lambda v: isinstance(v, P))
+
+
+def vary_at_use(x, entries: tuple):
+    """`x` marked varying over the batch ranks where it is used: autodiff all-reduces its gradient there.
+
+    Its spec `entries` place the all-reduce on each device's shard of the
+    other mesh axes (`_fully_manual`).
+    """
+    axes = _summed_axes(entries)
+    return _fully_manual(lambda v: jax.lax.pcast(v, axes, to="varying"), x, entries)
 
 
 def gather(x, entries: tuple):
@@ -245,14 +284,17 @@ class Use:
 
     entries: tuple | None
     dtype: Any = None
+    summed: tuple | None = None  # whole at rest, its gradient summed where used: the spec entries of one layer
 
     def __call__(self, x):
         if self.dtype is not None:
             x = x.astype(self.dtype)
+        if self.summed is not None:
+            x = vary_at_use(x, self.summed)
         return x if self.entries is None else gather(x, (None,) * (x.ndim - len(self.entries)) + tuple(self.entries))
 
 
-def gather_params(params, specs=None, dtype=None):
+def gather_params(params, specs=None, dtype=None, at_use=None):
     """Every parameter whole and in the compute dtype `dtype` (None: as held), as any model computes with them.
 
     `specs`: the parameters' specs inside the step's shard_map over data (None:
@@ -264,13 +306,15 @@ def gather_params(params, specs=None, dtype=None):
     full-size copy). A model that runs such an array in its own scan still
     gets it whole: correct, with every layer cast or gathered at once.
     """
-    def one(x, spec):
+    def one(x, spec, summed):
         entries = _entries(spec, x.ndim)
         cast = dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else None
         low = x if cast is None else x.astype(cast)
         if not _over_data(entries):
-            if cast is not None and x.ndim > 1:
-                _remember(low, x, Use(None, cast))
+            if summed:
+                low = vary_at_use(low, entries)
+            if (cast is not None or summed) and x.ndim > 1:
+                _remember(low, x, Use(None, cast, entries[1:] if summed else None))
             return low
         whole = gather(low, entries)
         if _dim_over_data(entries) == 0:
@@ -280,8 +324,9 @@ def gather_params(params, specs=None, dtype=None):
         return whole
 
     if specs is None:
-        return jax.tree.map(lambda x: one(x, P()), params)
-    return jax.tree.map(one, params, specs, is_leaf=lambda v: isinstance(v, P))
+        return jax.tree.map(lambda x: one(x, P(), False), params)
+    at_use = jax.tree.map(lambda _: False, params) if at_use is None else at_use
+    return jax.tree.map(one, params, specs, at_use, is_leaf=lambda v: isinstance(v, P))
 
 
 def scatter_gradients(grads, grad_specs, param_specs):
@@ -301,20 +346,21 @@ def scatter_gradients(grads, grad_specs, param_specs):
     return jax.tree.map(one, grads, grad_specs, param_specs, is_leaf=lambda v: isinstance(v, P))
 
 
-def sum_gradients(grads, grad_specs):
+def sum_gradients(grads, grad_specs, at_use=None):
     """All-reduce each gradient over the batch ranks it is not sharded over (after `scatter_gradients`).
 
     A gradient ZeRO leaves whole is summed over every batch rank; under HSDP a
     shard over `data` is summed over `replica`, the one cross-host collective.
+    Those `at_use` marks were summed where they were used.
     """
-    def one(g, grad_spec):
-        held = {a for e in grad_spec for a in _zero_axes(e)}
-        axes = tuple(a for a in _rank_axes() if a not in held)
-        if not axes:
+    def one(g, grad_spec, summed):
+        axes = _summed_axes(grad_spec)
+        if not axes or summed:
             return g
         return _fully_manual(lambda v: jax.lax.psum(v, axes), g, _entries(grad_spec, g.ndim))
 
-    return jax.tree.map(one, grads, grad_specs, is_leaf=lambda v: isinstance(v, P))
+    at_use = jax.tree.map(lambda _: False, grads) if at_use is None else at_use
+    return jax.tree.map(one, grads, grad_specs, at_use, is_leaf=lambda v: isinstance(v, P))
 
 
 # -- stacked layers gathered one at a time (jaxpar.stack.scan_layers) ---------------------------

@@ -61,3 +61,23 @@ def test_ddp_gradient_all_reduce_moves_parameter_bytes(reference):
     param_bytes = model.param_bytes()
     assert abs(rows[0]["bytes"] / param_bytes - 1) <= 0.01
     assert rows[0]["traffic"] == pytest.approx(2 * 7 / 8 * rows[0]["bytes"])
+
+
+@pytest.mark.parametrize("grad_accum,remat", [(1, "full"), (2, "full"), (1, "none")])
+def test_ddp_sums_each_layers_gradients_as_the_backward_scan_makes_them(reference, grad_accum, remat):
+    """One microbatch per step, under remat: each layer's gradients are all-reduced inside the backward layer scan
+    (DDP's overlap with the backward pass; no full-size gradient waits for one combined sum), the embedding's,
+    head's and final norm's after it. Accumulated microbatches are summed once per step, after the last one, and
+    so is everything without remat (the backward would keep each layer's marked parameters)."""
+    model, state, optimizer, data, _, _ = reference
+    plan = Plan.create("data=8", grad_accum=grad_accum, remat=remat)
+    placed = place_state(jax.tree.map(np.array, state), model, optimizer, plan)
+    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(placed, data[0]).compile()
+    sums = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.kind == "all-reduce" and op.bytes >= 64]
+    per_layer = [op for op in sums if op.count == TINY.n_layers]
+    assert len(per_layer) == (1 if (grad_accum, remat) == (1, "full") else 0)
+    layers = sum(op.bytes * op.count for op in per_layer)
+    once = sum(op.bytes for op in sums if op.count == 1)
+    assert abs((once + layers) / model.param_bytes() - 1) <= 0.01
+    if per_layer:
+        assert layers == 4 * sum(x.size for x in jax.tree.leaves(state.params["blocks"]))  # fp32, every layer
