@@ -97,11 +97,30 @@ def _backward(equation, saved, cotangent):
         return _like(dx.astype(x.dtype), x), _like(grad.astype(w.dtype), w)
     _, input_gradient = jax.vjp(lambda a: jnp.einsum(equation, a, w), x)
     (dx,) = input_gradient(cotangent)
-    # w's letters with its output features first: the cotangent is the dot's left operand, contracted last.
-    order = sorted(w_letters, key=lambda letter: (letter not in out, w_letters.index(letter)))
-    grad = jnp.einsum(f"{out},{x_letters}->{''.join(order)}", cotangent, x)
-    grad = jnp.transpose(jax.lax.optimization_barrier(grad), [order.index(letter) for letter in w_letters])
-    return _like(dx, x), _like(grad.astype(w.dtype), w)
+    return _like(dx, x), _like(_weight_gradient(x_letters, w_letters, out, x, w, cotangent).astype(w.dtype), w)
+
+
+def _weight_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
+    """The weight gradient of einsum(x, w) as a dot XLA:CPU runs in its fast kernels, with one copy: the smaller.
+
+    With w's output features first, the cotangent is the dot's left operand,
+    contracted last, and the result is transposed into w's order: a copy of a
+    weight-sized array. Where w holds its input features first and x is the
+    smaller array (fewer tokens than output features: an output layer over a
+    vocabulary, a pipeline's microbatch), x is copied instead, into [input
+    features, tokens], and the dot writes w's order directly. For issue 16's
+    output layer (256 x 32000) on 8 host devices, a weight gradient added into
+    an fp32 sum took 754 ms against 950 ms for four 64-token microbatches,
+    570 against 777 ms for 256 tokens at once.
+    """
+    order = "".join(sorted(w_letters, key=lambda letter: (letter not in out, w_letters.index(letter))))
+    if order != w_letters and x.size < w.size:
+        inputs = "".join(c for c in x_letters if c in w_letters)
+        tokens = "".join(c for c in x_letters if c not in w_letters)
+        features_first = jax.lax.optimization_barrier(jnp.einsum(f"{x_letters}->{inputs}{tokens}", x))
+        return jnp.einsum(f"{inputs}{tokens},{out}->{w_letters}", features_first, cotangent)
+    grad = jnp.einsum(f"{out},{x_letters}->{order}", cotangent, x)
+    return jnp.transpose(jax.lax.optimization_barrier(grad), [order.index(letter) for letter in w_letters])
 
 
 def _like(gradient, primal):

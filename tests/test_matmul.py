@@ -61,6 +61,16 @@ def test_a_replicated_weight_in_a_shard_map_gets_its_gradient_summed_over_the_ba
     np.testing.assert_allclose(grads(weight_einsum), grads(jnp.einsum), rtol=1e-5)
 
 
+def test_an_output_layers_weight_gradient_moves_the_activations_not_the_vocabulary():
+    """Fewer tokens than output features (an output layer over a vocabulary, a pipeline's microbatch): x is copied
+    into [features, tokens] and the dot writes the gradient in w's order. Before, the cotangent was copied into
+    [vocabulary, tokens] and the gradient, made as [vocabulary, features], transposed into w's order."""
+    x, w = jnp.ones((2, 8, 16)), jnp.ones((16, 512))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.sum(weight_einsum("bsd,dv->bsv", x, w) ** 2)))
+    hlo = grad.lower(w, x).compile().as_text()
+    assert "f32[16,512]" in hlo and "f32[512,16]" not in hlo
+
+
 def _plain_dots(hlo: str) -> list[str]:
     """Dot instructions outside fused computations: those XLA:CPU does not run in its fused matmul kernels."""
     computations = re.split(r"\n(?=\S)", hlo)
