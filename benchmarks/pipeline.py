@@ -19,11 +19,11 @@ that takes them, in the same tick. jax 0.10.2 (jax 0.12.0.1 where it differs):
     1f1b          4.35 /  4.35 /  4.36       1.001       1.357 / 1.179 / 1.089  (1.375 / 1.188 / 1.094)
     interleaved   3.82 /  3.83 /  3.83       1.002       1.179 / 1.089 / 1.045  (1.188 / 1.094 / 1.047)
                   (3.56 /  3.56 /  3.56 with jax 0.12)
-    zb-h1         4.36 /  4.36 /  4.36       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
+    zb-h1         4.35 /  4.35 /  4.35       1.001       1.599 / 1.474 / 1.412  (1.375 / 1.188 / 1.094)
 
 In bytes at m = 8 / 16 / 32 (jax 0.10.2): 1f1b 4561056 / 4563232 / 4567584, interleaved 4008264 / 4011856 /
-4015952, zb-h1 4567968 / 4570144 / 4574496; jax 0.12: 1f1b 4567328 / 4567456 / 4567712, interleaved 3734984 /
-3736656 / 3736656, zb-h1 4574400 / 4574528 / 4574784.
+4015952, zb-h1 4558880 / 4561056 / 4565408; jax 0.12: 1f1b 4567328 / 4567456 / 4567712, interleaved 3734984 /
+3736656 / 3736656, zb-h1 4565248 / 4565376 / 4565632.
 
 Residual rings: 1f1b and zb-h1 keep 6 stage-sized sets (2p - 2), interleaved 10 chunk-sized ones (5
 stages' worth), gpipe every tick's. With the slots in the order F, head, B or BW, W (a row freed in a
@@ -31,13 +31,18 @@ tick taken in the next) they kept 7 and 11: 1f1b 4.81 / 4.81 / 4.82, interleaved
 (jax 0.12: 3.65 / 3.66 / 3.66), zb-h1 4.85 / 4.85 / 4.85 MiB (its up to p cotangents from B to W in a
 buffer of their own, 4 x 8 KiB). zb-h1 now keeps them in ring rows no residual set holds (stage i keeps
 i cotangents where it keeps i sets fewer than stage 0; stage 0's W, run before its B of the same
-microbatch, takes the cotangent that B takes), so its ring is 1f1b's, rows and bytes; its temp stays
-6912 B above 1f1b's (7072 B with jax 0.12), less than one activation (8 KiB): XLA's bookkeeping for its
-extra slot (B and W where 1f1b has BW) and its extra scan (ticks with F and B before the first W), seen
-as small buffers (pointer tables of conds and loops) above the peak of the large ones, which is the same
-byte in both. Interleaved saves less than a ring row (0.09 MiB of a 0.24 MiB chunk row): its peak is not
-where the whole ring is. With F and BW masked, not under `lax.cond`, 1f1b and interleaved
-needed one more, scratch, row for their empty slots. zb-h1 was 5.64 / 5.64 / 5.65 MiB with B and W
+microbatch, takes the cotangent that B takes), so its ring is 1f1b's, rows and bytes, and its temp is
+2176 B below 1f1b's (2080 B with jax 0.12). It was 6912 B above (7072 B): XLA:CPU stacks the pointer
+tables of conds and loops (their operand and result tuples, 8 B an array) above the large buffers, whose
+peak is the same byte in both, and zb-h1 has more (B and W where 1f1b has BW, and a scan more: the ticks
+with F and B before the first W). Two changes took 9088 B off (9152 B with jax 0.12): the fill an idle
+forward hands on, made at the start of each tick, was an activation live through the W slot at zb-h1's
+peak of the large buffers (ticks with a W now make it in the forward's cond, after the W); and a forward
+runs before the head wherever no later slot of its tick frees a row of its stage (`Schedule.places`), so
+the ticks before the first W, where none does, have one forward cond, not two. Interleaved saves less
+than a ring row (0.09 MiB of a 0.24 MiB chunk row): its peak is not where the whole ring is. With F
+and BW masked, not under `lax.cond`, 1f1b and interleaved needed one more, scratch, row for their empty
+slots. zb-h1 was 5.64 / 5.64 / 5.65 MiB with B and W
 masked: XLA sliced both slots' residuals out of the ring (copied into their layer loops) before
 either ran, so both sets were live at once. A slot writing the ring after others read it in its tick
 writes at an index computed from a token their conds return: without that XLA copied the whole ring

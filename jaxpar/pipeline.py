@@ -508,10 +508,11 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
     stored VJP replayed on the kept cotangent, or in its B's tick on the one
     that B takes, parameter part only). F and W have two places in a tick, a
     stage running each slot at the one `Schedule.places` gives (the other is
-    idle there): the last chunk's forward before the head and its backward,
-    every other forward after the backward slots, whose freed rows it takes in
-    the same tick. A slot that writes the ring after others read it in the
-    tick writes at an index computed from what they return (`_after`), so XLA
+    idle there): the last chunk's forward, and one whose stage frees no ring
+    row later in the tick, before the head and its backward, every other
+    forward after the backward slots, whose freed rows it takes in the same
+    tick. A slot that writes the ring after others read it in the tick
+    writes at an index computed from what they return (`_after`), so XLA
     updates the ring in place. Every slot runs under `lax.cond`, only when it
     holds a microbatch, so a bubble slot costs no compute at run time (the
     compiled FLOPs still count each slot's work on every tick, once for a
@@ -640,16 +641,22 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             return mask(y, jnp.full_like(y, fill)), vjp, part
 
         def forward_slot(carry, s, y_idle):
-            """The forward slot (under `lax.cond`): its VJP goes into the ring row the table gives."""
+            """The forward slot (under `lax.cond`): its VJP goes into the ring row the table gives.
+
+            Idle, it hands on `y_idle` (the other forward place's output), or
+            `fill` made in its branch (y_idle None).
+            """
             j, k, row, q = s["j"], s["k"], s["row"], params_of(s["k"])
 
             def work(buffers, sums, incoming, _, mask):
                 y, vjp, part = forward_work(q, j, k, incoming, mask)
                 return y, ring.store(buffers, row, ring.residuals(vjp, q), mask), _add(sums, mask(part))
 
+            def idle(buffers, sums, incoming, y_idle):
+                return (jnp.full_like(incoming, fill) if y_idle is None else y_idle), buffers, sums
+
             y, carry["ring"], carry["sums"] = per_slot(
-                j != EMPTY, work, lambda buffers, sums, incoming, y_idle: (y_idle, buffers, sums),
-                carry["ring"], carry["sums"], carry["fwd_in"], y_idle)
+                j != EMPTY, work, idle, carry["ring"], carry["sums"], carry["fwd_in"], y_idle)
             return y
 
         def head_slot(carry, y, j):
@@ -743,7 +750,10 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
             def tick(carry, tables):
                 carry, reads = dict(carry), []
                 slot = {key: {name: table[stage] for name, table in columns.items()} for key, columns in tables.items()}
-                y = jnp.full_like(carry["fwd_in"], fill)
+                # After a W slot an idle forward makes its fill in its cond, so it is not live through the W: an
+                # activation less at zb-h1's peak. Made there on 1f1b's and interleaved's ticks, it cost their temp
+                # 0.6 and 1.3 KB of XLA's bookkeeping.
+                y = None if "W" in kinds else jnp.full_like(carry["fwd_in"], fill)
                 dy = dx = handed = None
                 for kind, place in ORDER:
                     if kind == "head":
@@ -811,7 +821,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                     mask = masker(live_b)
                     stored = ring.at(carry["ring"], b["row"])
                     if "F" in kinds:  # the last chunk's backward in its forward's tick
-                        now = live_f & (f["place"] == 0)
+                        now = live_f & (f["j"] == b["j"]) & (f["k"] == b["k"])
                         stored = [jnp.where(now, new, old) for new, old in zip(fresh, stored)]
                     handed = mask(incoming_of(carry, b, head, dy))
                     if back == "BW":
@@ -872,7 +882,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                 if kind in kept_rows:
                     columns["saved"] = kept_rows[kind]
                 if permutes:
-                    columns |= {"place": places[kind], "keep": kept.get(kind, places[kind])}
+                    columns |= {"keep": kept.get(kind, places[kind])}
                     tables[kind, None] = {name: jnp.asarray(table[ticks]) for name, table in columns.items()}
                     continue
                 for place in (0, 1):

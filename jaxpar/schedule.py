@@ -46,11 +46,12 @@ executes these tables; this module also measures their bubble and draws them.
   cotangents that find no free row get a buffer of their own).
 
 Within a tick a stage runs its slots in `ORDER`: a weight-backward first,
-then the forward of a last chunk, the loss head and the backward that takes
-its cotangent, then every other forward. Slots that free ring rows (W, B or
-BW reading residuals for the last time) so run before the slots that take
-them (F, and B keeping a cotangent), in the same tick, wherever the data
-allow; `Schedule.places` says which of its kind's places each slot runs at.
+then the forward of a last chunk (or of a stage no later slot frees a row
+for), the loss head and the backward that takes its cotangent, then every
+other forward. Slots that free ring rows (W, B or BW reading residuals for the
+last time) so run before the slots that take them (F, and B keeping a
+cotangent), in the same tick, wherever the data allow; `Schedule.places` says
+which of its kind's places each slot runs at.
 
 Schedules with an explicit backward are data: `Schedule.actions` maps each
 slot kind (F forward, BW fused backward, B input-backward, W weight-backward)
@@ -314,23 +315,34 @@ class Schedule:
     def places(self) -> dict[str, np.ndarray]:
         """Slot kind -> [ticks, stages] which of the kind's places in `ORDER` the slot runs at (0: first).
 
-        A forward runs early (place 0) only when its own backward is in the
-        same tick (the last chunk: forward, loss head, backward), otherwise
-        after the tick's backward and weight-backward slots, which free ring
-        rows it can take. A weight-backward runs early, before the B and F slots
-        that take rows; in its B's tick it takes the cotangent that B takes,
-        which on the last chunk the loss head makes in that tick (place 1,
-        after the B).
+        A weight-backward runs early, before the B and F slots that take rows;
+        in its B's tick it takes the cotangent that B takes, which on the last
+        chunk the loss head makes in that tick (place 1, after the B). A
+        forward runs early (place 0) when its own backward is in the same tick
+        (the last chunk: forward, loss head, backward) or when no later slot of
+        its tick frees a ring row of its stage, otherwise after the tick's
+        backward and weight-backward slots, to take the rows they free. Each
+        place holding a forward in a run of ticks costs the run a `lax.cond`:
+        zb-h1's forwards run early except on stage 0 (elsewhere its early W's
+        free the rows; stage 0's B reads its residuals last), so its ticks
+        with F and B slots and no W yet have one forward slot, not two.
         """
         back = "B" if "B" in self.actions else "BW"
         out = {kind: np.zeros_like(table) for kind, table in self.actions.items()}
         backward = self._slot_ticks(back)
-        for (stage, j, k), t in self._slot_ticks("F").items():
-            out["F"][t, stage] = int(backward[stage, j, k] != t)
         if "W" in self.actions:
             head_fed = self.stages - 1, self.virtual_stages - 1
             for (stage, j, k), t in self._slot_ticks("W").items():
                 out["W"][t, stage] = int(backward[stage, j, k] == t and (stage, k) == head_fed)
+        freed = {}  # (stage, j, k) -> (tick, index in ORDER) of the last read of its residuals
+        for kind in ("BW", "B", "W"):
+            for key, t in (self._slot_ticks(kind).items() if kind in self.actions else ()):
+                freed[key] = max(freed.get(key, (t, -1)), (t, ORDER.index((kind, int(out[kind][t, key[0]])))))
+        late = np.zeros(self.actions["F"].shape, bool)  # a row of the stage is freed after the early forward
+        for (stage, _, _), (t, position) in freed.items():
+            late[t, stage] |= position > ORDER.index(("F", 0))
+        for (stage, j, k), t in self._slot_ticks("F").items():
+            out["F"][t, stage] = int(backward[stage, j, k] != t and late[t, stage])
         return out
 
     def _when(self, kind: str) -> dict[tuple[int, int, int], int]:

@@ -78,6 +78,7 @@ CONTEXT_CASES = [
     ("gpipe", "pipe=2,context=2,tensor=2", {"context_form": "all-gather", "tensor_form": "explicit"}),
     ("interleaved", "pipe=2,context=4", {"context_form": "ring", "virtual_stages": 2}),
     ("zb-h1", "pipe=2,context=2,data=2", {"context_form": "ring"}),  # ring attention: masked slots (per_slot)
+    ("zb-h1", "pipe=4,context=2", {"context_form": "ring"}),  # forwards before the head whose B reads another set
 ]
 
 
@@ -247,8 +248,9 @@ def test_zb_h1_keeps_its_cotangents_in_1f1b_ring():
     """zb-h1 splits 1F1B's backward into B and W slots and keeps cotangents from one to the other: in rows of the
     ring no residual set holds (stage i keeps i cotangents where it keeps i sets fewer than stage 0), stage 0's W
     taking the one its B takes. At p = 4, m = 8 (benchmarks/pipeline.py's model) its compiled ring is 1F1B's, rows
-    and bytes, and its temp exceeds 1F1B's by less than one activation, what XLA keeps for its extra slots and loop
-    (before: p cotangents in a buffer of their own, and one ring row more in both)."""
+    and bytes, and its temp is no higher than 1F1B's: its W slots keep no idle activation live, and its ticks before
+    the first W run one forward slot, not two (before: 6912 B above, what XLA kept for its extra slots and loop;
+    before that, p cotangents in a buffer of their own, and one ring row more in both)."""
     config, m = dataclasses.replace(MEMORY_CONFIG, n_layers=8), 8
     temp, figures = {}, {}
     for name in ("1f1b", "zb-h1"):
@@ -258,8 +260,7 @@ def test_zb_h1_keeps_its_cotangents_in_1f1b_ring():
     assert figures["zb-h1"]["ring_rows"] == figures["1f1b"]["ring_rows"] == 2 * STAGES - 2
     assert figures["zb-h1"]["peak_residual_bytes"] == figures["1f1b"]["peak_residual_bytes"]
     assert schedule.Schedule("zb-h1", STAGES, m).ring_layout().cotangent_buffer_rows == 0
-    activation = config.seq_len * config.d_model * 4
-    assert temp["zb-h1"] - temp["1f1b"] < activation
+    assert temp["zb-h1"] <= temp["1f1b"]
 
 
 def test_interleaved_moves_no_weights_per_step():

@@ -127,16 +127,24 @@ def test_a_ring_row_is_never_overwritten_while_its_residuals_or_cotangent_are_ne
 
 def test_slots_run_in_an_order_their_data_allow():
     """Within a tick: the last chunk's forward before the loss head and its backward; every other forward after the
-    backward slots that free rows; a W before the B and F slots that take rows, except on the last chunk in its
-    B's tick (it needs the head's cotangent)."""
+    slots that free rows of its stage in its tick, before the head where none does (zb-h1: every stage but 0, whose B
+    reads its residuals last; its W's free them first); a W before the B and F slots that take rows, except on the
+    last chunk in its B's tick (it needs the head's cotangent)."""
     for s in (Schedule("1f1b", 4, 8), Schedule("zb-h1", 4, 8), Schedule("interleaved", 4, 8, 2)):
         back = "B" if "B" in s.actions else "BW"
         f, b = positions(s, "F"), positions(s, back)
+        reads = [positions(s, kind) for kind in (back, "W") if kind in s.actions]
+        freed = {key: max(r[key] for r in reads) for key in f}
+        early = ORDER.index(("F", 0))
         for key, at in f.items():
-            same_tick = at // len(ORDER) == b[key] // len(ORDER)
-            assert (at < ORDER.index(("head", 0)) + at // len(ORDER) * len(ORDER)) == same_tick
+            tick = at // len(ORDER)
+            same_tick = tick == b[key] // len(ORDER)
+            frees_later = any(other[0] == key[0] and last // len(ORDER) == tick and last % len(ORDER) > early
+                              for other, last in freed.items())
+            assert (at % len(ORDER) < ORDER.index(("head", 0))) == (same_tick or not frees_later)
         if "W" in s.actions:
             assert (s.places["W"][s.actions["W"] != EMPTY] == 0).all()
+            assert {int(stage) for stage in s.places["F"].nonzero()[1]} == {0}  # only stage 0 waits
     assert ORDER.index(("W", 0)) < ORDER.index(("F", 0)) < ORDER.index(("head", 0)) < ORDER.index(("B", 0)) \
         < ORDER.index(("F", 1))
 
