@@ -122,13 +122,14 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
 
     Each data rank differentiates its own rows inside `jax.shard_map`, manual
     over `plan.step_manual_axes` (`data`; `tensor` too under the explicit
-    form, whose layers then write their collectives directly). Under ZeRO-0/1 its gradients stay local while microbatches
-    accumulate and are summed over `data` once per step: all-reduced (ZeRO-0)
-    or reduce-scattered into the optimizer's shards (ZeRO-1). With one
-    microbatch under remat, ZeRO-0 all-reduces each layer's gradients in the backward
-    layer scan instead (`_sums_at_use`). Under HSDP the
-    shard_map is manual over `replica` too, and each shard is then all-reduced
-    over it once per step (`jaxpar.zero.sum_gradients`). Under ZeRO-2/3
+    form, whose layers then write their collectives directly). Under ZeRO-0/1
+    its gradients stay local while microbatches accumulate and are summed over
+    `data` once per step: all-reduced (ZeRO-0) or reduce-scattered into the
+    optimizer's shards (ZeRO-1). With one microbatch under remat, ZeRO-0
+    all-reduces each layer's gradients in the backward layer scan instead
+    (`_sums_at_use`). Under HSDP the shard_map is manual over `replica` too,
+    and each shard is then all-reduced over it once per step
+    (`jaxpar.zero.sum_gradients`). Under ZeRO-2/3
     the parameters arrive sharded and each layer's are gathered inside the
     layer scan, so autodiff reduce-scatters each layer's gradients as the
     backward scan produces them: no full-size gradient ever exists.
