@@ -228,6 +228,11 @@ def summed_at_use(param_specs, grad_specs):
                         param_specs, grad_specs, is_leaf=lambda v: isinstance(v, P))
 
 
+def _none_summed(tree):
+    """`summed_at_use`'s answer where nothing is summed at its use."""
+    return jax.tree.map(lambda _: False, tree)
+
+
 def vary(params, specs, at_use=None):
     """Mark each parameter varying over the batch ranks it is whole over, so its gradients stay per-device sums.
 
@@ -237,7 +242,7 @@ def vary(params, specs, at_use=None):
     `at_use` marks (`summed_at_use`) are left to `gather_params`, which marks
     them where they are used.
     """
-    at_use = jax.tree.map(lambda _: False, params) if at_use is None else at_use
+    at_use = _none_summed(params) if at_use is None else at_use
 
     def one(x, spec, later):
         axes = _summed_axes(spec)
@@ -325,7 +330,7 @@ def gather_params(params, specs=None, dtype=None, at_use=None):
 
     if specs is None:
         return jax.tree.map(lambda x: one(x, P(), False), params)
-    at_use = jax.tree.map(lambda _: False, params) if at_use is None else at_use
+    at_use = _none_summed(params) if at_use is None else at_use
     return jax.tree.map(one, params, specs, at_use, is_leaf=lambda v: isinstance(v, P))
 
 
@@ -359,7 +364,7 @@ def sum_gradients(grads, grad_specs, at_use=None):
             return g
         return _fully_manual(lambda v: jax.lax.psum(v, axes), g, _entries(grad_spec, g.ndim))
 
-    at_use = jax.tree.map(lambda _: False, grads) if at_use is None else at_use
+    at_use = _none_summed(grads) if at_use is None else at_use
     return jax.tree.map(one, grads, grad_specs, at_use, is_leaf=lambda v: isinstance(v, P))
 
 
