@@ -95,9 +95,38 @@ def _backward(equation, saved, cotangent):
         dx = _product(f"{out},{w_letters}->{x_letters}", cotangent, w)
         grad = _product(f"{x_letters},{out}->{w_letters}", x, cotangent)
         return _like(dx.astype(x.dtype), x), _like(grad.astype(w.dtype), w)
-    _, input_gradient = jax.vjp(lambda a: jnp.einsum(equation, a, w), x)
-    (dx,) = input_gradient(cotangent)
+    dx = _input_gradient(x_letters, w_letters, out, x, w, cotangent)
     return _like(dx, x), _like(_weight_gradient(x_letters, w_letters, out, x, w, cotangent).astype(w.dtype), w)
+
+
+# Above this a weight is no longer held in a core's cache between the tiles of one matmul (measured: see below).
+_CACHED_WEIGHT_BYTES = 1 << 20
+
+
+def _input_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
+    """The input gradient of einsum(x, w), with a large weight as the dot's left operand where it pays.
+
+    XLA:CPU's fused matmul repacks its right operand on every call. The input
+    gradient `cotangent @ w^T` makes the weight that operand: for an output
+    layer over a vocabulary, fed few tokens at a time (a pipeline's
+    microbatch), repacking the weight costs more than the product. Where the
+    weight holds its output features last (they are contracted along its
+    minor dimension), is larger than the cotangent and too large for a
+    core's cache, the gradient is made as `w @ cotangent^T`, [input features,
+    tokens], and then transposed into x's order: a copy of an x-sized array.
+    Issue 16's head (256 x 32000), four 64-token microbatches on 8 host
+    devices: 0.68x the time of the first form; layers' own weights (under
+    1 MiB) and 256 tokens at a time gain nothing (benchmarks/output_layer.py).
+    """
+    inputs = "".join(c for c in w_letters if c not in out)
+    tokens = "".join(c for c in x_letters if c not in w_letters)
+    features = "".join(c for c in w_letters if c in out)
+    if (w_letters == inputs + features and set(x_letters) == set(inputs + tokens) and set(tokens) <= set(out)
+            and cotangent.size < w.size and w.size * w.dtype.itemsize > _CACHED_WEIGHT_BYTES):
+        features_first = jax.lax.optimization_barrier(jnp.einsum(f"{w_letters},{out}->{inputs}{tokens}", w, cotangent))
+        return jnp.einsum(f"{inputs}{tokens}->{x_letters}", features_first).astype(x.dtype)
+    _, input_gradient = jax.vjp(lambda a: jnp.einsum(f"{x_letters},{w_letters}->{out}", a, w), x)
+    return input_gradient(cotangent)[0]
 
 
 def _weight_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
@@ -111,7 +140,7 @@ def _weight_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
     features, tokens], and the dot writes w's order directly: 0.70x the time
     of the first form for issue 16's output layer (256 x 32000) added into an
     fp32 sum, four 64-token microbatches on 8 host devices
-    (benchmarks/weight_gradient.py).
+    (benchmarks/output_layer.py).
     """
     order = "".join(sorted(w_letters, key=lambda letter: (letter not in out, w_letters.index(letter))))
     if order != w_letters and x.size < w.size:
