@@ -30,8 +30,7 @@ The embedding feeds stage 0 and the loss head runs on the last stage's outputs,
 split over the pipe stages by sequence positions (a reduce-scatter of the
 outputs and an all-gather of their cotangents), so no stage does p times the
 head's work. Parameters every stage holds (embedding, head) get their gradients
-summed over pipe once per step, in the same all-reduce as their sum over data
-where the step leaves that to the pipeline (ZeRO-0, one microbatch per step).
+summed over pipe once per step.
 
 Layers may also return per-layer statistics (an MoE router's losses and
 metrics). Each stage sums its own layers' statistics per microbatch; they are
@@ -256,42 +255,6 @@ def _sum_over_stages(tree):
     return jax.tree.map(total, tree)
 
 
-def _tables_varying(embed_params, head_params, tokens, targets, stages: Stages):
-    """The embedding's and head's parameters cast over pipe and every manual axis the activations vary over.
-
-    Each stage and batch rank then adds up its own gradients of them, which
-    leave the pipeline per stage and are summed over every axis they were
-    cast over at once, after the loss's cotangent scales them
-    (`_scaled_table_sums`): the step leaves parameters whole over `data`
-    unmarked for the pipeline (`jaxpar.zero.summed_in_pipeline`), so their
-    sums over pipe and over data are one all-reduce, not two.
-    """
-    axes = _activation_axes(jax.eval_shape(stages.embed, embed_params, tokens[0]), targets)
-    return _varying((embed_params, head_params), axes)
-
-
-def _per_stage(tree):
-    """Each stage's own gradients, out of the pipe shard_map as [p, ...] (out_specs P(pipe))."""
-    return jax.tree.map(lambda a: a[None], tree)
-
-
-def _scaled_table_sums(tables, cotangent, primal_axes):
-    """The stages' table gradients [p, ...] times the cotangent, summed over every axis their primals are whole over.
-
-    One fp32 all-reduce per leaf over pipe and, for a primal left whole over
-    data, data too (XLA:CPU fails to compile bf16 reductions here).
-    """
-    def body(tables, cotangent):
-        def one(g, axes):
-            g = g[0] * cotangent
-            over = tuple(sorted(varying_axes(g) - axes))
-            return jax.lax.psum(g.astype(jnp.promote_types(g.dtype, jnp.float32)), over).astype(g.dtype)
-
-        return jax.tree.map(one, tables, primal_axes, is_leaf=lambda x: isinstance(x, set))
-
-    return jax.shard_map(body, in_specs=(P(AXIS), P()), out_specs=P(), axis_names={AXIS})(tables, cotangent)
-
-
 def _forward_loss(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
     """The embedding, the schedule's forward ticks in a scan, the head (gpipe's backward is its autodiff).
 
@@ -353,7 +316,7 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
     """
     forward = _shard(_forward_loss(stages, schedule, fill, entries), (P(), P()))
     body = _table_body if schedule.explicit_backward else _autodiff_body
-    with_grads = _shard(body(stages, schedule, fill, entries), ((P(), P()), (P(AXIS), P(AXIS), P(AXIS))))
+    with_grads = _shard(body(stages, schedule, fill, entries), ((P(), P()), (P(), P(AXIS), P())))
 
     primal_axes = {}
 
@@ -373,10 +336,8 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
             extra = tuple(sorted(varying_axes(g) - axes))
             return jax.lax.psum(g, extra) if extra else g
 
-        (d_embed, d_chunks, d_head), (embed_axes, chunk_axes, head_axes) = grads, primal_axes["params"]
-        d_embed, d_head = _scaled_table_sums((d_embed, d_head), cotangent, (embed_axes, head_axes))
-        d_chunks = jax.tree.map(scale, d_chunks, chunk_axes, is_leaf=lambda x: isinstance(x, set))
-        return d_embed, d_chunks, d_head, None, None
+        is_axes = lambda x: isinstance(x, set)  # noqa: E731
+        return (*jax.tree.map(scale, grads, primal_axes["params"], is_leaf=is_axes), None, None)
 
     run.defvjp(run_fwd, run_bwd)
     return run
@@ -387,11 +348,11 @@ def _autodiff_body(stages: Stages, schedule: Schedule, fill: float, entries: lis
     forward = _forward_loss(stages, schedule, fill, entries)
 
     def body(embed_params, chunks, head_params, tokens, targets):
-        embed_params, head_params = _tables_varying(embed_params, head_params, tokens, targets, stages)
+        embed_params, head_params = _varying((embed_params, head_params), {AXIS})
         value, vjp, sums = jax.vjp(lambda e, c, h: forward(e, c, h, tokens, targets), embed_params, chunks,
                                    head_params, has_aux=True)
         d_embed, d_chunks, d_head = vjp(jnp.ones_like(value))
-        return (value, sums), (_per_stage(d_embed), d_chunks, _per_stage(d_head))
+        return (value, sums), (_sum_over_stages(d_embed), d_chunks, _sum_over_stages(d_head))
 
     return body
 
@@ -590,7 +551,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
 
     def body(embed_params, chunk_params, head_params, tokens, targets):
         stage = jax.lax.axis_index(AXIS)
-        embed_params, head_params = _tables_varying(embed_params, head_params, tokens, targets, stages)
+        embed_params, head_params = _varying((embed_params, head_params), {AXIS})
         local = jax.tree.map(lambda a: a[0], chunk_params)  # [v, layers per chunk, ...]
         first = jax.tree.map(lambda a: a[0], local)
 
@@ -951,8 +912,8 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         d_chunks = jax.tree.map(lambda a: a[None], cast(carry["d_stage"], local))
         # Cast before the sum: one fewer table-sized f32 buffer after the loop (XLA:CPU kept the sum and its
         # cast apart: pp2 x dp4 on MaxText's model, 394.0 -> 369.7 MB); the embedding's is exact (one stage adds).
-        d_embed = _per_stage(cast(carry["d_embed"], embed_params))
-        d_head = _per_stage(cast(carry["d_head"], head_params))
+        d_embed = _sum_over_stages(cast(carry["d_embed"], embed_params))
+        d_head = _sum_over_stages(cast(carry["d_head"], head_params))
         loss = (jax.lax.psum(carry["loss"], AXIS) / (m * p)).astype(loss_dtype)
         sums = jax.tree.map(lambda s: s / m, _sum_over_stages(carry["sums"]))
         return (stages.with_aux(loss, sums), sums), (d_embed, d_chunks, d_head)

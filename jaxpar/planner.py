@@ -503,17 +503,13 @@ def microbatch_sequences(layout: Layout, work: Workload) -> int:
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """Calls of one collective kind over one mesh axis per step: `bytes` is the whole buffer of one call
-    (buffers XLA reduces in one go, e.g. all gradients, are counted as one call). `axis` may name a group
-    of axes, outermost first ("data,pipe"): one collective over all their devices."""
+    (buffers XLA reduces in one go, e.g. all gradients, are counted as one call)."""
 
     axis: str
     kind: str
     bytes: float
     calls: float
     why: str
-
-    def devices(self, layout: "Layout") -> int:
-        return math.prod(layout.shape[a] for a in self.axis.split(","))
 
     def traffic(self, n: int) -> float:
         return self.calls * ring_traffic(self.kind, self.bytes, n)
@@ -532,18 +528,12 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
     b, s, d = microbatch_sequences(layout, work), local_seq(layout, work), model.d_model
     out: list[Collective] = []
     n, t, p, e, c = layout.data, layout.tensor, layout.pipe, layout.expert, layout.context
-    # ZeRO-0 under a pipeline, one microbatch per step: the embedding's and head's gradients are summed over
-    # the stages and the batch ranks in one all-reduce (jaxpar.zero.summed_in_pipeline)
-    tables_with_pipe = p > 1 and n * layout.replica > 1 and layout.zero == 0 and layout.grad_accum == 1
     if n > 1:
         # local = split + whole and sharded = split / n + whole, where `whole` are the parameters ZeRO
         # cannot split over data (no dimension divides): their gradients keep an all-reduce
         split = (inv.local - inv.sharded) * n / (n - 1) if layout.zero else 0.0
         unsharded = inv.local - split
-        if layout.zero == 0 and tables_with_pipe:
-            out.append(Collective("data", "all-reduce", (inv.local - inv.replicated_over_pipe) * g_comm, 1,
-                                  "the stages' layers' gradients summed over data"))
-        elif layout.zero == 0:
+        if layout.zero == 0:
             out.append(Collective("data", "all-reduce", inv.local * g_comm, 1, "gradients summed over data"))
         else:
             # ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated parameters once per
@@ -607,10 +597,8 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
                                   "activations forward and cotangents backward, one per tick"))
             out.append(Collective("pipe", "all-to-all", one * m, 2 * layout.grad_accum,
                                   "the loss head's positions and their gradients"))
-        group = ",".join(a for a in ("replica", "data") if layout.shape[a] > 1) + ",pipe" if tables_with_pipe else "pipe"
-        out.append(Collective(group, "all-reduce", inv.replicated_over_pipe * max(g_comm, 4), 1,
-                              "embedding and head gradients summed over stages" + (" and batch ranks" if
-                                                                                  tables_with_pipe else "") + " (fp32)"))
+        out.append(Collective("pipe", "all-reduce", inv.replicated_over_pipe * max(g_comm, 4), 1,
+                              "embedding and head gradients summed over stages (fp32)"))
     if layout.replica > 1:
         # HSDP: each gradient leaves the ZeRO group reduced to its data shard, then one all-reduce over replica
         out.append(Collective("replica", "all-reduce", inv.sharded * g_comm, 1, "gradient shards summed over replicas"))
@@ -670,10 +658,9 @@ def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes
 
 
 def traffic_per_axis(colls: list[Collective], layout: Layout) -> dict[str, float]:
-    """Traffic per mesh axis, and per group of axes a collective spans at once (keyed "data,pipe")."""
     out = {a: 0.0 for a in AXES}
     for c in colls:
-        out[c.axis] = out.get(c.axis, 0.0) + c.traffic(c.devices(layout))
+        out[c.axis] += c.traffic(layout.shape[c.axis])
     return out
 
 
@@ -725,7 +712,7 @@ class Estimate:
             "memory": self.memory, "traffic": self.traffic, "bubble": self.bubble, "flops": self.flops,
             "hardware_flops": self.hardware_flops, "time": self.time, "mfu": self.mfu, "fits": self.fits,
             "reason": self.reason,
-            "collectives": [dataclasses.asdict(c) | {"traffic": c.traffic(c.devices(self.layout))}
+            "collectives": [dataclasses.asdict(c) | {"traffic": c.traffic(self.layout.shape[c.axis])}
                             for c in self.collectives],
         }
 
@@ -921,13 +908,11 @@ def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[st
     compute = hw_flops / (device.flops(layout.precision) * device.efficiency)
     compute /= 1 - bubble(layout)
     comm = {a: traffic[a] / axis_bandwidth(a, layout, device) for a in AXES}
-    # A group of axes ("data,pipe": gradients summed after the step's backward) at its outermost axis's bandwidth.
-    grouped = sum(v / axis_bandwidth(k.split(",")[0], layout, device) for k, v in traffic.items() if k not in comm)
     # Data-parallel traffic overlaps the backward pass: all of it under ZeRO-2/3 (layer by layer), only the
     # last microbatch's under ZeRO-0/1 (the gradients are reduced once per step, after accumulation).
     backward = compute * 2 / 3
     hidden = backward if layout.zero >= 2 else backward / (layout.grad_accum * max(layout.microbatches, 1))
-    exposed_data = max(0.0, comm["data"] + comm["replica"] + grouped - hidden)
+    exposed_data = max(0.0, comm["data"] + comm["replica"] - hidden)
     update = 3 * memory["optimizer"] / device.hbm_bandwidth + 2 * memory["host"] / device.host_bandwidth
     total = compute + comm["tensor"] + comm["expert"] + comm["pipe"] + comm["context"] + exposed_data + update
     return {"compute": compute, **{f"comm_{a}": c for a, c in comm.items()}, "exposed_data": exposed_data,
@@ -1111,9 +1096,6 @@ def predicted_figures(est: Estimate) -> dict[str, float]:
     out = {"arguments": est.memory["arguments"], "temp": est.memory["temp_total"]}
     for axis in AXES:
         out[f"traffic_{axis}"] = est.traffic.get(axis, 0.0)
-    grouped = sum(v for k, v in est.traffic.items() if k not in AXES)
-    if grouped:  # compiled collectives over several axes at once (`compiled_figures`)
-        out["traffic_other"] = grouped
     return out
 
 
@@ -1186,7 +1168,7 @@ def explain(est: Estimate, device: Device) -> list[str]:
     lines.append("collectives per device per step:")
     for c in est.collectives:
         lines.append(f"  {c.axis:7s} {c.kind:18s} {c.calls:8.0f} calls x {c.bytes / 1e6:10.3f} MB -> "
-                     f"{c.traffic(c.devices(est.layout)) / 1e9:8.3f} GB traffic  ({c.why})")
+                     f"{c.traffic(est.layout.shape[c.axis]) / 1e9:8.3f} GB traffic  ({c.why})")
     lines.append(f"bubble {est.bubble:.1%}; model FLOPs {est.flops:.3g} per device (with recomputation "
                  f"{est.hardware_flops:.3g})")
     lines.append("time (s): " + ", ".join(f"{k} {v:.3g}" for k, v in t.items()) + f"; MFU {est.mfu:.1%}")

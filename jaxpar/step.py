@@ -127,8 +127,7 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     `data` once per step: all-reduced (ZeRO-0) or reduce-scattered into the
     optimizer's shards (ZeRO-1). With one microbatch under remat, ZeRO-0
     all-reduces each layer's gradients in the backward layer scan instead
-    (`_sums_at_use`), and under a pipeline the pipeline sums the embedding's
-    and head's over data with its sum over pipe (`_pipeline_sums`). Under HSDP the shard_map is manual over `replica` too,
+    (`_sums_at_use`). Under HSDP the shard_map is manual over `replica` too,
     and each shard is then all-reduced over it once per step
     (`jaxpar.zero.sum_gradients`). Under ZeRO-2/3
     the parameters arrive sharded and each layer's are gathered inside the
@@ -168,10 +167,8 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     param_specs, grad_specs = plan.param_specs(model.logical), plan.gradient_specs(model.logical)
     k = plan.grad_accum
     at_use = zero.summed_at_use(param_specs, grad_specs) if over_data and _sums_at_use(plan) else None
-    # Summed where they are used, or by the pipeline: not marked varying here, not summed at the end.
-    elsewhere = zero.summed_in_pipeline(param_specs, grad_specs) if over_data and _pipeline_sums(plan) else at_use
     if over_data:
-        params = zero.vary(params, param_specs, elsewhere)
+        params = zero.vary(params, param_specs, at_use)
     ranks = plan.axis_size(*plan.rank_axes) if over_data else 1
     # Each rank differentiates its share of the global mean, so the gradients summed over ranks and
     # microbatches are the mean's: nothing sums k * ranks full-size gradients first (fp16 would overflow).
@@ -200,7 +197,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
         (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
     grads = _to(grads, dtype)
     if over_data:
-        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, elsewhere)
+        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, at_use)
         loss, aux = zero.mean((loss, aux))
     if k > 1:
         loss, aux = loss / k, jax.tree.map(lambda x: x / k, aux)
@@ -217,15 +214,6 @@ def _sums_at_use(plan: Plan) -> bool:
     layer (+16.8 MB fp32 per device on issue 16's llama2 at data=8).
     """
     return plan.grad_accum == 1 and plan.axis_size("pipe") == 1 and plan.remat != "none"
-
-
-def _pipeline_sums(plan: Plan) -> bool:
-    """Whether the pipeline sums the gradients of parameters every stage holds over data (`zero.summed_in_pipeline`).
-
-    Only with one microbatch per step: each accumulated microbatch runs the
-    pipeline, which would sum them again.
-    """
-    return plan.grad_accum == 1 and plan.axis_size("pipe") > 1
 
 
 def _to(grads, dtype):

@@ -228,23 +228,6 @@ def summed_at_use(param_specs, grad_specs):
                         param_specs, grad_specs, is_leaf=lambda v: isinstance(v, P))
 
 
-def summed_in_pipeline(param_specs, grad_specs):
-    """Per parameter: True where the pipeline sums its gradient over data, in its sum over pipe.
-
-    Those `summed_at_use` takes that every stage holds (not split over pipe:
-    the embedding's and the head's). Left unmarked, they reach the pipeline
-    whole over data; it casts them over every axis its activations vary over
-    and all-reduces their gradients over pipe and data at once, after its last
-    tick (`jaxpar.pipeline._tables_varying`): one collective, not one over
-    pipe and then one over data. The step chooses this only with one
-    microbatch per step: each microbatch's pipeline would sum again.
-    """
-    def one(p, whole):
-        return whole and not any("pipe" in _axes(e) for e in p)
-
-    return jax.tree.map(one, param_specs, summed_at_use(param_specs, grad_specs), is_leaf=lambda v: isinstance(v, P))
-
-
 def _none_summed(tree):
     """`summed_at_use`'s answer where nothing is summed at its use."""
     return jax.tree.map(lambda _: False, tree)
@@ -256,9 +239,8 @@ def vary(params, specs, at_use=None):
     Under HSDP a shard over `data` is whole over `replica`: marked varying
     there too, its gradient is summed over `replica` once per step
     (`sum_gradients`) rather than by autodiff at every use. Parameters
-    `at_use` marks are left unmarked: to `gather_params`, which marks them
-    where they are used (`summed_at_use`), or to the pipeline, which sums
-    them in its own sum over pipe (`summed_in_pipeline`).
+    `at_use` marks (`summed_at_use`) are left to `gather_params`, which marks
+    them where they are used.
     """
     at_use = _none_summed(params) if at_use is None else at_use
 
