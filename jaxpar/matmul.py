@@ -99,24 +99,25 @@ def _backward(equation, saved, cotangent):
     return _like(dx, x), _like(_weight_gradient(x_letters, w_letters, out, x, w, cotangent).astype(w.dtype), w)
 
 
-# Above this a weight is no longer held in a core's cache between the tiles of one matmul (measured: see below).
+# Weights up to this size ran as fast or faster as a dot's right operand (measured: `_input_gradient`).
 _CACHED_WEIGHT_BYTES = 1 << 20
 
 
 def _input_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
     """The input gradient of einsum(x, w), with a large weight as the dot's left operand where it pays.
 
-    XLA:CPU's fused matmul repacks its right operand on every call. The input
-    gradient `cotangent @ w^T` makes the weight that operand: for an output
-    layer over a vocabulary, fed few tokens at a time (a pipeline's
-    microbatch), repacking the weight costs more than the product. Where the
-    weight holds its output features last (they are contracted along its
-    minor dimension), is larger than the cotangent and too large for a
-    core's cache, the gradient is made as `w @ cotangent^T`, [input features,
-    tokens], and then transposed into x's order: a copy of an x-sized array.
-    Issue 16's head (256 x 32000), four 64-token microbatches on 8 host
-    devices: 0.68x the time of the first form; layers' own weights (under
-    1 MiB) and 256 tokens at a time gain nothing (benchmarks/output_layer.py).
+    XLA:CPU's fused matmul runs as if it repacked its right operand on every
+    call, and the input gradient `cotangent @ w^T` makes the weight that
+    operand: for an output layer over a vocabulary fed few tokens at a time
+    (a pipeline's microbatch), that costs more than the product. Where the
+    weight holds its output features last (contracted along its minor
+    dimension), is larger than the cotangent and too large for a core's
+    cache (`_CACHED_WEIGHT_BYTES`), the gradient is made as `w @ cotangent^T`, [input features,
+    tokens], then moved into x's order: a copy of an x-sized array. Issue
+    16's head (256 x 32000), four 64-token microbatches on 8 host devices:
+    0.68x the time of the first form (benchmarks/output_layer.py); the
+    layers' own weights (under 1 MiB) ran up to 1.27x slower that way, 256
+    tokens at a time 0.98x.
     """
     inputs = "".join(c for c in w_letters if c not in out)
     tokens = "".join(c for c in x_letters if c not in w_letters)
