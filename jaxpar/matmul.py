@@ -99,8 +99,8 @@ def _backward(equation, saved, cotangent):
     return _like(dx, x), _like(_weight_gradient(x_letters, w_letters, out, x, w, cotangent).astype(w.dtype), w)
 
 
-# Weights up to this size ran as fast or faster as a dot's right operand (measured: `_input_gradient`).
-_CACHED_WEIGHT_BYTES = 1 << 20
+# Up to this size a weight as the input gradient's right operand ran no slower (measured: `_input_gradient`).
+_LARGE_WEIGHT_BYTES = 1 << 20
 
 
 def _input_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
@@ -111,9 +111,9 @@ def _input_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
     operand: for an output layer over a vocabulary fed few tokens at a time
     (a pipeline's microbatch), that costs more than the product. Where the
     weight holds its output features last (contracted along its minor
-    dimension), is larger than the cotangent and too large for a core's
-    cache (`_CACHED_WEIGHT_BYTES`), the gradient is made as `w @ cotangent^T`, [input features,
-    tokens], then moved into x's order: a copy of an x-sized array. Issue
+    dimension) and is larger than the cotangent and than 1 MiB, the
+    gradient is made as `w @ cotangent^T`, [input features, tokens], then
+    moved into x's order: a copy of an x-sized array. Issue
     16's head (256 x 32000), four 64-token microbatches on 8 host devices:
     0.68x the time of the first form (benchmarks/output_layer.py); the
     layers' own weights (under 1 MiB) ran up to 1.27x slower that way, 256
@@ -123,7 +123,7 @@ def _input_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
     tokens = "".join(c for c in x_letters if c not in w_letters)
     features = "".join(c for c in w_letters if c in out)
     if (w_letters == inputs + features and set(x_letters) == set(inputs + tokens) and set(tokens) <= set(out)
-            and cotangent.size < w.size and w.size * w.dtype.itemsize > _CACHED_WEIGHT_BYTES):
+            and cotangent.size < w.size and w.size * w.dtype.itemsize > _LARGE_WEIGHT_BYTES):
         features_first = jax.lax.optimization_barrier(jnp.einsum(f"{w_letters},{out}->{inputs}{tokens}", w, cotangent))
         return jnp.einsum(f"{inputs}{tokens}->{x_letters}", features_first).astype(x.dtype)
     _, input_gradient = jax.vjp(lambda a: jnp.einsum(f"{x_letters},{w_letters}->{out}", a, w), x)

@@ -24,7 +24,7 @@ EQUATIONS = {  # equation: (x shape, w shape), the layers' own einsums
     "bshk,hkd->bsd": ((2, 8, 4, 8), (4, 8, 16)),
     "gecd,edf->gecf": ((2, 3, 4, 16), (3, 16, 8)),  # an expert axis in both operands and the output
     "gecf,efd->gecd": ((2, 3, 4, 8), (3, 8, 16)),
-    "bsd,dv->bsv": ((1, 8, 32), (32, 16384)),  # an output layer too large for a cache, fed few tokens
+    "bsd,dv->bsv": ((1, 8, 32), (32, 16384)),  # an output layer over 1 MiB, fed few tokens
 }
 
 
@@ -73,9 +73,9 @@ def test_an_output_layers_weight_gradient_moves_the_activations_not_the_vocabula
 
 
 def test_an_output_layers_input_gradient_keeps_the_vocabulary_out_of_the_right_operand():
-    """A weight too large for a core's cache, fed fewer tokens than its input features: the input gradient is one
-    dot with the weight on the left, written as [features, tokens] (an x-sized array), then moved into x's order.
-    Before, it was `cotangent @ w^T`, a dot that repacks the whole weight as its right operand on every call."""
+    """A weight over 1 MiB, fed fewer tokens than its input features: the input gradient is one dot with the weight
+    on the left, written as [features, tokens] (an x-sized array), then moved into x's order. Before, it was
+    `cotangent @ w^T`, the whole weight the dot's right operand."""
     x, w = jnp.ones((2, 8, 64)), jnp.ones((64, 8192))
     dx = jax.jit(jax.grad(lambda x, w: jnp.sum(weight_einsum("bsd,dv->bsv", x, w) ** 2)))
     hlo = dx.lower(x, w).compile().as_text()
