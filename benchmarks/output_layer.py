@@ -10,9 +10,9 @@ microbatches at a time), adding the weight gradient into an fp32 sum:
   into [d, tokens] and one dot writing [d, vocab], where x is the smaller;
 - the input gradient (`_input_gradient`): `weight_right`, `cotangent @ w^T`
   (the weight is the dot's right operand, which XLA:CPU's fused matmul
-  repacks on every call); `weight_left`, `w @ cotangent^T`, [d, tokens],
-  transposed into x's order, where the weight is larger than the cotangent
-  and than a core's cache.
+  runs as if it repacked on every call); `weight_left`, `w @ cotangent^T`,
+  [d, tokens], transposed into x's order, where the weight is larger than
+  the cotangent and than 1 MiB.
 
 Prints one JSON line per shape and gradient: the minimum wall time of
 `--repeats` calls of each form.

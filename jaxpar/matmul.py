@@ -113,11 +113,11 @@ def _input_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
     weight holds its output features last (contracted along its minor
     dimension) and is larger than the cotangent and than 1 MiB, the
     gradient is made as `w @ cotangent^T`, [input features, tokens], then
-    moved into x's order: a copy of an x-sized array. Issue
-    16's head (256 x 32000), four 64-token microbatches on 8 host devices:
-    0.68x the time of the first form (benchmarks/output_layer.py); the
-    layers' own weights (under 1 MiB) ran up to 1.27x slower that way, 256
-    tokens at a time 0.98x.
+    moved into x's order: a copy of an x-sized array. Issue 16's head
+    (256 x 32000), four 64-token microbatches on 8 host devices: 0.68x the
+    time of the first form (benchmarks/output_layer.py); the layers' own
+    weights (under 1 MiB) ran up to 1.27x slower that way, 256 tokens at a
+    time 0.98x.
     """
     inputs = "".join(c for c in w_letters if c not in out)
     tokens = "".join(c for c in x_letters if c not in w_letters)
