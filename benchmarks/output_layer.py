@@ -1,20 +1,18 @@
-"""An output layer's gradients on XLA:CPU, in the forms `jaxpar.matmul` picks from.
+"""An output layer's input gradient on XLA:CPU, in the two forms `jaxpar.matmul._input_gradient` picks from.
 
 Each of 8 host devices differentiates `x @ w` for a [d, vocab] weight over
 microbatches of `tokens` tokens in a scan (a pipeline's head) or once (tokens x
-microbatches at a time), adding the weight gradient into an fp32 sum:
+microbatches at a time): `weight_right`, `cotangent @ w^T` (the weight is the
+dot's right operand, which XLA:CPU's fused matmul runs as if it repacked on
+every call); `weight_left`, `w @ cotangent^T`, [d, tokens], transposed into
+x's order, where the weight is larger than the cotangent and than 1 MiB.
 
-- the weight gradient (`_weight_gradient`): `weight_first`, made with the
-  weight's output features first (cotangent^T x, [vocab, d]) and transposed
-  into the weight's order, where x is the larger array; `x_copied`, x copied
-  into [d, tokens] and one dot writing [d, vocab], where x is the smaller;
-- the input gradient (`_input_gradient`): `weight_right`, `cotangent @ w^T`
-  (the weight is the dot's right operand, which XLA:CPU's fused matmul
-  runs as if it repacked on every call); `weight_left`, `w @ cotangent^T`,
-  [d, tokens], transposed into x's order, where the weight is larger than
-  the cotangent and than 1 MiB.
+The weight gradient's forms are timed in the whole step instead
+(`weight_gradient_in_step.py`): isolated here, XLA:CPU compiled them unlike
+the step (fp32 products, a vocabulary-first one left unfused), and they
+ranked the other way round from the step at 256 tokens.
 
-Prints one JSON line per shape and gradient: the minimum wall time of
+Prints one JSON line per shape: the minimum wall time of
 `--repeats` calls of each form.
 
     python benchmarks/output_layer.py [--d 256] [--vocab 32000] [--repeats 3]
@@ -33,37 +31,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-FORMS = {  # gradient: {form: (x [tokens, d], g [tokens, vocab], w [d, vocab]) -> that gradient}
-    "weight": {
-        "weight_first": lambda x, g, w: jax.lax.optimization_barrier(g.T @ x).T,
-        "x_copied": lambda x, g, w: jax.lax.optimization_barrier(x.T) @ g,
-    },
-    "input": {
-        "weight_right": lambda x, g, w: g @ w.T,
-        "weight_left": lambda x, g, w: jax.lax.optimization_barrier(w @ g.T).T,
-    },
+FORMS = {  # form: (x [tokens, d], g [tokens, vocab], w [d, vocab]) -> the input gradient
+    "weight_right": lambda x, g, w: g @ w.T,
+    "weight_left": lambda x, g, w: jax.lax.optimization_barrier(w @ g.T).T,
 }
 
 
-def timed(gradient: str, form: str, tokens: int, microbatches: int, d: int, vocab: int, repeats: int) -> float:
+def timed(form: str, tokens: int, microbatches: int, d: int, vocab: int, repeats: int) -> float:
     mesh = jax.make_mesh((8,), ("devices",))
     sharding = NamedSharding(mesh, P("devices"))
     x = jax.device_put(jnp.ones((8 * microbatches, tokens, d), jnp.bfloat16), sharding)
     g = jax.device_put(jnp.ones((8 * microbatches, tokens, vocab), jnp.bfloat16), sharding)
     w = jax.device_put(jnp.ones((8, d, vocab), jnp.bfloat16), sharding)
-    make = FORMS[gradient][form]
 
     def per_device(x, g, w):
-        def add(total, pair):
-            return total, make(*pair, w[0])
-
-        def accumulate(total, pair):
-            return total + make(*pair, w[0]).astype(jnp.float32), None
-
-        if gradient == "input":
-            return jax.lax.scan(add, None, (x, g))[1]
-        zeros = jax.lax.pcast(jnp.zeros((d, vocab), jnp.float32), ("devices",), to="varying")
-        return jax.lax.scan(accumulate, zeros, (x, g))[0]
+        return jax.lax.scan(lambda carry, pair: (carry, FORMS[form](*pair, w[0])), None, (x, g))[1]
 
     step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("devices"),) * 3, out_specs=P("devices")))
     jax.block_until_ready(step(x, g, w))
@@ -81,15 +63,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    for gradient, forms in FORMS.items():
-        old, new = forms
-        for tokens, microbatches in ((64, 4), (256, 1)):
-            row = {"gradient": gradient, "tokens": tokens, "microbatches": microbatches, "d": args.d,
-                   "vocab": args.vocab}
-            row |= {f"{form}_s": round(timed(gradient, form, tokens, microbatches, args.d, args.vocab, args.repeats), 4)
-                    for form in forms}
-            row["ratio"] = round(row[f"{new}_s"] / row[f"{old}_s"], 3)
-            print(json.dumps(row), flush=True)
+    for tokens, microbatches in ((64, 4), (256, 1)):
+        row = {"tokens": tokens, "microbatches": microbatches, "d": args.d, "vocab": args.vocab}
+        row |= {f"{form}_s": round(timed(form, tokens, microbatches, args.d, args.vocab, args.repeats), 4)
+                for form in FORMS}
+        row["ratio"] = round(row["weight_left_s"] / row["weight_right_s"], 3)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -131,26 +131,41 @@ def _input_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
 
 
 def _weight_gradient(x_letters: str, w_letters: str, out: str, x, w, cotangent):
-    """The weight gradient of einsum(x, w) as a dot XLA:CPU runs in its fast kernels, with one copy: the smaller.
+    """The weight gradient of einsum(x, w) as a dot XLA:CPU runs in its fast kernels, with one copy: the cheaper.
 
     With w's output features first, the cotangent is the dot's left operand,
     contracted last, and the result is transposed into w's order: a copy of a
-    weight-sized array. Where w holds its input features first and x is the
-    smaller array (fewer tokens than output features: an output layer over a
-    vocabulary, a pipeline's microbatch), x is copied instead, into [input
-    features, tokens], and the dot writes w's order directly: 0.70x the time
-    of the first form for issue 16's output layer (256 x 32000) added into an
-    fp32 sum, four 64-token microbatches on 8 host devices
-    (benchmarks/output_layer.py).
+    weight-sized array. Where that copy is the larger cost (`_copies_x`), x is
+    copied instead, into [input features, tokens], and the dot writes w's
+    order directly, with the cotangent as its right operand.
     """
     order = "".join(sorted(w_letters, key=lambda letter: (letter not in out, w_letters.index(letter))))
-    if order != w_letters and x.size < w.size:
+    if order != w_letters and _copies_x(x, w, cotangent):
         inputs = "".join(c for c in x_letters if c in w_letters)
         tokens = "".join(c for c in x_letters if c not in w_letters)
         features_first = jax.lax.optimization_barrier(jnp.einsum(f"{x_letters}->{inputs}{tokens}", x))
         return jnp.einsum(f"{inputs}{tokens},{out}->{w_letters}", features_first, cotangent)
     grad = jnp.einsum(f"{out},{x_letters}->{order}", cotangent, x)
     return jnp.transpose(jax.lax.optimization_barrier(grad), [order.index(letter) for letter in w_letters])
+
+
+def _copies_x(x, w, cotangent) -> bool:
+    """Whether a weight gradient copies x rather than transposing a weight-sized result: where x and the cotangent
+    are both smaller than the weight, i.e. the tokens are fewer than each of its feature counts.
+
+    Measured on issue 16's step (benchmarks/weight_gradient_in_step.py, 8
+    host devices, both rules interleaved in one process; step time of this
+    rule over copying x wherever x alone is smaller): with as many tokens per
+    device as the layers' input features (256) the transposed form pays,
+    fsdp8 0.934 and dp8 0.952 (the output layer's gradient dot 221 -> 80 ms
+    per device-step in a profile: the copied form's right operand, the
+    cotangent, is as large as the weight there, and XLA:CPU's fused matmul
+    runs as if it repacked that operand per call); with 2-4 times as many
+    tokens it neither pays nor costs (1.001, 1.012, 1.028, 1.057); the
+    pipelines' 64-token microbatches keep copying x (every weight gradient
+    transposed made pp2 x dp4's step 1.07-1.14x slower).
+    """
+    return x.size < w.size and cotangent.size < w.size
 
 
 def _like(gradient, primal):

@@ -62,14 +62,25 @@ def test_a_replicated_weight_in_a_shard_map_gets_its_gradient_summed_over_the_ba
     np.testing.assert_allclose(grads(weight_einsum), grads(jnp.einsum), rtol=1e-5)
 
 
-def test_an_output_layers_weight_gradient_moves_the_activations_not_the_vocabulary():
-    """Fewer tokens than output features (an output layer over a vocabulary, a pipeline's microbatch): x is copied
-    into [features, tokens] and the dot writes the gradient in w's order. Before, the cotangent was copied into
-    [vocabulary, tokens] and the gradient, made as [vocabulary, features], transposed into w's order."""
-    x, w = jnp.ones((2, 8, 16)), jnp.ones((16, 512))
+def _weight_gradient_hlo(tokens: int, d: int, vocab: int) -> str:
+    x, w = jnp.ones((1, tokens, d)), jnp.ones((d, vocab))
     grad = jax.jit(jax.grad(lambda w, x: jnp.sum(weight_einsum("bsd,dv->bsv", x, w) ** 2)))
-    hlo = grad.lower(w, x).compile().as_text()
+    return grad.lower(w, x).compile().as_text()
+
+
+def test_an_output_layers_weight_gradient_moves_the_activations_when_the_tokens_are_few():
+    """Fewer tokens than input features (a pipeline's microbatch at an output layer): x is copied into [features,
+    tokens] and the dot writes the gradient in w's order; no vocabulary-first array is made."""
+    hlo = _weight_gradient_hlo(tokens=8, d=16, vocab=512)
     assert "f32[16,512]" in hlo and "f32[512,16]" not in hlo
+
+
+def test_an_output_layers_weight_gradient_is_made_vocabulary_first_when_the_tokens_are_many():
+    """As many tokens as input features: the cotangent would be as large as the weight as the copied form's right
+    operand, so the gradient is made as [vocabulary, features] and transposed into w's order (`matmul._copies_x`).
+    Before, x was copied wherever it alone was smaller than the weight."""
+    hlo = _weight_gradient_hlo(tokens=16, d=16, vocab=512)
+    assert "f32[512,16]" in hlo
 
 
 def test_an_output_layers_input_gradient_keeps_the_vocabulary_out_of_the_right_operand():
