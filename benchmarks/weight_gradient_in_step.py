@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=CONFIG)
     parser.add_argument("--train-args", default="", help="more `jaxpar train` arguments, e.g. '--batch-size 64'")
     args = parser.parse_args()
+    if not args.config.is_file():
+        parser.error(f"no model config at {args.config} (the MaxText-paired model of shared/peers); pass --config")
     for layout in args.layouts:
         variants = {name: compiled(args.config, layout, args.train_args.split(), rule) for name, rule in RULES.items()}
         texts = {name: step.as_text() for name, (_, _, step) in variants.items()}
