@@ -6,6 +6,10 @@ microbatches at a time): `weight_right`, `cotangent @ w^T` (the weight is the
 dot's right operand, which XLA:CPU's fused matmul runs as if it repacked on
 every call); `weight_left`, `w @ cotangent^T`, [d, tokens], transposed into
 x's order, where the weight is larger than the cotangent and than 1 MiB.
+Isolated like this, XLA:CPU runs both as fused dots widened to fp32 (the
+step runs them in bf16); their ranking agrees with pp2 x dp4's profile,
+where the input-gradient dot went 504 -> 91 ms per device-step (cause 15 in
+vs_maxtext.md).
 
 The weight gradient's forms are timed in the whole step instead
 (`weight_gradient_in_step.py`): isolated here, XLA:CPU compiled them unlike
