@@ -28,22 +28,20 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
+from vs_maxtext import CONFIG, LAYOUTS  # noqa: E402
 
 from jaxpar import cli, matmul  # noqa: E402
 from jaxpar.plan import Plan  # noqa: E402
 from jaxpar.train import prepare  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[2] / "shared" / "peers" / "jaxpar" / "maxtext-model.toml"
-LAYOUTS = {"dp8": ["--mesh", "data=8"], "fsdp8": ["--mesh", "data=8", "--zero", "3"],
-           "dp2_tp4": ["--mesh", "data=2,tensor=4"],
-           "pp2_dp4": ["--mesh", "data=4,pipe=2", "--microbatches", "4"],
-           "pp4_dp2": ["--mesh", "data=2,pipe=4", "--microbatches", "4"]}
 RULES = {"before": lambda x, w, cotangent: x.size < w.size, "after": matmul._copies_x}
 
 
@@ -66,7 +64,7 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="+", default=["fsdp8", "dp8"], choices=sorted(LAYOUTS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6, help="steps per variant and round; the first two untimed")
-    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--config", type=Path, default=Path(CONFIG))
     parser.add_argument("--train-args", default="", help="more `jaxpar train` arguments, e.g. '--batch-size 64'")
     args = parser.parse_args()
     if not args.config.is_file():
