@@ -12,7 +12,7 @@ where the input-gradient dot went 504 -> 91 ms per device-step (cause 15 in
 vs_maxtext.md).
 
 The weight gradient's forms are timed in the whole step instead
-(`weight_gradient_in_step.py`): isolated here, XLA:CPU compiled them unlike
+(`in_step.py --change weight_gradient`): isolated here, XLA:CPU compiled them unlike
 the step (fp32 products, a vocabulary-first one left unfused), and they
 ranked the other way round from the step at 256 tokens.
 

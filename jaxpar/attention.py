@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import usage
+from jaxpar import bits, usage
 from jaxpar.context import active_plan
 from jaxpar.rules import rule_axes, varying_axes
 
@@ -170,7 +170,7 @@ def _rank_positions(rank, ways: int, chunk: int):
 def _gathered(q, k, v, ways: int):
     """All-gather form on one rank's shard: every key and value gathered, then plain masked attention."""
     chunk = q.shape[1] // 2
-    k_all, v_all = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
+    k_all, v_all = (bits.all_gather(x, AXIS, axis=1) for x in (k, v))
     k_pos = jnp.asarray(balanced_order(2 * chunk * ways, ways))
     return _attend(q, k_all, v_all, _local_positions(ways, chunk), k_pos)
 
@@ -195,7 +195,7 @@ def _ring(q, k, v, ways: int):
     state = (peak, jnp.sum(weights, axis=-1), _values(weights, v))
     block = (k, v)
     for step in range(1, ways):
-        block = jax.lax.ppermute(block, AXIS, shift)  # depends on the last block only: free to overlap its use
+        block = bits.ppermute(block, AXIS, shift)  # depends on the last block only: free to overlap its use
         state = jax.lax.cond((rank - step) % ways < rank, _from_earlier, _from_later, state, q, *block)
     _, total, acc = state
     out = (acc / total[..., None]).astype(v.dtype)  # [b, kv_heads, group, q, head_dim]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import usage
+from jaxpar import bits, usage
 from jaxpar.matmul import weight_einsum
 from jaxpar.rules import constrain, rule_axes
 
@@ -158,12 +158,12 @@ def route_and_dispatch(router: jax.Array, x: jax.Array, cfg: MoEConfig):
 
 def _to_experts(slots: jax.Array, axis) -> jax.Array:
     """The dispatch all-to-all: [groups, E, C, d] -> [devices * groups, local experts, C, d]."""
-    return jax.lax.all_to_all(slots, axis, split_axis=1, concat_axis=0, tiled=True) if axis else slots
+    return bits.all_to_all(slots, axis, split_axis=1, concat_axis=0) if axis else slots
 
 
 def _from_experts(out: jax.Array, axis) -> jax.Array:
     """The combine all-to-all, the inverse of `_to_experts`."""
-    return jax.lax.all_to_all(out, axis, split_axis=0, concat_axis=1, tiled=True) if axis else out
+    return bits.all_to_all(out, axis, split_axis=0, concat_axis=1) if axis else out
 
 
 def _forward(p: dict, x: jax.Array, cfg: MoEConfig, axis):

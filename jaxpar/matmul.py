@@ -37,21 +37,30 @@ import jax.numpy as jnp
 from jaxpar.rules import varying_axes
 
 
-def weight_einsum(equation: str, x, w):
+def weight_einsum(equation: str, x, w, *, out_dtype=None):
     """jnp.einsum(equation, x, w) for an activation x and a weight w; the same values and gradients (a batched
-    product's fp32 sums may be added in another order)."""
+    product's fp32 sums may be added in another order).
+
+    `out_dtype`: the product's dtype where it is wider than the operands' (an
+    output layer's fp32 logits). XLA:CPU's fused matmul writes it at that
+    width from its fp32 sums, where a product in the operands' dtype would be
+    rounded to it and then widened in a pass of its own over the whole output;
+    the gradients are those of the operands' product widened (the cotangent
+    is rounded to the operands' dtype first).
+    """
     if jax.default_backend() != "cpu":
-        return jnp.einsum(equation, x, w)
-    return _einsum(equation.replace(" ", ""), x, w)
+        y = jnp.einsum(equation, x, w)
+        return y if out_dtype is None else y.astype(out_dtype)
+    return _einsum(equation.replace(" ", ""), None if out_dtype is None else jnp.dtype(out_dtype), x, w)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _einsum(equation, x, w):
-    return _product(equation, x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum(equation, out_dtype, x, w):
+    return _product(equation, x, w, out_dtype)
 
 
-def _forward(equation, x, w):
-    return _product(equation, x, w), (x, w)
+def _forward(equation, out_dtype, x, w):
+    return _product(equation, x, w, out_dtype), (x, w)
 
 
 def _batch_letters(equation) -> list[str]:
@@ -63,13 +72,13 @@ def _batch_letters(equation) -> list[str]:
     return [c for c in out if c in a_letters and c in b_letters]
 
 
-def _product(equation, a, b):
+def _product(equation, a, b, out_dtype=None):
     """jnp.einsum(equation, a, b); a batched product as a [batch, rows, contracted] x [batch, contracted, columns] dot."""
     inputs, out = equation.split("->")
     a_letters, b_letters = inputs.split(",")
     batch = _batch_letters(equation)
     if not batch:
-        return jnp.einsum(equation, a, b)
+        return jnp.einsum(equation, a, b, preferred_element_type=out_dtype)
     contracted = [c for c in a_letters if c in b_letters and c not in out]
     rows = [c for c in out if c in a_letters and c not in batch]
     columns = [c for c in out if c in b_letters and c not in batch]
@@ -81,14 +90,15 @@ def _product(equation, a, b):
 
     a3, b3 = jax.lax.optimization_barrier((pinned(a, a_letters, (batch, rows, contracted)),
                                            pinned(b, b_letters, (batch, contracted, columns))))
-    y = jax.lax.optimization_barrier(jnp.einsum("bmk,bkn->bmn", a3, b3))
+    y = jax.lax.optimization_barrier(jnp.einsum("bmk,bkn->bmn", a3, b3, preferred_element_type=out_dtype))
     grouped = [*batch, *rows, *columns]
     y = y.reshape([size[c] for c in grouped])
     return jnp.transpose(y, [grouped.index(c) for c in out])
 
 
-def _backward(equation, saved, cotangent):
+def _backward(equation, out_dtype, saved, cotangent):
     x, w = saved
+    cotangent = cotangent.astype(jnp.result_type(x, w))
     inputs, out = equation.split("->")
     x_letters, w_letters = inputs.split(",")
     if _batch_letters(equation):
@@ -153,7 +163,7 @@ def _copies_x(x, w, cotangent) -> bool:
     """Whether a weight gradient copies x rather than transposing a weight-sized result: where x and the cotangent
     are both smaller than the weight, i.e. the tokens are fewer than each of its feature counts.
 
-    Measured on issue 16's step (benchmarks/weight_gradient_in_step.py, 8
+    Measured on issue 16's step (benchmarks/in_step.py --change weight_gradient, 8
     host devices, both rules interleaved in one process; step time of this
     rule over copying x wherever x alone is smaller): with as many tokens per
     device as the layers' input features (256) the transposed form pays,

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import attention, layer_order, usage, zero
+from jaxpar import attention, bits, layer_order, usage, zero
 from jaxpar.layer_order import stack_in_plan_order
 from jaxpar.plan import active_plan
 from jaxpar.rules import varying_axes
@@ -235,7 +235,7 @@ def _head_share(outputs, targets, stage, p: int):
     *lead, seq, d = outputs.shape
     width = seq // p
     pieces = jnp.moveaxis(outputs.reshape(*lead, p, width, d), len(lead), 0)
-    share = jax.lax.all_to_all(pieces, AXIS, split_axis=0, concat_axis=0, tiled=True)[p - 1]
+    share = bits.all_to_all(pieces, AXIS, split_axis=0, concat_axis=0)[p - 1]
     chunks = targets.shape[-1] // seq
     tgt = targets.reshape(*targets.shape[:-1], chunks, p, width)
     tgt = jax.lax.dynamic_index_in_dim(tgt, stage, axis=tgt.ndim - 2, keepdims=False)
@@ -278,7 +278,7 @@ def _forward_loss(stages: Stages, schedule: Schedule, fill: float, entries: list
             x = jnp.where(valid, x, jnp.zeros_like(x))
             y, sums = stages.run_layers(_stage_layers(jax.tree.map(lambda a: _row(a, k), chunks), entries), x)
             y = jnp.where(valid, y, jnp.full_like(y, fill))
-            return jax.lax.ppermute(y, AXIS, ring), (y, _masked(sums, valid))
+            return bits.ppermute(y, AXIS, ring), (y, _masked(sums, valid))
 
         start = _varying(jnp.full(embedded.shape[1:], fill, embedded.dtype), _activation_axes(embedded, targets))
         ticks = schedule.forward_ticks
@@ -670,7 +670,7 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
                 share, tgt = _head_share(y, _row(targets, j), stage, p)
                 value, head_vjp = jax.vjp(lambda h, x: stages.head(h, x, tgt), head_params, share)
                 part, d_share = head_vjp(jnp.ones_like(value) / (m * p))
-                dy = jax.lax.all_gather(d_share, AXIS, axis=1, tiled=True)
+                dy = bits.all_gather(d_share, AXIS, axis=1)
                 return dy, _add(d_head, part), total + value.astype(jnp.float32)
 
             dy, carry["d_head"], carry["loss"] = jax.lax.cond(
@@ -854,9 +854,9 @@ def _table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) 
         def permute(carry, kinds, y, dx):
             """Activations on forward, cotangents back: one ppermute each, outside the slots' conds."""
             if "F" in kinds:
-                carry["fwd_in"] = jax.lax.ppermute(y, AXIS, forward_ring)
+                carry["fwd_in"] = bits.ppermute(y, AXIS, forward_ring)
             if back in kinds:
-                carry["bwd_in"] = jax.lax.ppermute(dx, AXIS, backward_ring)
+                carry["bwd_in"] = bits.ppermute(dx, AXIS, backward_ring)
             return carry
 
         carry = {

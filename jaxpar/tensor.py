@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import usage, zero
+from jaxpar import bits, usage, zero
 from jaxpar.attention import context_order
 from jaxpar.context import active_plan
 from jaxpar.matmul import weight_einsum
@@ -55,14 +55,14 @@ def whole(x, axes, dim):
     if dim is None:
         missing = tuple(a for a in axes if a not in varying_axes(x))
         return jax.lax.pcast(x, missing, to="varying") if missing else x
-    return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    return bits.all_gather(x, axes, axis=dim)
 
 
 def summed(partial, axes, dim):
     """The tensor ranks' partial sums combined: all-reduced, or reduce-scattered along the sequence."""
     if dim is None:
         return jax.lax.psum(partial, axes)
-    return jax.lax.psum_scatter(partial, axes, scatter_dimension=dim, tiled=True)
+    return bits.psum_scatter(partial, axes, scatter_dimension=dim)
 
 
 # -- the layers -------------------------------------------------------------------
@@ -146,7 +146,7 @@ def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logica
         everyone = jax.lax.all_gather(tokens, data_axes, axis=0, tiled=True)
         local, hit = _local_index(everyone, shard.shape[0], data_axes)
         found = jnp.where(hit[..., None], jnp.take(shard, local, axis=0), 0)
-        rows = jax.lax.psum_scatter(found, data_axes, scatter_dimension=0, tiled=True)
+        rows = bits.psum_scatter(found, data_axes, scatter_dimension=0)
     elif axes and _explicit():
         rows = _explicit_embedding(tokens, table, table_logical, out_logical, axes)
     else:
@@ -177,7 +177,7 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     if axes and _explicit():
         return jnp.mean(_explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns))
     x = constrain(x, _replicated_over(in_logical, axes))
-    logits = constrain(weight_einsum(eq.equation, x, w).astype(jnp.float32), logits_logical)
+    logits = constrain(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), logits_logical)
     logits = _mask_padding(logits, 0, vocab_size, w.shape[-1])
     is_target = targets[..., None] == jnp.arange(logits.shape[-1])
     target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
@@ -279,7 +279,7 @@ def _explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes
     saved_spec = P(axes)
 
     def logits_of(x_whole, w):
-        return weight_einsum("bsd,dv->bsv", x_whole, w).astype(jnp.float32)
+        return weight_einsum("bsd,dv->bsv", x_whole, w, out_dtype=jnp.float32)
 
     def forward(x, w, targets):
         x_whole = whole(x, axes, dim)

@@ -43,6 +43,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from jaxpar import bits
 from jaxpar import rules as rules_lib
 
 AXES = ("replica", "data")  # the batch axes ZeRO may shard over; the step runs its gradients per rank of these
@@ -268,7 +269,7 @@ def gather(x, entries: tuple):
     """
     dim = _dim_over_data(entries)
     axes = _zero_axes(entries[dim])
-    full = _fully_manual(lambda v: jax.lax.all_gather(v, axes, axis=dim, tiled=True), x, entries)
+    full = _fully_manual(lambda v: bits.all_gather(v, axes, axis=dim), x, entries)
     return checkpoint_name(full, GATHERED)
 
 

@@ -49,6 +49,42 @@ def test_values_and_gradients_are_einsums(equation):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("equation", ["bsd,dv->bsv", "gecd,edf->gecf"])
+def test_a_wider_out_dtype_gives_the_widened_products_values_and_gradients(equation):
+    """bf16 operands, fp32 out: the values and gradients of `jnp.einsum(...).astype(float32)`, bit for bit on
+    exactly representable sums (the gradients take the cotangent rounded to bf16, as the widening's transpose does)."""
+    x_shape, w_shape = EQUATIONS[equation]
+    kx, kw, kc = jax.random.split(jax.random.key(3), 3)
+    x, w = (_small_integers(k, shape).astype(jnp.bfloat16) for k, shape in ((kx, x_shape), (kw, w_shape)))
+    ours, ours_vjp = jax.vjp(lambda a, b: weight_einsum(equation, a, b, out_dtype=jnp.float32), x, w)
+    ref, ref_vjp = jax.vjp(lambda a, b: jnp.einsum(equation, a, b).astype(jnp.float32), x, w)
+    assert ours.dtype == ref.dtype == jnp.float32
+    np.testing.assert_array_equal(ours, ref)
+    cotangent = _small_integers(kc, ref.shape)
+    for got, want in zip(ours_vjp(cotangent), ref_vjp(cotangent)):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_fp32_logits_of_bf16_operands_are_written_by_the_fused_matmul():
+    """Issue 16: an output layer's logits were made in bf16 and widened to fp32 afterwards: XLA:CPU ran that as a
+    pass of its own over [tokens, vocab] after the matmul (jax 0.12: a bf16 product, then a convert; jax 0.10: the
+    operands widened, an fp32 product, then a rounding pass). With `out_dtype` the fused bf16 matmul writes the
+    fp32 logits itself, and nothing else runs over them before the softmax's reductions."""
+    x, w = jnp.ones((1, 8, 32), jnp.bfloat16), jnp.ones((32, 4096), jnp.bfloat16)
+
+    def logits_passes(logits):
+        """The ops over [tokens, vocab] outside the fused matmuls and reductions, and the fused ones."""
+        text = jax.jit(lambda x, w: jax.nn.logsumexp(logits(x, w), axis=-1)).lower(x, w).compile().as_text()
+        ops = re.findall(r"= (\w+)\[(?:1,)?8,4096\]\S* fusion\(.*kind=(\w+)", text)
+        return [op for op in ops if op[1] != "kCustom"], [op for op in ops if op[1] == "kCustom"], text
+
+    narrow_passes, _, _ = logits_passes(lambda x, w: weight_einsum("bsd,dv->bsv", x, w).astype(jnp.float32))
+    wide_passes, wide_matmuls, text = logits_passes(lambda x, w: weight_einsum("bsd,dv->bsv", x, w, out_dtype=jnp.float32))
+    assert narrow_passes and not wide_passes
+    assert wide_matmuls == [("f32", "kCustom")] and _plain_dots(text) == []
+
+
 def test_a_replicated_weight_in_a_shard_map_gets_its_gradient_summed_over_the_batch():
     """The weight is not varying over data, the batch is: its gradient is the sum over the ranks, as autodiff's."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -149,7 +149,7 @@ def test_zero1_bf16_step_holds_2_byte_params_and_gathers_2_bytes():
 
     The compiled step's arguments are the bf16 params, the fp32 master and Adam's m and v sharded over the 8
     data ranks, the batch and the two step counters; its gathers of the updated params move bf16, each
-    parameter once (read from the step as jaxpar emits it: XLA's CPU backend widens 16-bit collectives).
+    parameter once, as their uint16 bits (jaxpar.bits: XLA's CPU backend widens bf16 collectives to fp32).
     """
     model = describe(lambda: Llama(MEMORY_CONFIG, nnx.Rngs(0)))
     psi, n = model.param_count(), 8
@@ -166,7 +166,7 @@ def test_zero1_bf16_step_holds_2_byte_params_and_gathers_2_bytes():
 
     gathers = [line.split("->")[-1].strip() for line in lowered.as_text().splitlines() if "all_gather" in line]
     shapes = [re.fullmatch(r"tensor<([\dx]+)x(\w+)>", g.split(" ")[0]).groups() for g in gathers]
-    assert {dtype for _, dtype in shapes} == {"bf16"}
+    assert {dtype for _, dtype in shapes} == {"ui16"}
     assert sum(math.prod(map(int, dims.split("x"))) for dims, _ in shapes) == psi  # every parameter, once
 
 

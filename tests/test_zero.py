@@ -116,23 +116,28 @@ def test_zero3_gathers_layers_just_in_time():
 def test_zero3_under_bf16_gathers_bf16_casts_of_fp32_shards():
     """bf16 holds fp32 parameters; each ZeRO-3 gather moves the 2-byte cast, and the stacked layers' one layer at a time.
 
-    Read from the step as jaxpar emits it: XLA's CPU backend widens 16-bit collectives to fp32 when it compiles.
+    Read from the step as jaxpar emits it, where the bf16 casts travel as their uint16 bits (jaxpar.bits), and
+    from the compiled step, where those gathers stay 16-bit (XLA's CPU backend widens bf16 ones to fp32).
     """
     model = describe(lambda: Llama(CONFIG, nnx.Rngs(0)))
     optimizer = optax.adamw(1e-3)
-    gathers = {}
+    gathers, compiled = {}, {}
     for name in ("fp32", "bf16"):
         plan = Plan.create("data=8", zero=3, precision=name)
         state = abstract_state(model, optimizer, plan)
         assert {a.dtype for a in jax.tree.leaves(state.params)} == {np.dtype(np.float32)}
         batch = {k: jax.ShapeDtypeStruct((16, CONFIG.seq_len), np.int32, sharding=plan.sharding(plan.batch_spec(2)))
                  for k in ("inputs", "targets")}
-        text = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(state, batch).as_text()
-        gathers[name] = [line.split("->")[-1] for line in text.splitlines() if "all_gather" in line
+        lowered = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(state, batch)
+        gathers[name] = [line.split("->")[-1] for line in lowered.as_text().splitlines() if "all_gather" in line
                          and "xi32>" not in line.split("->")[-1]]  # the embedding lookup's token gather
+        compiled[name] = {line.split("=")[1].split()[0] for line in lowered.compile().as_text().splitlines()
+                          if " all-gather(" in line and "s32[" not in line}
     assert gathers["fp32"] and all("xf32>" in g for g in gathers["fp32"])
-    assert len(gathers["bf16"]) == len(gathers["fp32"]) and all("xbf16>" in g for g in gathers["bf16"])
+    assert len(gathers["bf16"]) == len(gathers["fp32"]) and all("xui16>" in g for g in gathers["bf16"]), gathers["bf16"]
     assert not any(g.startswith(f" tensor<{CONFIG.n_layers}x") for g in gathers["bf16"])  # no whole-stack gather
+    assert compiled["fp32"] and all(shape.startswith("f32[") for shape in compiled["fp32"])
+    assert compiled["bf16"] and all(shape.startswith("u16[") for shape in compiled["bf16"])
 
 
 def test_zero_shards_a_free_dimension_never_tensor_or_layers():
