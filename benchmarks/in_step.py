@@ -12,6 +12,8 @@ Each change is undone by patching jaxpar while the step before it is compiled:
   weight, instead of `matmul._copies_x`;
 - `wide_logits` (cause 18): the output layer's logits made in the compute
   dtype and widened to fp32 afterwards, instead of written in fp32 by the matmul;
+- `target_logit` (cause 20): the loss's target logit summed from a where over
+  the whole [tokens, vocab] logits, instead of read at the target;
 - `bits` (cause 19): 16-bit collectives as `jax.lax`'s, which XLA:CPU widens to
   fp32, instead of moved as their bits (`jaxpar.bits`).
 
@@ -38,6 +40,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from vs_maxtext import CONFIG, LAYOUTS  # noqa: E402
 
 from jaxpar import bits, cli, inspect, matmul, tensor  # noqa: E402
@@ -50,9 +53,14 @@ def _narrow_logits(equation, x, w, out_dtype=None):
     return y if out_dtype is None else y.astype(out_dtype)
 
 
+def _one_hot_sum(vocab, logits, targets):
+    return jnp.sum(jnp.where(targets[..., None] == jnp.arange(vocab), logits, 0.0), axis=-1)
+
+
 BEFORE = {  # change: (module, attribute, what it was before the change)
     "weight_gradient": (matmul, "_copies_x", lambda x, w, cotangent: x.size < w.size),
     "wide_logits": (tensor, "weight_einsum", _narrow_logits),
+    "target_logit": (tensor, "_target_logit", _one_hot_sum),
     "bits": (bits, "_widened", lambda tree: False),
 }
 

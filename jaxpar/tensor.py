@@ -179,9 +179,34 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     x = constrain(x, _replicated_over(in_logical, axes))
     logits = constrain(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), logits_logical)
     logits = _mask_padding(logits, 0, vocab_size, w.shape[-1])
-    is_target = targets[..., None] == jnp.arange(logits.shape[-1])
-    target_logit = jnp.sum(jnp.where(is_target, logits, 0.0), axis=-1)
+    if axes:  # the vocabulary split by the compiler: a where over it stays local to each shard
+        target_logit = jnp.sum(jnp.where(targets[..., None] == jnp.arange(logits.shape[-1]), logits, 0.0), axis=-1)
+    else:
+        target_logit = _target_logit(logits.shape[-1], logits, targets)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _target_logit(vocab: int, logits, targets):
+    """logits[..., targets]: each position's target logit, read where it lies.
+
+    Picked as `jnp.sum(jnp.where(one_hot, logits, 0))`, XLA:CPU writes the whole
+    where (an fp32 [tokens, vocab] array, the size of the logits) before it sums
+    it. The backward is that where's: the cotangent at each target, zero
+    elsewhere, an elementwise expression the softmax's backward fuses.
+    """
+    return jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
+def _target_logit_forward(vocab, logits, targets):
+    return _target_logit(vocab, logits, targets), targets
+
+
+def _target_logit_backward(vocab, targets, cotangent):
+    return jnp.where(targets[..., None] == jnp.arange(vocab), cotangent[..., None], 0).astype(cotangent.dtype), None
+
+
+_target_logit.defvjp(_target_logit_forward, _target_logit_backward)
 
 
 # -- explicit form: forward and backward each one shard_map -------------------------

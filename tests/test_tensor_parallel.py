@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,27 @@ def test_padded_vocabulary_is_masked_out_of_the_softmax():
     got, want = losses(params)
     assert params["head"][...].shape[-1] == CONFIG.padded_vocab == 256
     assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_the_target_logit_is_read_where_it_lies_with_the_one_hot_sums_gradient():
+    """Issue 16: the loss's target logit was `sum(where(one_hot, logits, 0))`, which XLA:CPU ran as a written fp32
+    [tokens, vocab] array and a sum over it. Now it is read at the target (no op over [tokens, vocab] in the
+    compiled forward but the logits' own reductions), with the same value and gradient."""
+    logits = jax.random.normal(jax.random.key(4), (4, 16, 512))
+    targets = jax.random.randint(jax.random.key(5), (4, 16), 0, 512)
+    one_hot_sum = lambda x: jnp.sum(jnp.where(targets[..., None] == jnp.arange(512), x, 0.0), axis=-1)  # noqa: E731
+    picked = lambda x: tensor._target_logit(512, x, targets)  # noqa: E731
+    cotangent = jax.random.normal(jax.random.key(6), (4, 16))
+    for got, want in zip(jax.vjp(picked, logits), jax.vjp(one_hot_sum, logits)):
+        got, want = (got, want) if isinstance(got, jax.Array) else (got(cotangent)[0], want(cotangent)[0])
+        np.testing.assert_array_equal(got, want)
+
+    def written(pick):
+        """The [tokens, vocab] arrays the compiled forward writes (its parameter, the logits, aside)."""
+        text = jax.jit(pick).lower(logits).compile().as_text()
+        return [op for op in re.findall(r"= f32\[4,16,512\]\S* (\S+)\(", text) if op != "parameter"]
+
+    assert written(one_hot_sum) and not written(picked)
 
 
 @pytest.mark.parametrize(
