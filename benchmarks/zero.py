@@ -82,7 +82,7 @@ def formula(stage: int, psi: int, p: float, g: float, k: float, n: int) -> float
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small")
-    parser.add_argument("--precision", default="fp32", help="fp32, bf16, fp16 or bf16-params (on CPU XLA widens bf16 collectives to fp32)")
+    parser.add_argument("--precision", default="fp32", help="fp32, bf16, fp16 or bf16-params (on CPU XLA sums bf16 collectives in fp32; jaxpar moves gathers as 16-bit bits)")
     parser.add_argument("--data", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)

@@ -521,10 +521,12 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
     p_bytes, g_bytes, _ = state_bytes_per_param(layout.precision, layout.zero if layout.data > 1 else 0)
     if layout.zero >= 2:  # the layers gather their compute-dtype casts; autodiff reduce-scatters in that dtype
         p_bytes = g_bytes = compute_bytes(layout.precision)
+    # A backend that widens low-precision collectives (XLA:CPU) sums them in fp32; the ones jaxpar writes
+    # that only move data carry their 16-bit bits (jaxpar.bits), and those the compiler places are widened.
     wide = 4 if device.widens_low_precision else None
-    p_comm, g_comm = wide or p_bytes, wide or g_bytes
+    p_comm, g_comm = p_bytes, wide or g_bytes
     act = DTYPE_BYTES[layout.precision] if layout.precision != "bf16-params" else 2
-    act_comm = wide or act
+    act_sum = wide or act
     b, s, d = microbatch_sequences(layout, work), local_seq(layout, work), model.d_model
     out: list[Collective] = []
     n, t, p, e, c = layout.data, layout.tensor, layout.pipe, layout.expert, layout.context
@@ -557,9 +559,9 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
                 out.append(Collective("data", "all-reduce", unsharded * g_comm, 1, "gradients ZeRO leaves whole"))
             if lookup:  # per embedding run: one per microbatch, under a pipeline one per tick
                 rows = b * n * s * layout.grad_accum * (schedule_ticks(layout) if p > 1 else 1)
-                out.append(Collective("data", "all-gather", rows * (4 + d * act_comm), 1,
+                out.append(Collective("data", "all-gather", rows * (4 + d * act), 1,
                                       "the data group's tokens, and its embedding rows' cotangents"))
-                out.append(Collective("data", "reduce-scatter", rows * d * act_comm, 1,
+                out.append(Collective("data", "reduce-scatter", rows * d * act_sum, 1,
                                       "embedding rows looked up in each rank's shard, summed back to their ranks"))
     if t > 1:
         # Megatron: each block half ends in one all-reduce (SP: a reduce-scatter, and starts with an
@@ -568,7 +570,7 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
         chunk = model.n_layers / (p * layout.virtual_stages)  # layers one tick runs
         ticks = schedule_ticks(layout)
         block = ticks * chunk * (4 + (layout.remat == "full"))
-        one = b * s * d * act_comm
+        one = b * s * d  # elements
         if p == 1:
             edges = 2 * one  # the vocab-parallel embedding's sum, the head input's gradient
         elif layout.schedule == "1f1b":
@@ -580,11 +582,12 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
             annotated = layout.tensor_form == "annotation" and device.scatter_as_all_reduce
             kinds = ("all-gather", "all-reduce" if annotated else "reduce-scatter")
         for k in kinds:
-            out.append(Collective("tensor", k, one, block * layout.grad_accum, "Megatron f/g, per block half"))
-            out.append(Collective("tensor", k, edges, layout.grad_accum, "vocab-parallel embedding and head"))
+            width = act if k == "all-gather" and layout.tensor_form == "explicit" else act_sum
+            out.append(Collective("tensor", k, one * width, block * layout.grad_accum, "Megatron f/g, per block half"))
+            out.append(Collective("tensor", k, edges * width, layout.grad_accum, "vocab-parallel embedding and head"))
     if p > 1:
         ticks = schedule_ticks(layout)
-        one = b * s * d * act_comm / (t if layout.sequence_parallel else 1)
+        one = b * s * d * act / (t if layout.sequence_parallel else 1)
         m = layout.microbatches
         if layout.schedule == "1f1b":
             # warm-up, steady and cool-down ticks; the cool-down's last send has no receiver and is dropped
@@ -603,12 +606,12 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
         # HSDP: each gradient leaves the ZeRO group reduced to its data shard, then one all-reduce over replica
         out.append(Collective("replica", "all-reduce", inv.sharded * g_comm, 1, "gradient shards summed over replicas"))
     if c > 1:
-        out += context_collectives(model, layout, work, inv.local * g_comm, act_comm)
+        out += context_collectives(model, layout, work, inv.local * g_comm, act, act_sum)
     if e > 1 and model.n_experts:
         group = model.group_size or s
         groups = b * s // group
         slots = model.n_experts * capacity(model, group) * groups  # per device per MoE layer
-        buffer = slots * d * act_comm / t
+        buffer = slots * d * act / t
         # to the experts and back, forward and backward; a remat policy re-runs the forward pair (an
         # all-to-all is no matmul, so no policy saves its output)
         calls = (4 + 2 * (remat_policy(layout) != "none")) * model.moe_layers / p * layout.grad_accum
@@ -620,7 +623,7 @@ def collectives(model: Model, layout: Layout, work: Workload, device: Device) ->
         out.append(Collective("expert", "all-reduce", (inv.dense_replicated_over_expert - table) * g_comm, 1,
                               "gradients of parameters every expert rank holds"))
         if table:
-            out.append(Collective("expert", "all-gather", rows * (d * act_comm + 4), 1,
+            out.append(Collective("expert", "all-gather", rows * (d * act_sum + 4), 1,  # placed by the compiler
                                   "the embedding's cotangents and token ids"))
     return out
 
@@ -633,7 +636,8 @@ def sharded_lookup(model: Model, layout: Layout) -> bool:
     return layout.zero >= 2 and n > 1 and layout.tensor == 1 and v % n == 0 and (v >= d or d % n)
 
 
-def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes: float, value_bytes: int) -> list[Collective]:
+def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes: float, value_bytes: int,
+                        summed_value_bytes: int) -> list[Collective]:
     """Context parallelism's collectives: K/V of every layer's attention, and the gradients summed over context.
 
     The all-gather form gathers K and V (one call each) in the forward and
@@ -642,6 +646,8 @@ def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes
     forward, the recomputation and the backward (the gradients travel with
     the blocks): 3 (C - 1) blocks per array either way. The parameters are
     whole on every context rank, so their gradients are all-reduced over it.
+    An element of K or V takes `value_bytes` where it is moved and
+    `summed_value_bytes` where its gradients are summed.
     """
     c, kv = layout.context, model.n_kv_heads / layout.tensor
     b, s = microbatch_sequences(layout, work), work.seq_len
@@ -653,7 +659,8 @@ def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes
                               "K and V blocks around the ring: forward, recomputation, gradients"))
     else:
         out.append(Collective("context", "all-gather", whole, 2 * 2 * runs, "K and V gathered: forward, recomputation"))
-        out.append(Collective("context", "reduce-scatter", whole, 2 * runs, "K and V gradients back to their ranks"))
+        out.append(Collective("context", "reduce-scatter", whole / value_bytes * summed_value_bytes, 2 * runs,
+                              "K and V gradients back to their ranks"))
     return out
 
 
