@@ -54,7 +54,7 @@ def _narrow_logits(equation, x, w, out_dtype=None):
 
 
 def _one_hot_sum(vocab, logits, targets):
-    return jnp.sum(jnp.where(targets[..., None] == jnp.arange(vocab), logits, 0.0), axis=-1)
+    return jnp.sum(jnp.where(tensor._is_target(targets, vocab), logits, 0.0), axis=-1)
 
 
 BEFORE = {  # change: (module, attribute, what it was before the change)

@@ -652,14 +652,15 @@ def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes
     c, kv = layout.context, model.n_kv_heads / layout.tensor
     b, s = microbatch_sequences(layout, work), work.seq_len
     runs = model.n_layers * layout.grad_accum * layout.microbatches / layout.pipe  # layer runs per device
-    whole = b * s * kv * model.head_dim * value_bytes  # one of K, V over the whole sequence
+    elements = b * s * kv * model.head_dim  # one of K, V over the whole sequence
+    whole = elements * value_bytes
     out = [Collective("context", "all-reduce", grad_bytes, 1, "gradients summed over context")]
     if layout.context_form == "ring":
         out.append(Collective("context", "collective-permute", whole / c, 2 * 3 * (c - 1) * runs,
                               "K and V blocks around the ring: forward, recomputation, gradients"))
     else:
         out.append(Collective("context", "all-gather", whole, 2 * 2 * runs, "K and V gathered: forward, recomputation"))
-        out.append(Collective("context", "reduce-scatter", whole / value_bytes * summed_value_bytes, 2 * runs,
+        out.append(Collective("context", "reduce-scatter", elements * summed_value_bytes, 2 * runs,
                               "K and V gradients back to their ranks"))
     return out
 

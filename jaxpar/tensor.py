@@ -180,10 +180,15 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     logits = constrain(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), logits_logical)
     logits = _mask_padding(logits, 0, vocab_size, w.shape[-1])
     if axes:  # the vocabulary split by the compiler: a where over it stays local to each shard
-        target_logit = jnp.sum(jnp.where(targets[..., None] == jnp.arange(logits.shape[-1]), logits, 0.0), axis=-1)
+        target_logit = jnp.sum(jnp.where(_is_target(targets, logits.shape[-1]), logits, 0.0), axis=-1)
     else:
         target_logit = _target_logit(logits.shape[-1], logits, targets)
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit)
+
+
+def _is_target(targets, vocab: int):
+    """[..., vocab] booleans: True at each position's target column."""
+    return targets[..., None] == jnp.arange(vocab)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -203,7 +208,7 @@ def _target_logit_forward(vocab, logits, targets):
 
 
 def _target_logit_backward(vocab, targets, cotangent):
-    return jnp.where(targets[..., None] == jnp.arange(vocab), cotangent[..., None], 0).astype(cotangent.dtype), None
+    return jnp.where(_is_target(targets, vocab), cotangent[..., None], 0).astype(cotangent.dtype), None
 
 
 _target_logit.defvjp(_target_logit_forward, _target_logit_backward)
@@ -321,8 +326,7 @@ def _explicit_cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes
 
     def backward(saved, w, probs, targets, ct):
         local, hit = _local_index(targets, w.shape[-1], axes)
-        is_target = (jnp.arange(w.shape[-1]) == local[..., None]) & hit[..., None]
-        d_logits = (probs - is_target) * ct[..., None]
+        d_logits = (probs - (_is_target(local, w.shape[-1]) & hit[..., None])) * ct[..., None]
         d_whole, d_w = jax.vjp(logits_of, saved[0], w)[1](d_logits)
         return summed(d_whole, axes, dim), d_w
 
