@@ -23,10 +23,10 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar.checkpoint import Checkpoints  # noqa: E402
+from jaxpar.train.checkpoint import Checkpoints  # noqa: E402
 from jaxpar.models.llama import CONFIGS, Llama  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.state import TrainState, init_state, state_specs  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.train.state import TrainState, init_state, state_specs  # noqa: E402
 
 
 def directory_bytes(path: Path) -> int:

@@ -23,11 +23,13 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar import attention, inspect  # noqa: E402
+from jaxpar import inspect  # noqa: E402
+
+from jaxpar.parallel import attention
 from jaxpar.models.llama import CONFIGS, Llama  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.state import abstract_state, describe  # noqa: E402
-from jaxpar.step import make_train_step  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.train.state import abstract_state, describe  # noqa: E402
+from jaxpar.train.step import make_train_step  # noqa: E402
 
 OPTIMIZER = optax.adamw(1e-3)
 TINY = CONFIGS["tiny"]

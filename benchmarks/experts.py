@@ -24,13 +24,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar import data as data_lib  # noqa: E402
+from jaxpar.train import data as data_lib  # noqa: E402
 from jaxpar import inspect  # noqa: E402
 from jaxpar.models.moe import CONFIGS, MoeLlama  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.state import init_state  # noqa: E402
-from jaxpar.step import make_train_step  # noqa: E402
-from jaxpar.train import TrainConfig, make_optimizer  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.train.state import init_state  # noqa: E402
+from jaxpar.train.step import make_train_step  # noqa: E402
+from jaxpar.run.training import TrainConfig, make_optimizer  # noqa: E402
 
 
 def setup(config, plan: Plan, batch_size: int, train_steps: int):

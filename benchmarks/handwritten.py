@@ -36,10 +36,10 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxpar.models.llama import Llama, LlamaConfig  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.stack import REMAT  # noqa: E402
-from jaxpar.state import init_state  # noqa: E402
-from jaxpar.step import make_train_step  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.parallel.stack import REMAT  # noqa: E402
+from jaxpar.train.state import init_state  # noqa: E402
+from jaxpar.train.step import make_train_step  # noqa: E402
 
 # MaxText's llama2 block of issue 16 scaled down to run in seconds on two CPU cores (vocab 32000 -> 4096).
 CONFIG = LlamaConfig(vocab=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024,
@@ -116,7 +116,7 @@ def metrics_loss(compiled):
 def handwritten_step(plan: Plan, model, params, batch: dict, remat: str = "none"):
     """The step a user writes: jit + NamedSharding, bf16 casts of the fp32 parameters at use, AdamW.
 
-    `remat` names a `jaxpar.stack.REMAT` policy, applied by `jax.checkpoint` around each layer as a user
+    `remat` names a `jaxpar.parallel.stack.REMAT` policy, applied by `jax.checkpoint` around each layer as a user
     would (the model's `remat` hook), so both steps recompute the same.
     """
     optimizer = optax.adamw(1e-3)

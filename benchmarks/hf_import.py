@@ -26,8 +26,7 @@ def write_random_hf(directory: Path, cfg, seed: int = 0) -> int:
     import jax
     import numpy as np
 
-    from jaxpar import hf
-
+    from jaxpar.interop import hf
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
     (directory / hf.HF_CONFIG).write_text(json.dumps(hf.config_to_hf(cfg, "bfloat16"), indent=2))

@@ -15,7 +15,7 @@ Each change is undone by patching jaxpar while the step before it is compiled:
 - `target_logit` (cause 20): the loss's target logit summed from a where over
   the whole [tokens, vocab] logits, instead of read at the target;
 - `bits` (cause 19): 16-bit collectives as `jax.lax`'s, which XLA:CPU widens to
-  fp32, instead of moved as their bits (`jaxpar.bits`).
+  fp32, instead of moved as their bits (`jaxpar.parallel.bits`).
 
 Prints one JSON line per layout: whether the two compiled steps are the same
 (the change does not act there), the compiled memory per device of each, the
@@ -43,9 +43,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from vs_maxtext import CONFIG, LAYOUTS  # noqa: E402
 
-from jaxpar import bits, cli, inspect, matmul, tensor  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.train import prepare  # noqa: E402
+from jaxpar import cli, tensor  # noqa: E402
+
+from jaxpar.parallel import bits
+
+from jaxpar.planner import inspect
+
+from jaxpar.parallel import matmul
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.run.training import prepare  # noqa: E402
 
 
 def _narrow_logits(equation, x, w, out_dtype=None):

@@ -1,4 +1,4 @@
-"""An output layer's input gradient on XLA:CPU, in the two forms `jaxpar.matmul._input_gradient` picks from.
+"""An output layer's input gradient on XLA:CPU, in the two forms `jaxpar.parallel.matmul._input_gradient` picks from.
 
 Each of 8 host devices differentiates `x @ w` for a [d, vocab] weight over
 microbatches of `tokens` tokens in a scan (a pipeline's head) or once (tokens x

@@ -7,11 +7,11 @@
 - bytes passed between stages (collective-permutes over pipe, per device and direction) against
   v x m x one microbatch's activation bytes (each of a device's v chunks hands every microbatch on
   once), every other collective over pipe, and the collective-permutes that run once per step,
-  outside the tick loops (none: the state holds the layers in the schedule's order, jaxpar.layer_order);
+  outside the tick loops (none: the state holds the layers in the schedule's order, jaxpar.pipeline.layer_order);
 - the temp memory of the compiled step for m = 8, 16, 32 at a fixed microbatch size, side by side.
 
 Measured 2026-12-01 (XLA:CPU, tiny model with 8 layers, seq 32, the layers held in pipeline order, every
-slot under `lax.cond`), with a tick's slots in `jaxpar.schedule.ORDER`: a slot that frees ring rows before one
+slot under `lax.cond`), with a tick's slots in `jaxpar.pipeline.schedule.ORDER`: a slot that frees ring rows before one
 that takes them, in the same tick. jax 0.10.2 (jax 0.12.0.1 where it differs):
 
                 temp MiB, m = 8 / 16 / 32   m=32 / m=8   matmul FLOPs / unpipelined (formula), m = 8 / 16 / 32
@@ -60,7 +60,7 @@ would let W run layer by layer and drop only the matmuls into each layer's input
 L/p - 1 more saved activations per cotangent in flight, and the stage function (`Stages.layers`)
 would have to run one layer at a time.
 No schedule moves weights per step (permutes_outside_loops: 0): interleaved's
-state holds the layers in its chunks' order (jaxpar.layer_order). Before, it moved them into that
+state holds the layers in its chunks' order (jaxpar.pipeline.layer_order). Before, it moved them into that
 order and their gradients back every step: 18 collective-permutes outside the tick loops, 591872 B
 per device at m = 8 (65% of its 903168 permuted bytes; 311296 now, all activations and cotangents).
 
@@ -81,10 +81,10 @@ from flax import nnx  # noqa: E402
 
 from jaxpar import inspect  # noqa: E402
 from jaxpar.models.llama import CONFIGS, Llama  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.schedule import Schedule  # noqa: E402
-from jaxpar.state import abstract_state, describe  # noqa: E402
-from jaxpar.step import make_train_step  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.pipeline.schedule import Schedule  # noqa: E402
+from jaxpar.train.state import abstract_state, describe  # noqa: E402
+from jaxpar.train.step import make_train_step  # noqa: E402
 
 STAGES = 4
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))

@@ -20,9 +20,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxpar import planner  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.report import inspection  # noqa: E402
-from jaxpar.train import TrainConfig, prepare  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.run.report import inspection  # noqa: E402
+from jaxpar.run.training import TrainConfig, prepare  # noqa: E402
 
 
 def sweep(quick: bool) -> list[tuple[str, dict, str]]:

@@ -1,7 +1,7 @@
 """Tensor (and sequence) parallelism figures as JSON, for tensor = 1, 2, 4, 8:
 
 - parameter bytes per device against 1/t of the split weights plus the replicated norms;
-- collective traffic per block (jaxpar.inspect's ring traffic of the ops in the layer scans)
+- collective traffic per block (jaxpar.planner.inspect's ring traffic of the ops in the layer scans)
   against Megatron's 8·b·s·h·(t−1)/t elements per layer per device, forward and backward;
 - activation memory per layer (XLA's temp bytes, differenced between 2L and L layers)
   with and without sequence parallelism, next to Korthikanti et al.'s sbh(10 + 24/t + 5as/(ht))
@@ -30,10 +30,10 @@ from flax import nnx  # noqa: E402
 
 from jaxpar import inspect  # noqa: E402
 from jaxpar.models.llama import CONFIGS, Llama  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.rules import mesh_axes_of  # noqa: E402
-from jaxpar.state import abstract_state, describe, init_state, state_specs  # noqa: E402
-from jaxpar.step import make_train_step  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.core.rules import mesh_axes_of  # noqa: E402
+from jaxpar.train.state import abstract_state, describe, init_state, state_specs  # noqa: E402
+from jaxpar.train.step import make_train_step  # noqa: E402
 
 OPTIMIZER = optax.adamw(1e-3)
 

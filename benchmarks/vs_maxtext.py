@@ -75,10 +75,10 @@ def unguarded_temp(run, state, batch) -> int:
     """Temp bytes of the same step without its NaN guard (a plain jit of the update, state donated)."""
     import jax
 
-    from jaxpar import inspect as inspect_lib
-    from jaxpar import precision
-    from jaxpar.state import TrainState, state_specs
-    from jaxpar.step import loss_and_grads
+    from jaxpar.planner import inspect as inspect_lib
+    from jaxpar.train import precision
+    from jaxpar.train.state import TrainState, state_specs
+    from jaxpar.train.step import loss_and_grads
 
     plan, model = run.plan, run.model
     wrapped = precision.wrap(run.optimizer, plan.precision)
@@ -98,11 +98,12 @@ def unguarded_temp(run, state, batch) -> int:
 
 
 def measure(name: str, dump: str | None = None, guard: bool = False) -> dict:
-    from jaxpar import cli, inspect as inspect_lib
-    from jaxpar.plan import Plan
-    from jaxpar.report import inspection
-    from jaxpar.state import abstract_state
-    from jaxpar.train import prepare
+    from jaxpar import cli
+    from jaxpar.planner import inspect as inspect_lib
+    from jaxpar.core.plan import Plan
+    from jaxpar.run.report import inspection
+    from jaxpar.train.state import abstract_state
+    from jaxpar.run.training import prepare
     import jax
 
     args = cli.build_parser().parse_args(["inspect", "--config", CONFIG, *LAYOUTS[name], "--json"])

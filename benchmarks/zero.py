@@ -27,8 +27,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 
 from jaxpar import inspect  # noqa: E402
-from jaxpar.plan import Plan  # noqa: E402
-from jaxpar.train import TrainConfig, prepare  # noqa: E402
+from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.run.training import TrainConfig, prepare  # noqa: E402
 
 
 def device_bytes(tree) -> int:

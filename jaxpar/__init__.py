@@ -9,22 +9,22 @@ if not (_root / "jaxpar" / "models").exists() and (_root / "models" / "__init__.
     __path__.append(str(_root))
 del _Path, _root
 
-from jaxpar.context import active_plan
-from jaxpar.mesh import AXES, MeshSpec, make_mesh, parse_mesh
-from jaxpar.plan import Plan
-from jaxpar.rules import DEFAULT_RULES, LogicalArray, constrain
-from jaxpar.state import TrainState, describe, init_state, place_state
-from jaxpar.layer_order import (state_to_natural_order, state_to_pipeline_order, to_natural_order,
+from jaxpar.core.trace import active_plan
+from jaxpar.core.mesh import AXES, MeshSpec, make_mesh, parse_mesh
+from jaxpar.core.plan import Plan
+from jaxpar.core.rules import DEFAULT_RULES, LogicalArray, constrain
+from jaxpar.train.state import TrainState, describe, init_state, place_state
+from jaxpar.pipeline.layer_order import (state_to_natural_order, state_to_pipeline_order, to_natural_order,
                                 to_pipeline_order)
-from jaxpar.step import make_train_step
-from jaxpar.usage import PlanOptionUnused
+from jaxpar.train.step import make_train_step
+from jaxpar.core.usage import PlanOptionUnused
 # Building blocks for a model of one's own: stacked layers, Megatron layers, the MoE layer, the pipeline.
-from jaxpar.stack import Stack, pipelined_loss, scan_layers
-from jaxpar.tensor import column_parallel, embedding_lookup, enter_tensor_region, row_parallel, vocab_parallel_cross_entropy
-from jaxpar.attention import causal_attention
-from jaxpar.experts import MoEConfig, moe_ffn
-from jaxpar.pipeline import Stages
-from jaxpar.pipeline import loss as pipeline_loss
+from jaxpar.parallel.stack import Stack, pipelined_loss, scan_layers
+from jaxpar.parallel.tensor import column_parallel, embedding_lookup, enter_tensor_region, row_parallel, vocab_parallel_cross_entropy
+from jaxpar.parallel.attention import causal_attention
+from jaxpar.parallel.experts import MoEConfig, moe_ffn
+from jaxpar.pipeline.executor import Stages
+from jaxpar.pipeline.executor import loss as pipeline_loss
 
 __all__ = [
     "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",

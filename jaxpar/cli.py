@@ -1,4 +1,4 @@
-"""`jaxpar train | inspect | export | launch`: the command line over jaxpar.train, jaxpar.inspect and jaxpar.export.
+"""`jaxpar train | inspect | export | launch`: the command line over jaxpar.run.training, jaxpar.planner.inspect and jaxpar.interop.export.
 
 jax is imported only after the arguments are read, so `--devices` can set the
 number of host (CPU) devices before jax initialises.
@@ -32,14 +32,14 @@ TRAIN_FLAGS = {
     "tokenizer": (str, "tokenize text --data with this Hugging Face tokenizer.json or SentencePiece .model "
                        "(default: UTF-8 bytes); with a .npy from `jaxpar tokenize`, check that it was made with it"),
     "tensorboard": (str, "also write loss, lr, grad norm, tokens/s, MFU and memory as TensorBoard scalars here"),
-    "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.mfu) lacks the device"),
+    "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.planner.mfu) lacks the device"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
 
 
 def _plan_fields():
-    from jaxpar.plan import Plan
+    from jaxpar.core.plan import Plan
 
     return [f for f in dataclasses.fields(Plan) if f.name not in ("mesh", "rules")]
 
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_command(sub) -> None:
-    """`jaxpar plan`: rank layouts for a model on N devices by the analytic model (jaxpar.planner), no compile."""
+    """`jaxpar plan`: rank layouts for a model on N devices by the analytic model (jaxpar.planner.planner), no compile."""
     plan = sub.add_parser("plan", help="choose the layout for a model and a cluster: memory, traffic, bubble, "
                                        "step time and MFU predicted per layout (nothing is compiled)")
     plan.add_argument("--model", default="7b", help="model name (tiny, small, 1b, 7b, 70b, 405b, moe-tiny, ...)")
@@ -145,8 +145,8 @@ def _check_type(value, kind: type, where: str) -> None:
 
 def resolve(args: argparse.Namespace):
     """Merge built-in defaults, the --config file and flags into (TrainConfig, Plan options, mesh)."""
-    from jaxpar.mesh import mesh_from_table, parse_mesh
-    from jaxpar.train import TrainConfig
+    from jaxpar.core.mesh import mesh_from_table, parse_mesh
+    from jaxpar.run.training import TrainConfig
 
     table = read_config(args.config)
     model_table = dict(table.get("model", {}))
@@ -187,7 +187,7 @@ def _set_host_devices(count: int | None) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from jaxpar.export import export
+    from jaxpar.interop.export import export
 
     try:
         summary = export(args.checkpoint_dir, args.out, args.step)
@@ -202,7 +202,7 @@ HF_COMMANDS = ("import-hf", "eval", "generate", "tokenize")
 
 
 def _add_hf_commands(sub) -> None:
-    """`import-hf`, `eval`, `generate` and `tokenize` (jaxpar.hf, .evaluate, .generate, .tokenize)."""
+    """`import-hf`, `eval`, `generate` and `tokenize` (jaxpar.interop.hf, .evaluate, .generate, .tokenize)."""
     imp = sub.add_parser("import-hf", help="convert a Hugging Face Llama (config.json + safetensors) to a jaxpar checkpoint")
     imp.add_argument("source", help="a local Hugging Face model directory, or a Hub repo id")
     imp.add_argument("--out", required=True, help="the directory to write (what --init-from, eval and generate read)")
@@ -243,25 +243,25 @@ def _hf_command(args: argparse.Namespace) -> int:
 
     try:
         if args.command == "tokenize":
-            from jaxpar.tokenize import tokenize
+            from jaxpar.interop.tokenize import tokenize
 
             result = tokenize(args.source, args.out, args.tokenizer)
         elif args.command == "import-hf":
-            from jaxpar.hf import import_hf
+            from jaxpar.interop.hf import import_hf
 
             result = import_hf(args.source, args.out)
         elif args.command == "export":
-            from jaxpar.hf import export_hf
+            from jaxpar.interop.hf import export_hf
 
             result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype)
         elif args.command == "eval":
-            from jaxpar.evaluate import evaluate_checkpoint
-            from jaxpar.generate import generation_plan
+            from jaxpar.run.evaluate import evaluate_checkpoint
+            from jaxpar.run.generate import generation_plan
 
             result = evaluate_checkpoint(args.checkpoint_dir, generation_plan(args.mesh), args.data, args.seq_len,
                                          args.batch_size, args.step, tokenizer=args.tokenizer)
         else:
-            from jaxpar.generate import generate_from_checkpoint
+            from jaxpar.run.generate import generate_from_checkpoint
 
             result = generate_from_checkpoint(
                 args.checkpoint_dir, args.prompt, args.mesh, args.max_new_tokens, args.temperature, args.top_p,
@@ -281,7 +281,7 @@ def _hf_command(args: argparse.Namespace) -> int:
 
 def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
     """Draw a pipeline timeline: from --stages and the schedule flags, or from the plan being inspected."""
-    from jaxpar.schedule import Schedule, render, save_png
+    from jaxpar.pipeline.schedule import Schedule, render, save_png
 
     if plan is not None:
         schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.pipeline_microbatches, plan.virtual_stages)
@@ -301,11 +301,11 @@ def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
-        from jaxpar.distributed import launch_local
+        from jaxpar.train.distributed import launch_local
 
         return launch_local(args.processes, args.devices_per_process, args.rest)
     if args.command == "plan":
-        from jaxpar.planner import main as plan_main
+        from jaxpar.planner.planner import main as plan_main
 
         return plan_main(args)
     if args.command in HF_COMMANDS or (args.command == "export" and args.format == "hf"):
@@ -319,12 +319,11 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(stderr=args.command == "inspect" and args.json)
     try:
-        from jaxpar import distributed
-
+        from jaxpar.train import distributed
         if distributed.initialize() and not distributed.is_leader():
             console.quiet = True
-        from jaxpar.plan import Plan
-        from jaxpar.train import prepare
+        from jaxpar.core.plan import Plan
+        from jaxpar.run.training import prepare
 
         if args.command == "inspect" and args.stages is not None:
             return _draw_schedule(args, console)
@@ -338,10 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         Console(stderr=True, quiet=console.quiet).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
     if args.command == "train":
-        from jaxpar.report import train_with_progress
+        from jaxpar.run.report import train_with_progress
 
         return train_with_progress(run, console)
-    from jaxpar.report import print_inspection
+    from jaxpar.run.report import print_inspection
 
     if plan.shape["pipe"] > 1 and (args.png or not args.json):
         _draw_schedule(args, console, plan)

@@ -36,6 +36,6 @@ def model_config(name: str, overrides: dict | None = None):
 
 
 def model_factory(name: str, config, seed: int) -> Callable[[], nnx.Module]:
-    """A zero-argument constructor (what jaxpar.state.init_state takes)."""
+    """A zero-argument constructor (what jaxpar.train.state.init_state takes)."""
     constructor = MODELS[name][0]
     return lambda: constructor(config, nnx.Rngs(seed))

@@ -3,7 +3,7 @@
 Blocks are stacked along a leading `layers` axis and run with `lax.scan`, so a
 pipeline can cut that axis into stages and the compiled step stays the same
 size whatever the depth. The model never names a mesh axis: sharding comes
-from the plan's rules through `jaxpar.rules.constrain` and the parameters'
+from the plan's rules through `jaxpar.core.rules.constrain` and the parameters'
 logical names.
 """
 
@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar import attention as attention_lib
-from jaxpar import pipeline, tensor
-from jaxpar.rules import constrain
-from jaxpar.stack import scan_layers
+from jaxpar.parallel import attention as attention_lib
+from jaxpar.pipeline import executor as pipeline
+from jaxpar.parallel import tensor
+from jaxpar.core.rules import constrain
+from jaxpar.parallel.stack import scan_layers
 
 
 ROPE_TYPES = ("default", "llama3")
@@ -143,13 +144,13 @@ RESIDUAL = ("batch", "seq_residual", "embed")
 
 
 def attention(p, x, cfg: LlamaConfig):
-    """Causal grouped-query attention (jaxpar.attention: split over `context` too); heads over the `heads` axes."""
+    """Causal grouped-query attention (jaxpar.parallel.attention: split over `context` too); heads over the `heads` axes."""
     q_names, kv_names = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
     q, k, v = tensor.column_parallel(
         x, (p["wq"], p["wk"], p["wv"]), "bsd,dhk->bshk", (q_names, kv_names, kv_names)
     )
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
-    # jaxpar.attention keeps it (load-balanced under context parallelism): positions say which is which.
+    # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
     positions, inv_freq = attention_lib.positions(q.shape[1]), rope_frequencies(cfg, q.shape[-1])
     q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
     out = constrain(attention_lib.causal_attention(q, k, v), q_names)
@@ -253,7 +254,7 @@ class Llama(nnx.Module):
         return llama_decode(self, tokens, cache, mask, positions)
 
     def __call__(self, batch, remat: Callable | None = None):
-        """(mean loss, {}); under a plan with pipe > 1 the blocks run as a pipeline (jaxpar.pipeline)."""
+        """(mean loss, {}); under a plan with pipe > 1 the blocks run as a pipeline (jaxpar.pipeline.executor)."""
         stages = pipeline.Stages(
             embed=embed_tokens,
             layers=functools.partial(run_layers, cfg=self.cfg, remat=remat),
@@ -266,7 +267,7 @@ class Llama(nnx.Module):
 
 
 # -- inference: logits with positions and a padding mask, and a KV cache -------------------------------------------
-# Separate from the training path (which runs through jaxpar.pipeline): one forward over the stacked layers that
+# Separate from the training path (which runs through jaxpar.pipeline.executor): one forward over the stacked layers that
 # takes explicit positions, a key padding mask and, while generating, a key/value cache it updates in place.
 
 CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")

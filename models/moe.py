@@ -1,7 +1,7 @@
 """The reference Llama with a mixture-of-experts feed-forward layer in every `moe_every`-th block.
 
 Blocks come in groups of `moe_every`: `moe_every - 1` dense Llama blocks, then
-one block whose MLP is `jaxpar.experts.moe_ffn`. Groups are stacked along the
+one block whose MLP is `jaxpar.parallel.experts.moe_ffn`. Groups are stacked along the
 `layers` axis and scanned, like the dense model's blocks, so the compiled step
 stays the same size whatever the depth. The loss adds the routers' auxiliary
 losses, and the aux dict carries the routing metrics.
@@ -17,17 +17,23 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar import experts, pipeline, tensor, zero
+from jaxpar.parallel import experts
+
+from jaxpar.pipeline import executor as pipeline
+
+from jaxpar.parallel import tensor
+
+from jaxpar.parallel import zero
 from jaxpar.models import llama
-from jaxpar.rules import constrain
-from jaxpar.stack import scan_layers
+from jaxpar.core.rules import constrain
+from jaxpar.parallel.stack import scan_layers
 
 MoeLayer = Callable[[dict, jax.Array, experts.MoEConfig], tuple[jax.Array, dict]]
 
 
 @dataclasses.dataclass(frozen=True)
 class MoeLlamaConfig(llama.LlamaConfig):
-    """A LlamaConfig plus the experts (see jaxpar.experts.MoEConfig for the routing fields)."""
+    """A LlamaConfig plus the experts (see jaxpar.parallel.experts.MoEConfig for the routing fields)."""
 
     n_experts: int = 8
     top_k: int = 2

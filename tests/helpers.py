@@ -7,12 +7,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar.data import Batches, default_corpus
-from jaxpar.layer_order import to_natural_order, to_pipeline_order
+from jaxpar.train.data import Batches, default_corpus
+from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.models.llama import CONFIGS, Llama
-from jaxpar.plan import Plan
-from jaxpar.state import init_state, place_state
-from jaxpar.step import make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import init_state, place_state
+from jaxpar.train.step import make_train_step
 
 TINY = CONFIGS["tiny"]
 
@@ -76,9 +76,9 @@ def max_relative_error(a, b) -> float:
 def gradients(model, params, batch, plan: Plan, loss_fn=lambda m, b: m(b)):
     """Loss and gradients of `params` on `batch`, computed under `plan` and returned on host.
 
-    Parameters and gradients in natural layer order; under `plan` in its own (jaxpar.layer_order).
+    Parameters and gradients in natural layer order; under `plan` in its own (jaxpar.pipeline.layer_order).
     """
-    from jaxpar.step import loss_and_grads
+    from jaxpar.train.step import loss_and_grads
 
     params = to_pipeline_order(copy_state(params), model.logical, plan)
     params = jax.device_put(params, plan.shardings(plan.param_specs(model.logical)))
@@ -107,7 +107,7 @@ class ResidualMLP(nnx.Module):
 
 
 def sharded_lookup_bytes(config, group_rows: int) -> dict[str, int]:
-    """The collective bytes a ZeRO-2/3 embedding lookup trades (jaxpar.tensor.embedding_lookup) for a data group
+    """The collective bytes a ZeRO-2/3 embedding lookup trades (jaxpar.parallel.tensor.embedding_lookup) for a data group
     of `group_rows` sequences: the fp32 table is neither all-gathered nor its gradient reduce-scattered; the
     group's int32 tokens are all-gathered, and its fp32 rows reduce-scattered forward and all-gathered backward."""
     return {"table": config.vocab * config.d_model * 4, "tokens": group_rows * config.seq_len * 4,

@@ -220,11 +220,11 @@ def _setup(model_name: str, precision: str):
     import jax
     from flax import nnx
 
-    from jaxpar.data import Batches, default_corpus
+    from jaxpar.train.data import Batches, default_corpus
     from jaxpar.models.llama import Llama, LlamaConfig
     from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
-    from jaxpar.plan import Plan
-    from jaxpar.state import init_state
+    from jaxpar.core.plan import Plan
+    from jaxpar.train.state import init_state
 
     config = (MoeLlamaConfig if model_name == "moe" else LlamaConfig)(**MODELS[model_name])
     make = (lambda: MoeLlama(config, nnx.Rngs(0))) if model_name == "moe" else (lambda: Llama(config, nnx.Rngs(0)))
@@ -285,11 +285,11 @@ def run_cell(cell: Cell) -> dict:
     import numpy as np
 
     from helpers import max_relative_error
-    from jaxpar import pipeline
-    from jaxpar.layer_order import to_natural_order
-    from jaxpar.plan import Plan
-    from jaxpar.state import place_state
-    from jaxpar.step import make_train_step
+    from jaxpar.pipeline import executor as pipeline
+    from jaxpar.pipeline.layer_order import to_natural_order
+    from jaxpar.core.plan import Plan
+    from jaxpar.train.state import place_state
+    from jaxpar.train.step import make_train_step
 
     row = {"cell": cell.id, **cell.values(), "status": None, "error": None, "stage": None,
            "loss_error": None, "grad_norm_error": None, "param_error": None, "seconds": None}

@@ -15,10 +15,10 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpar.checkpoint import Checkpoints, CorruptCheckpoint
+from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.cli import main
-from jaxpar.plan import Plan
-from jaxpar.train import TrainConfig, open_checkpoints, prepare, resume
+from jaxpar.core.plan import Plan
+from jaxpar.run.training import TrainConfig, open_checkpoints, prepare, resume
 
 SMALL = {"d_model": 32, "head_dim": 8, "n_layers": 2}
 CONFIG = '[model]\nname = "tiny"\nd_model = 32\nhead_dim = 8\nn_layers = 2\n'

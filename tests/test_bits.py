@@ -1,4 +1,4 @@
-"""jaxpar.bits: 16-bit floats moved as their bits give jax.lax's values and gradients, and stay 16-bit when compiled."""
+"""jaxpar.parallel.bits: 16-bit floats moved as their bits give jax.lax's values and gradients, and stay 16-bit when compiled."""
 
 import re
 
@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpar import bits
-
+from jaxpar.parallel import bits
 MESH = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
 RING = [(i, (i + 1) % 8) for i in range(8)]
 
-# name: (jaxpar.bits' form, jax.lax's, global input shape, the collective's HLO name)
+# name: (jaxpar.parallel.bits' form, jax.lax's, global input shape, the collective's HLO name)
 COLLECTIVES = {
     "all_gather": (lambda x: bits.all_gather(x, "data", axis=1),
                    lambda x: jax.lax.all_gather(x, "data", axis=1, tiled=True), (16, 24), "all-gather"),
@@ -56,7 +55,7 @@ def test_bf16_values_and_gradients_match_jax_lax_bit_for_bit(name):
 
 @pytest.mark.parametrize("name", [n for n, c in COLLECTIVES.items() if c[3]])
 def test_bf16_collectives_compile_to_16_bit_ones_on_cpu(name):
-    """jax.lax's bf16 collective compiles to an f32 one on XLA:CPU; jaxpar.bits' to a u16 one of the same shape.
+    """jax.lax's bf16 collective compiles to an f32 one on XLA:CPU; jaxpar.parallel.bits' to a u16 one of the same shape.
 
     The gradient's collective of a data movement is itself in bits; a gather's gradient is a (float) reduce-scatter.
     """

@@ -19,18 +19,18 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxpar import hf
-from jaxpar.checkpoint import Checkpoints
+from jaxpar.interop import hf
+from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.cli import main
-from jaxpar.export import export, load_model, load_params
-from jaxpar.layer_order import state_to_natural_order, to_natural_order
+from jaxpar.interop.export import export, load_model, load_params
+from jaxpar.pipeline.layer_order import state_to_natural_order, to_natural_order
 from jaxpar.models.llama import Llama, rms_norm, run_layers
 from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
 from jaxpar.models.moe import MoeLlama
-from jaxpar.plan import Plan
-from jaxpar.state import describe, init_state, place_state, state_specs
-from jaxpar.step import make_train_step
-from jaxpar.train import TrainConfig, iterate, open_checkpoints, prepare, resume
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import describe, init_state, place_state, state_specs
+from jaxpar.train.step import make_train_step
+from jaxpar.run.training import TrainConfig, iterate, open_checkpoints, prepare, resume
 
 from helpers import TINY, batches, copy_state, max_relative_error, reference_state, single_device_plan
 
@@ -102,8 +102,7 @@ def test_restore_onto_another_plan_continues_the_same_run(saved, target):
 def test_interleaved_saves_trace_their_layer_order_conversion_once(saved, tmp_path, monkeypatch):
     """Saving an interleaved state converts it to natural order: traced and compiled at the first save, reused
     at the next ones (a run saves every few steps)."""
-    from jaxpar import layer_order
-
+    from jaxpar.pipeline import layer_order
     model, directory, _, _, _ = saved
     plan = make_plan(*TARGETS["pipe2-interleaved"])
     with Checkpoints(directory, read_only=True) as checkpoints:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from jaxpar.checkpoint import TEMPORARY, Checkpoints
+from jaxpar.train.checkpoint import TEMPORARY, Checkpoints
 from jaxpar.cli import main
 
 STEPS = 16

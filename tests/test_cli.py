@@ -39,7 +39,7 @@ def test_inspect_json(capsys):
     assert row["kind"] == "all-reduce" and row["axes"] == ["data"]
     assert set(report["memory"]) >= {"arguments", "outputs", "temp", "total"} and report["flops"] > 0
     # The compiled step's matmuls, loop trips counted, are the model FLOPs that MFU uses (6 N + attention per token).
-    from jaxpar import mfu
+    from jaxpar.planner import mfu
     from jaxpar.models import model_config
 
     per_device = mfu.model_flops_per_step("tiny", model_config("tiny", {"seq_len": 32}), 8, 32) / 8

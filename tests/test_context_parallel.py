@@ -9,11 +9,14 @@ import pytest
 from flax import nnx
 
 from helpers import ResidualMLP, max_relative_error
-from jaxpar import attention, inspect, rules, tensor
-from jaxpar.plan import Plan
-from jaxpar.state import abstract_state, describe
-from jaxpar.step import make_train_step
-from jaxpar.usage import PlanOptionUnused
+from jaxpar.parallel import attention
+from jaxpar.planner import inspect
+from jaxpar.core import rules
+from jaxpar.parallel import tensor
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import abstract_state, describe
+from jaxpar.train.step import make_train_step
+from jaxpar.core.usage import PlanOptionUnused
 from test_tensor_parallel import BATCH, CONFIG, OPTIMIZER, make_plan, reference, run, token_batches
 
 # Both forms, context 2 and 4, alone and with data, tensor (both layer forms, sequence parallelism) and ZeRO-3;

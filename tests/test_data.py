@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.data import Batches, check_vocab, default_corpus, global_batch, load_tokens
-from jaxpar.plan import Plan
+from jaxpar.train.data import Batches, check_vocab, default_corpus, global_batch, load_tokens
+from jaxpar.core.plan import Plan
 
 
 def test_default_corpus_is_real_text():

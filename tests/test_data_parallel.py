@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from helpers import TINY, batches, gradients, max_relative_error, reference_state, single_device_plan, train
-from jaxpar import inspect
-from jaxpar.plan import Plan
-from jaxpar.state import init_state, place_state
-from jaxpar.step import make_train_step
+from jaxpar.planner import inspect
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import init_state, place_state
+from jaxpar.train.step import make_train_step
 
 STEPS = 10
 

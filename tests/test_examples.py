@@ -22,8 +22,7 @@ from flax import nnx
 
 import jaxpar
 from helpers import max_relative_error
-from jaxpar import inspect
-
+from jaxpar.planner import inspect
 STEPS = 2
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

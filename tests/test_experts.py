@@ -2,7 +2,7 @@
 
 The reference here routes, drops and combines on its own, looping over the
 experts and running each one on every token (masked), so it shares nothing with
-jaxpar.experts but the definitions: top-k of the router softmax, choice-major
+jaxpar.parallel.experts but the definitions: top-k of the router softmax, choice-major
 priority within a group, capacity ceil(k * group * factor / E).
 """
 
@@ -20,13 +20,15 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from helpers import batches, copy_state, max_relative_error, single_device_plan
-from jaxpar import experts, inspect, pipeline
+from jaxpar.parallel import experts
+from jaxpar.planner import inspect
+from jaxpar.pipeline import executor as pipeline
 from jaxpar.cli import main
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
-from jaxpar.plan import Plan
-from jaxpar.state import describe, init_state, place_state
-from jaxpar.step import make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import describe, init_state, place_state
+from jaxpar.train.step import make_train_step
 
 E, D, F = 8, 32, 32
 MESHES = ["expert=2", "expert=4", "expert=8", "data=2,expert=4"]

@@ -10,9 +10,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.cli import main
-from jaxpar.generate import Generator, generation_plan, left_pad, sample
+from jaxpar.run.generate import Generator, generation_plan, left_pad, sample
 from jaxpar.models.llama import Llama, LlamaConfig, init_cache
-from jaxpar.state import init_state
+from jaxpar.train.state import init_state
 
 CFG = LlamaConfig(vocab=300, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=96)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11], [100]]
@@ -72,8 +72,8 @@ def test_generate_and_eval_commands(tmp_path, capsys, model_and_params):
     """Both commands read a training checkpoint directory (here saved directly, without training)."""
     import dataclasses
 
-    from jaxpar.checkpoint import Checkpoints
-    from jaxpar.state import TrainState
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.state import TrainState
 
     model, params = model_and_params
     config = {"model": {"name": "tiny", "config": dataclasses.asdict(CFG)}}
@@ -100,7 +100,7 @@ def test_help_renders(command, capsys):
 def test_tokenize_with_a_tokenizer_json(tmp_path, capsys):
     """`jaxpar tokenize` writes .npy tokens that --data reads, and a header naming dtype, vocabulary and tokenizer."""
     tokenizers = pytest.importorskip("tokenizers")
-    from jaxpar.data import load_tokens
+    from jaxpar.train.data import load_tokens
 
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

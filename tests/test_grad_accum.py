@@ -6,10 +6,10 @@ import pytest
 from flax import nnx
 
 from helpers import batches, compile_and_train, max_relative_error, single_device_plan
-from jaxpar import inspect
+from jaxpar.planner import inspect
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.plan import Plan
-from jaxpar.state import init_state
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import init_state
 
 CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=32)
 STEPS = 3

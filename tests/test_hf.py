@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import hf
+from jaxpar.interop import hf
 from jaxpar.cli import main
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.plan import Plan
+from jaxpar.core.plan import Plan
 
 try:  # only the tests against transformers need torch (absent on the Python >= 3.12 CI leg)
     import torch
@@ -121,7 +121,7 @@ def test_loading_reads_each_shard_onto_the_plan(tmp_path, monkeypatch):
     assert loaded_cfg == dataclasses.replace(cfg, seq_len=loaded_cfg.seq_len)
     plan = Plan.create("data=4,tensor=2", zero=3)
     from jaxpar.models import model_factory
-    from jaxpar.state import describe
+    from jaxpar.train.state import describe
 
     model = describe(model_factory("tiny", cfg, 0))
     shardings = plan.shardings(plan.param_specs(model.logical))
@@ -203,9 +203,9 @@ def test_config_of_transformers_4_and_5():
 @needs_torch
 def test_import_train_export_round_trip(tmp_path, capsys):
     """import-hf -> train 20 steps from it -> export --format hf -> transformers strict load, same logits."""
-    from jaxpar.checkpoint import Checkpoints
-    from jaxpar.data import Batches, default_corpus
-    from jaxpar.evaluate import split_tokens
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.data import Batches, default_corpus
+    from jaxpar.run.evaluate import split_tokens
 
     reference = hf_model(vocab_size=300, num_key_value_heads=2)
     reference.save_pretrained(tmp_path / "hf")

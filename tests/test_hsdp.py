@@ -14,11 +14,11 @@ from flax import nnx
 
 from helpers import (batches, compile_and_train, copy_state, gradients, max_relative_error, sharded_lookup_bytes,
                      single_device_plan)
-from jaxpar import inspect
-from jaxpar.checkpoint import Checkpoints
+from jaxpar.planner import inspect
+from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.plan import Plan
-from jaxpar.state import init_state, place_state, state_specs
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import init_state, place_state, state_specs
 
 CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16)
 STEPS = 4

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from jaxpar import inspect
-from jaxpar.mesh import MeshSpec, make_mesh
+from jaxpar.planner import inspect
+from jaxpar.core.mesh import MeshSpec, make_mesh
 
 MESH = make_mesh(MeshSpec(data=4, tensor=2))
 
@@ -69,12 +69,12 @@ def test_matmul_flops_count_every_layer_of_the_scan(layers):
     import optax
     from flax import nnx
 
-    from jaxpar import mfu
+    from jaxpar.planner import mfu
     from jaxpar.models import model_config
     from jaxpar.models.llama import Llama
-    from jaxpar.plan import Plan
-    from jaxpar.state import abstract_state, describe
-    from jaxpar.step import make_train_step
+    from jaxpar.core.plan import Plan
+    from jaxpar.train.state import abstract_state, describe
+    from jaxpar.train.step import make_train_step
 
     config = model_config("tiny", {"n_layers": layers, "seq_len": 32})
     plan = Plan.create("data=1", devices=jax.devices()[:1])
@@ -96,7 +96,7 @@ def ring_set_bytes(config, layers: int) -> tuple[int, int]:
     from flax import nnx
 
     from jaxpar.models.llama import Llama, run_layers
-    from jaxpar.state import describe
+    from jaxpar.train.state import describe
 
     logical = describe(lambda: Llama(config, nnx.Rngs(0))).logical["blocks"]
     blocks = {k: jax.ShapeDtypeStruct((layers, *a.shape[1:]), a.dtype) for k, a in logical.items()}
@@ -117,9 +117,9 @@ def compiled_pipeline_figures(config, mesh: str, schedule: str, m: int, batch: i
     from flax import nnx
 
     from jaxpar.models.llama import Llama
-    from jaxpar.plan import Plan
-    from jaxpar.state import abstract_state, describe
-    from jaxpar.step import make_train_step
+    from jaxpar.core.plan import Plan
+    from jaxpar.train.state import abstract_state, describe
+    from jaxpar.train.step import make_train_step
 
     model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
     plan = Plan.create(mesh, schedule=schedule, microbatches=m, virtual_stages=v, **devices)
@@ -136,7 +136,7 @@ def test_pipeline_figures_come_from_the_schedule_and_the_compiled_ring():
     import jax
 
     from jaxpar.models import model_config
-    from jaxpar.schedule import Schedule
+    from jaxpar.pipeline.schedule import Schedule
 
     config = model_config("tiny", {"n_layers": 8, "seq_len": 32})
 

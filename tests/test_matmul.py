@@ -10,12 +10,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.matmul import weight_einsum
+from jaxpar.parallel.matmul import weight_einsum
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import CONFIGS as MOE_CONFIGS, MoeLlama
-from jaxpar.plan import Plan
-from jaxpar.state import abstract_state, describe
-from jaxpar.step import make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import abstract_state, describe
+from jaxpar.train.step import make_train_step
 
 EQUATIONS = {  # equation: (x shape, w shape), the layers' own einsums
     "bsd,df->bsf": ((2, 8, 16), (16, 32)),

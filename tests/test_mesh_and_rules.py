@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.mesh import AXES, MeshSpec, make_mesh, parse_mesh
-from jaxpar.plan import Plan
-from jaxpar.rules import DEFAULT_RULES, resolve_spec
+from jaxpar.core.mesh import AXES, MeshSpec, make_mesh, parse_mesh
+from jaxpar.core.plan import Plan
+from jaxpar.core.rules import DEFAULT_RULES, resolve_spec
 
 
 def test_inline_mesh_fills_the_wildcard_and_keeps_every_axis():

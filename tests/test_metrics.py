@@ -12,13 +12,13 @@ import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from jaxpar import mfu
+from jaxpar.planner import mfu
 from jaxpar.cli import build_parser, main, resolve
-from jaxpar.metrics_tensorboard import TensorBoard
+from jaxpar.run.tensorboard import TensorBoard
 from jaxpar.models import model_config
-from jaxpar.plan import Plan
-from jaxpar.report import train_with_progress
-from jaxpar.train import TrainConfig, prepare
+from jaxpar.core.plan import Plan
+from jaxpar.run.report import train_with_progress
+from jaxpar.run.training import TrainConfig, prepare
 
 PEAK = 2.5e10  # FLOP/s per device, given with --peak-flops (the CPU has no datasheet peak)
 

@@ -17,13 +17,13 @@ import pytest
 from flax import nnx
 
 from helpers import TINY, batches, compile_and_train, copy_state, max_relative_error, single_device_plan
-from jaxpar.checkpoint import Checkpoints
+from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.cli import main
 from jaxpar.models.llama import Llama
-from jaxpar.plan import Plan
-from jaxpar.state import init_state, place_state
-from jaxpar.step import make_train_step
-from jaxpar.usage import PlanOptionUnused
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import init_state, place_state
+from jaxpar.train.step import make_train_step
+from jaxpar.core.usage import PlanOptionUnused
 
 STEPS = 3
 OPTIMIZER = optax.adamw(1e-3)

@@ -16,13 +16,15 @@ import pytest
 from flax import nnx
 
 from helpers import TINY, copy_state, gradients, max_relative_error, reference_state, single_device_plan
-from jaxpar import inspect, pipeline, schedule
+from jaxpar.planner import inspect
+from jaxpar.pipeline import executor as pipeline
+from jaxpar.pipeline import schedule
 from jaxpar.cli import build_parser, main, resolve
-from jaxpar.layer_order import to_pipeline_order, train_state_layers
+from jaxpar.pipeline.layer_order import to_pipeline_order, train_state_layers
 from jaxpar.models.llama import Llama
-from jaxpar.plan import Plan
-from jaxpar.state import abstract_state, describe
-from jaxpar.step import make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import abstract_state, describe
+from jaxpar.train.step import make_train_step
 
 NAN = float("nan")
 CONFIG = dataclasses.replace(TINY, seq_len=16)
@@ -264,7 +266,7 @@ def test_zb_h1_keeps_its_cotangents_in_1f1b_ring():
 
 
 def test_interleaved_moves_no_weights_per_step():
-    """The state holds the layers in pipeline order (jaxpar.layer_order), so every collective-permute is an
+    """The state holds the layers in pipeline order (jaxpar.pipeline.layer_order), so every collective-permute is an
     activation or cotangent inside the tick loops: one per forward and one per backward tick. Outside the loops
     only the embedding's and head's gradients are summed (moving the layers showed as permutes or all-to-alls)."""
     config, v, m = dataclasses.replace(MEMORY_CONFIG, n_layers=8), 2, 8

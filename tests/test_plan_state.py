@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
-from jaxpar import context, rules
-from jaxpar.mesh import AXES, MeshSpec
-from jaxpar.plan import Plan
+from jaxpar.core import trace as context
+
+from jaxpar.core import rules
+from jaxpar.core.mesh import AXES, MeshSpec
+from jaxpar.core.plan import Plan
 
 
 def test_replace_derives_the_rules_again():

@@ -14,9 +14,9 @@ import math
 import jax
 import pytest
 
-from jaxpar import planner
-from jaxpar.devices import DEVICES, load_device
-from jaxpar.schedule import Schedule
+from jaxpar.planner import planner
+from jaxpar.planner.devices import DEVICES, load_device
+from jaxpar.pipeline.schedule import Schedule
 
 TINY = {"seq_len": 32}
 WORK = planner.Workload(batch_size=16, seq_len=32)
@@ -57,7 +57,7 @@ def test_zero_table_1_reproduced():
 @pytest.mark.parametrize("p,m,v", [(2, 2, 1), (4, 8, 1), (4, 4, 1), (8, 32, 1), (2, 4, 2), (4, 8, 2), (4, 16, 4)])
 def test_megatron_bubble(p, m, v):
     """Narayanan et al. 2021: bubble time over ideal time is (p-1)/m, (p-1)/(v m) interleaved; as a share of
-    the step (p-1)/(v m + p-1); and the tick tables of jaxpar.schedule idle exactly that share."""
+    the step (p-1)/(v m + p-1); and the tick tables of jaxpar.pipeline.schedule idle exactly that share."""
     schedule = "interleaved" if v > 1 else "1f1b"
     layout = planner.Layout(pipe=p, schedule=schedule, microbatches=m, virtual_stages=v)
     ratio = planner.megatron_bubble(p, m, v)
@@ -90,7 +90,7 @@ def test_tensor_traffic_per_layer(t):
 def test_inventory_matches_the_models():
     """The planner counts parameters from the config exactly as the models build them."""
     from jaxpar.models import model_config, model_factory
-    from jaxpar.state import describe
+    from jaxpar.train.state import describe
 
     for name in ("tiny", "moe-tiny"):
         config = model_config(name)
@@ -206,8 +206,8 @@ def test_plan_command(tmp_path, capsys):
 def test_plan_from_file_runs_on_cpu(tmp_path):
     """The planner's config for the tiny model on 8 CPU devices is a valid `jaxpar train --config` plan."""
     from jaxpar import cli
-    from jaxpar.plan import Plan
-    from jaxpar.train import prepare
+    from jaxpar.core.plan import Plan
+    from jaxpar.run.training import prepare
 
     model = planner.Model.named("tiny", TINY)
     ranking = planner.plan(model, 8, WORK, "cpu", precision="fp32")
@@ -249,9 +249,9 @@ TOLERANCE = {"arguments": 0.10, "temp": 0.25}  # traffic per mesh axis: 0.10
 
 def compiled_cell(mesh: str, options: dict, model: str) -> dict:
     """`jaxpar inspect --json` of one layout: an abstract compile, nothing trained."""
-    from jaxpar.plan import Plan
-    from jaxpar.report import inspection
-    from jaxpar.train import TrainConfig, prepare
+    from jaxpar.core.plan import Plan
+    from jaxpar.run.report import inspection
+    from jaxpar.run.training import TrainConfig, prepare
 
     run = prepare(TrainConfig(model=model, batch_size=WORK.batch_size, seq_len=WORK.seq_len), Plan.create(mesh, **options))
     return inspection(run)

@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 
 from helpers import batches, single_device_plan
-from jaxpar import precision
+from jaxpar.train import precision
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.plan import Plan
-from jaxpar.state import abstract_state, describe, init_state, state_specs
-from jaxpar.step import make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import abstract_state, describe, init_state, state_specs
+from jaxpar.train.step import make_train_step
 
 CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16)
 STEPS = 50
@@ -93,7 +93,7 @@ def test_state_layout_per_policy(name, param_dtype, scaled, zero):
 def test_the_model_computes_in_the_compute_dtype_from_fp32_params():
     """bf16: the fp32 params reach the model cast to bf16 (its matmuls are bf16), and the gradients come back in
     bf16, the dtype they are summed over the data ranks in (the optimizer casts them to fp32)."""
-    from jaxpar.step import loss_and_grads
+    from jaxpar.train.step import loss_and_grads
 
     model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optax.adamw(1e-3), single_device_plan())
     batch = batches(batch_size=8, seq_len=CONFIG.seq_len)[0]
@@ -149,7 +149,7 @@ def test_zero1_bf16_step_holds_2_byte_params_and_gathers_2_bytes():
 
     The compiled step's arguments are the bf16 params, the fp32 master and Adam's m and v sharded over the 8
     data ranks, the batch and the two step counters; its gathers of the updated params move bf16, each
-    parameter once, as their uint16 bits (jaxpar.bits: XLA's CPU backend widens bf16 collectives to fp32).
+    parameter once, as their uint16 bits (jaxpar.parallel.bits: XLA's CPU backend widens bf16 collectives to fp32).
     """
     model = describe(lambda: Llama(MEMORY_CONFIG, nnx.Rngs(0)))
     psi, n = model.param_count(), 8
@@ -173,7 +173,7 @@ def test_zero1_bf16_step_holds_2_byte_params_and_gathers_2_bytes():
 def test_zero1_bf16_checkpoint_restores_its_fp32_master_onto_zero3_and_back(tmp_path):
     """ZeRO-1's fp32 master is what restores onto ZeRO-3's fp32 params (and another mesh), and ZeRO-3's fp32
     params restore as ZeRO-1's master with the params its bf16 cast; the Adam state restores as saved."""
-    from jaxpar.checkpoint import Checkpoints
+    from jaxpar.train.checkpoint import Checkpoints
 
     optimizer = optax.adamw(1e-2)
     data = batches(batch_size=16, seq_len=CONFIG.seq_len)
@@ -216,7 +216,7 @@ def test_zero1_bf16_checkpoint_restores_its_fp32_master_onto_zero3_and_back(tmp_
 
 def test_fp16_loss_scale_restores_across_the_zero1_master_layout(tmp_path):
     """fp16's loss scale lives beside the master under ZeRO-1 and beside the inner state elsewhere: it carries over."""
-    from jaxpar.checkpoint import Checkpoints
+    from jaxpar.train.checkpoint import Checkpoints
 
     optimizer = optax.adamw(1e-2)
     model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optimizer,
@@ -240,7 +240,7 @@ def test_fp16_loss_scale_restores_across_the_zero1_master_layout(tmp_path):
 
 def test_place_state_converts_between_the_bf16_layouts():
     """A state of fp32 params held once placed onto ZeRO-1 becomes its fp32 master (params the bf16 cast), and back."""
-    from jaxpar.state import place_state
+    from jaxpar.train.state import place_state
 
     optimizer = optax.adamw(1e-3)
     model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optimizer, single_device_plan(precision="bf16"))

@@ -5,10 +5,10 @@ import optax
 from flax import nnx
 
 from helpers import batches, copy_state, max_relative_error, single_device_plan
-from jaxpar import inspect
+from jaxpar.planner import inspect
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.state import init_state, place_state
-from jaxpar.step import make_train_step
+from jaxpar.train.state import init_state, place_state
+from jaxpar.train.step import make_train_step
 
 CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=32)
 

@@ -13,8 +13,7 @@ from flax import nnx
 
 import jaxpar
 from helpers import ResidualMLP, max_relative_error
-from jaxpar import inspect
-
+from jaxpar.planner import inspect
 LAYERS, WIDTH, HIDDEN, BATCH, STEPS = 4, 32, 64, 16, 3
 INIT = nnx.initializers.lecun_normal()
 
@@ -93,7 +92,7 @@ def run(make_model, mesh: str, **options):
 
 @pytest.mark.parametrize("make_model", [StackModel, OwnScanModel], ids=["stack", "own-scan"])
 @pytest.mark.parametrize("zero, remat", [(0, "full"), (2, "none"), (3, "none")])
-@pytest.mark.filterwarnings("ignore::jaxpar.usage.PlanOptionUnused")  # remat does not wrap the model's own scan
+@pytest.mark.filterwarnings("ignore::jaxpar.core.usage.PlanOptionUnused")  # remat does not wrap the model's own scan
 def test_stacked_layers_under_zero_match_one_device(make_model, zero, remat):
     """Every layer computes with whole parameters whether jaxpar or the model's own scan walks the stack. ZeRO-0
     under remat sums each layer's gradients where the layer uses them: per layer in jaxpar's scan, the whole stack

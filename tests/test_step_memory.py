@@ -15,12 +15,12 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxpar import inspect as inspect_lib
-from jaxpar import precision
+from jaxpar.planner import inspect as inspect_lib
+from jaxpar.train import precision
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.plan import Plan
-from jaxpar.state import TrainState, abstract_state, describe, state_specs
-from jaxpar.step import loss_and_grads, make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import TrainState, abstract_state, describe, state_specs
+from jaxpar.train.step import loss_and_grads, make_train_step
 
 # A vocab-heavy model, like MaxText's llama2 (the embedding and head are 3/4 of its parameters).
 CONFIG = LlamaConfig(vocab=4096, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=256, seq_len=16)

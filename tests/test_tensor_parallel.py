@@ -13,11 +13,12 @@ import pytest
 from flax import nnx
 
 from helpers import copy_state, max_relative_error, single_device_plan
-from jaxpar import inspect, tensor
+from jaxpar.planner import inspect
+from jaxpar.parallel import tensor
 from jaxpar.models.llama import Llama, LlamaConfig, rms_norm, run_layers
-from jaxpar.plan import Plan
-from jaxpar.state import abstract_state, describe, init_state, place_state
-from jaxpar.step import make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import abstract_state, describe, init_state, place_state
+from jaxpar.train.step import make_train_step
 
 # 16 query / 8 kv heads split 8 ways; vocab 200 is padded to 256, so at tensor=8
 # the last shard holds only padding and the one before it is partly padding.

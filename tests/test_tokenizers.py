@@ -8,10 +8,10 @@ import sentencepiece
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from jaxpar.cli import main
-from jaxpar.data import default_corpus
-from jaxpar.plan import Plan
-from jaxpar.tokenize import training_tokens
-from jaxpar.train import TrainConfig, prepare
+from jaxpar.train.data import default_corpus
+from jaxpar.core.plan import Plan
+from jaxpar.interop.tokenize import training_tokens
+from jaxpar.run.training import TrainConfig, prepare
 
 TINY_VOCAB = 256  # the tiny model's vocabulary
 
@@ -106,7 +106,7 @@ def test_tokenize_never_overwrites(files, capsys):
 
 def test_generate_encodes_and_decodes_with_either_tokenizer(files):
     """`jaxpar generate --tokenizer` (and eval's) codec: the library's own ids, decoded back to the text."""
-    from jaxpar.generate import text_codec
+    from jaxpar.run.generate import text_codec
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(files / "sp.model"))
     encode, decode = text_codec(str(files / "sp.model"), TINY_VOCAB)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.usage import PlanOptionUnused
+from jaxpar.core.usage import PlanOptionUnused
 
 STEPS = 3
 INIT = nnx.initializers.lecun_normal()
@@ -104,7 +104,7 @@ def test_batchnorm_and_dropout_match_a_plain_optax_loop(expected, mesh, options)
 
 def test_a_checkpoint_keeps_the_variables_and_resumes_exactly_on_another_mesh(expected, tmp_path):
     """Two steps on data=8, saved; restored onto data=4,tensor=2 for the third: the reference's losses and statistics."""
-    from jaxpar.checkpoint import Checkpoints
+    from jaxpar.train.checkpoint import Checkpoints
 
     ref_losses, ref_variables = expected
     optimizer = optax.adam(1e-2)

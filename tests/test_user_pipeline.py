@@ -13,8 +13,8 @@ from flax import nnx
 
 import jaxpar
 from helpers import ResidualMLP, max_relative_error
-from jaxpar import inspect, pipeline
-
+from jaxpar.planner import inspect
+from jaxpar.pipeline import executor as pipeline
 VOCAB, WIDTH, HIDDEN, LAYERS, BATCH, SEQ, STEPS = 64, 32, 64, 4, 16, 8, 2
 INIT = nnx.initializers.lecun_normal()
 

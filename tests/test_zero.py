@@ -7,11 +7,12 @@ import pytest
 from flax import nnx
 
 from helpers import batches, compile_and_train, max_relative_error, sharded_lookup_bytes, single_device_plan
-from jaxpar import inspect, zero
+from jaxpar.planner import inspect
+from jaxpar.parallel import zero
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.plan import Plan
-from jaxpar.state import LogicalArray, abstract_state, describe, init_state
-from jaxpar.step import make_train_step
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import LogicalArray, abstract_state, describe, init_state
+from jaxpar.train.step import make_train_step
 
 CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16)
 STEPS = 10
@@ -116,7 +117,7 @@ def test_zero3_gathers_layers_just_in_time():
 def test_zero3_under_bf16_gathers_bf16_casts_of_fp32_shards():
     """bf16 holds fp32 parameters; each ZeRO-3 gather moves the 2-byte cast, and the stacked layers' one layer at a time.
 
-    Read from the step as jaxpar emits it, where the bf16 casts travel as their uint16 bits (jaxpar.bits), and
+    Read from the step as jaxpar emits it, where the bf16 casts travel as their uint16 bits (jaxpar.parallel.bits), and
     from the compiled step, where those gathers stay 16-bit (XLA's CPU backend widens bf16 ones to fp32).
     """
     model = describe(lambda: Llama(CONFIG, nnx.Rngs(0)))

@@ -1,0 +1,1 @@
+"""Weights and text in and out: Hugging Face checkpoints, consolidated export, tokenizers."""

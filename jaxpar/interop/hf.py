@@ -1,0 +1,585 @@
+"""Hugging Face Llama checkpoints in and out: config mapping, weights read shard by shard, safetensors written back.
+
+The built-in Llama computes the same function as `transformers.LlamaForCausalLM`
+(half-split rotary, so q/k need no permutation); only layouts differ. A jaxpar
+weight is a stack over layers with heads split out (wq: [layers, embed, heads,
+head_dim]), a Hugging Face one is one torch `Linear` per layer ([out, in]).
+
+Loading builds every parameter with `jax.make_array_from_callback` on the plan's
+sharding: each device's shard is read from the safetensors files as a slice
+(per layer), so no device and no host buffer ever holds a whole large model.
+What the model cannot represent (biases, other activations, `pretraining_tp`,
+rope scaling other than Llama 3's) is refused with the config field named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxpar.interop.export import unflatten
+from jaxpar.models.llama import LlamaConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+HF_CONFIG = "config.json"
+MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most this many bytes
+JAXPAR_NAME = "tiny"  # imported checkpoints name a Llama whose every config field is given (see import_hf)
+
+# jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
+LAYER_PARAMS = {
+    "attn_norm": ("input_layernorm.weight", "vector"),
+    "wq": ("self_attn.q_proj.weight", "in_heads"),
+    "wk": ("self_attn.k_proj.weight", "in_heads"),
+    "wv": ("self_attn.v_proj.weight", "in_heads"),
+    "wo": ("self_attn.o_proj.weight", "out_heads"),
+    "mlp_norm": ("post_attention_layernorm.weight", "vector"),
+    "w_gate": ("mlp.gate_proj.weight", "transpose"),
+    "w_up": ("mlp.up_proj.weight", "transpose"),
+    "w_down": ("mlp.down_proj.weight", "transpose"),
+}
+TOP_PARAMS = {
+    "embedding": ("model.embed_tokens.weight", "vocab_rows"),
+    "final_norm": ("model.norm.weight", "vector"),
+    "head": ("lm_head.weight", "vocab_cols"),
+}
+
+
+# -- config -------------------------------------------------------------------------------------------
+
+
+def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face Llama `config.json`; ValueError naming any field the model cannot represent."""
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported; only 'llama' is")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field):
+            raise ValueError(f"config.json: {field}=true is not supported: jaxpar's Llama has no bias terms")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported: jaxpar's Llama MLP uses SiLU (SwiGLU)")
+    if hf.get("pretraining_tp", 1) not in (None, 1):
+        raise ValueError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if field not in hf:
+            raise ValueError(f"config.json: {field} is missing")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope = _rope_from_hf(hf)
+    return LlamaConfig(
+        vocab=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, d_ff=hf["intermediate_size"],
+        seq_len=min(hf.get("max_position_embeddings", 2048), 2048), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
+    )
+
+
+def _rope_from_hf(hf: dict) -> dict:
+    """rope_theta and scaling fields; transformers 5 keeps them in `rope_parameters`, 4 in `rope_theta`/`rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    kinds = {field: table.get("rope_type", table.get("type", "default"))
+             for field, table in (("rope_parameters", params), ("rope_scaling", scaling)) if table}
+    field, kind = next(((f, k) for f, k in kinds.items() if k != "default"), ("rope_scaling", "default"))
+    merged = {**params, **scaling} if field == "rope_scaling" else {**scaling, **params}
+    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    if kind != "llama3":
+        raise ValueError(f"config.json: {field}.rope_type={kind!r} is not supported; only 'default' and 'llama3' are")
+    return {
+        "rope_theta": float(theta), "rope_type": "llama3", "rope_factor": float(merged["factor"]),
+        "rope_low_freq_factor": float(merged["low_freq_factor"]),
+        "rope_high_freq_factor": float(merged["high_freq_factor"]),
+        "rope_original_max_position": int(merged["original_max_position_embeddings"]),
+    }
+
+
+def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
+    """A Hugging Face `config.json` for `cfg` (LlamaForCausalLM), readable by transformers 4 and 5."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.d_ff,
+        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_parameters": rope, "max_position_embeddings": max(cfg.seq_len, cfg.rope_original_max_position
+                                                                 if cfg.rope_type == "llama3" else cfg.seq_len),
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+def read_hf_config(directory) -> dict:
+    path = Path(directory) / HF_CONFIG
+    if not path.is_file():
+        raise ValueError(f"{directory}: no {HF_CONFIG}; expected a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def is_hf_dir(path) -> bool:
+    """A Hugging Face model directory: config.json with a model_type, and safetensors files."""
+    path = Path(path)
+    if not (path / HF_CONFIG).is_file():
+        return False
+    return "model_type" in json.loads((path / HF_CONFIG).read_text())
+
+
+def resolve_source(source: str) -> Path:
+    """A local directory as is; otherwise a Hub repo id, downloaded with huggingface_hub (config and safetensors)."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if source.startswith(("/", ".", "~")) or source.count("/") != 1:
+        raise ValueError(f"{source!r}: no such directory (and not a Hub repo id like 'meta-llama/Llama-3.2-1B')")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as error:
+        raise ValueError(f"{source!r} is not a directory, and huggingface_hub is not installed to download it") from error
+    try:
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as error:  # network, authentication or missing repo: say which
+        raise ValueError(f"{source!r} is not a directory and could not be downloaded: {error}") from error
+
+
+# -- reading safetensors slice by slice ---------------------------------------------------------------
+
+
+class SafetensorsReader:
+    """The tensors of a model directory (one `model.safetensors`, or shards listed in the index), read as slices."""
+
+    def __init__(self, directory):
+        from safetensors import safe_open
+
+        self._open = safe_open
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.directory / file for name, file in weight_map.items()}
+        else:
+            files = sorted(self.directory.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"{directory}: no *.safetensors files (pytorch_model.bin is not read; convert it first)")
+            self.files = {}
+            for file in files:
+                with safe_open(file, framework="numpy") as f:
+                    self.files.update({name: file for name in f.keys()})
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def _handle(self, name: str, framework: str):
+        if name not in self.files:
+            raise ValueError(f"{self.directory}: tensor {name!r} is missing from the safetensors files")
+        key = (self.files[name], framework)
+        if key not in self._handles:
+            self._handles[key] = self._open(self.files[name], framework=framework)
+        return self._handles[key]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name, "numpy").get_slice(name).get_shape())
+
+    def read(self, name: str, *index) -> np.ndarray:
+        """tensor[index] as float32 numpy; bfloat16 (which numpy lacks) goes through jax on the CPU."""
+        part = self._handle(name, "numpy").get_slice(name)
+        if part.get_dtype() != "BF16":
+            return np.asarray(part[index], dtype=np.float32)
+        with _on_host():
+            return np.asarray(self._handle(name, "flax").get_slice(name)[index], dtype=np.float32)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@contextlib.contextmanager
+def _on_host():
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        yield
+        return
+    with jax.default_device(cpu):
+        yield
+
+
+def _bounds(index: slice, size: int) -> tuple[int, int]:
+    start, stop, step = index.indices(size)
+    if step != 1:
+        raise ValueError("strided shards are not supported")
+    return start, stop
+
+
+def _read_shard(reader: SafetensorsReader, name: str, layout: str, shape, index, vocab: int) -> np.ndarray:
+    """The jaxpar-layout block `index` (slices of `shape`) of one unstacked parameter, read from `name`."""
+    bounds = [_bounds(i, n) for i, n in zip(index, shape)]
+    if layout == "vector":
+        (a, b), = bounds
+        return reader.read(name, slice(a, b))
+    if layout == "transpose":  # jaxpar [in, out] <- torch [out, in]
+        (i0, i1), (o0, o1) = bounds
+        return reader.read(name, slice(o0, o1), slice(i0, i1)).T
+    if layout == "in_heads":  # jaxpar [embed, heads, head_dim] <- torch [heads * head_dim, embed]
+        (d0, d1), (h0, h1), (k0, k1) = bounds
+        hd = shape[2]
+        rows = reader.read(name, slice(h0 * hd, h1 * hd), slice(d0, d1))
+        return rows.reshape(h1 - h0, hd, d1 - d0)[:, k0:k1, :].transpose(2, 0, 1)
+    if layout == "out_heads":  # jaxpar [heads, head_dim, embed] <- torch [embed, heads * head_dim]
+        (h0, h1), (k0, k1), (d0, d1) = bounds
+        hd = shape[1]
+        cols = reader.read(name, slice(d0, d1), slice(h0 * hd, h1 * hd))
+        return cols.reshape(d1 - d0, h1 - h0, hd)[:, :, k0:k1].transpose(1, 2, 0)
+    if layout in ("vocab_rows", "vocab_cols"):  # padded vocabulary rows are zero
+        (v0, v1), (d0, d1) = bounds if layout == "vocab_rows" else bounds[::-1]
+        out = np.zeros((v1 - v0, d1 - d0), np.float32)
+        if v0 < vocab:
+            out[: min(v1, vocab) - v0] = reader.read(name, slice(v0, min(v1, vocab)), slice(d0, d1))
+        return out if layout == "vocab_rows" else out.T
+    raise AssertionError(layout)
+
+
+def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Callable]:
+    """For every jaxpar parameter path, a function (shape, index) -> that shard as numpy, read from the files."""
+
+    def top(name, layout):
+        return lambda shape, index: _read_shard(reader, name, layout, shape, index, cfg.vocab)
+
+    def stacked(suffix, layout):
+        def read(shape, index):
+            lo, hi = _bounds(index[0], shape[0])
+            parts = [_read_shard(reader, f"model.layers.{i}.{suffix}", layout, shape[1:], index[1:], cfg.vocab)
+                     for i in range(lo, hi)]
+            return np.stack(parts)
+        return read
+
+    sources = {"embedding": top(*TOP_PARAMS["embedding"]), "final_norm": top(*TOP_PARAMS["final_norm"])}
+    if not cfg.tie_embeddings:
+        sources["head"] = top(*TOP_PARAMS["head"])
+    sources.update({f"blocks/{k}": stacked(*v) for k, v in LAYER_PARAMS.items()})
+    return sources
+
+
+def _expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab
+    layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+             "self_attn.q_proj.weight": (h * hd, d), "self_attn.k_proj.weight": (kv * hd, d),
+             "self_attn.v_proj.weight": (kv * hd, d), "self_attn.o_proj.weight": (d, h * hd),
+             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(cfg.n_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return shapes
+
+
+def check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
+    """ValueError listing every tensor that is missing, unexpected or of the wrong shape for `cfg`."""
+    expected = _expected_hf_shapes(cfg)
+    problems = [f"{name}: missing (expected {list(shape)})" for name, shape in expected.items() if name not in reader]
+    problems += [f"{name}: shape {list(reader.shape(name))}, expected {list(shape)}"
+                 for name, shape in expected.items() if name in reader and reader.shape(name) != shape]
+    extra = [n for n in reader.files if n not in expected and not n.endswith("rotary_emb.inv_freq")
+             and not (cfg.tie_embeddings and n == "lm_head.weight")]
+    problems += [f"{name}: not part of a Llama with this config (bias or unknown layer)" for name in extra]
+    if problems:
+        raise ValueError(f"{reader.directory}: the safetensors do not fit the config:\n  " + "\n  ".join(problems[:24]))
+
+
+# -- loading onto a plan ----------------------------------------------------------------------------------
+
+
+def _flat_paths(tree) -> dict[str, Any]:
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in flat}
+
+
+def load_hf_params(directory, cfg: LlamaConfig | None = None, shardings=None, dtype=None) -> tuple[LlamaConfig, dict]:
+    """(config, parameters as jaxpar's pure dict) from a Hugging Face directory.
+
+    With `shardings` (a tree like the parameters, e.g. a plan's), each array is
+    built shard by shard on its devices with `jax.make_array_from_callback`;
+    without, whole host numpy arrays. `dtype` defaults to the config's param_dtype.
+    """
+    directory = Path(directory)
+    cfg = config_from_hf(read_hf_config(directory)) if cfg is None else cfg
+    dtype = np.dtype(jax.numpy.dtype(cfg.param_dtype if dtype is None else dtype))
+    reader = SafetensorsReader(directory)
+    try:
+        check_tensors(reader, cfg)
+        shapes = _jaxpar_shapes(cfg)
+        sources = _param_sources(cfg, reader)
+        flat_shardings = _flat_paths(shardings) if shardings is not None else {}
+        params = {}
+        for path, shape in shapes.items():
+            read = sources[path]
+            full = tuple(slice(None) for _ in shape)
+            if path in flat_shardings:
+                params[path] = jax.make_array_from_callback(
+                    shape, flat_shardings[path], lambda index, read=read, shape=shape: read(shape, index).astype(dtype))
+            else:
+                params[path] = read(shape, full).astype(dtype)
+    finally:
+        reader.close()
+    return cfg, unflatten(params)
+
+
+def _jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    n, d, h, kv, hd, f, vp = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                              cfg.padded_vocab)
+    shapes = {"embedding": (vp, d), "final_norm": (d,),
+              "blocks/attn_norm": (n, d), "blocks/wq": (n, d, h, hd), "blocks/wk": (n, d, kv, hd),
+              "blocks/wv": (n, d, kv, hd), "blocks/wo": (n, h, hd, d), "blocks/mlp_norm": (n, d),
+              "blocks/w_gate": (n, d, f), "blocks/w_up": (n, d, f), "blocks/w_down": (n, f, d)}
+    if not cfg.tie_embeddings:
+        shapes["head"] = (d, vp)
+    return shapes
+
+
+# -- writing Hugging Face checkpoints ---------------------------------------------------------------------
+
+
+def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
+    if layout == "vector":
+        return array
+    if layout == "transpose":
+        return array.T
+    if layout == "in_heads":
+        d = array.shape[0]
+        return array.reshape(d, -1).T
+    if layout == "out_heads":
+        return array.reshape(-1, array.shape[-1]).T
+    if layout == "vocab_rows":
+        return array[:vocab]
+    if layout == "vocab_cols":
+        return array[:, :vocab].T
+    raise AssertionError(layout)
+
+
+def hf_state_dict(params: dict, cfg: LlamaConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Hugging Face tensor name -> numpy array (contiguous, `dtype`) from jaxpar parameters (a pure dict)."""
+    flat = {k: np.asarray(v) for k, v in _flat_paths(params).items()}
+    out = {}
+    for key, (name, layout) in TOP_PARAMS.items():
+        if key in flat:
+            out[name] = _to_hf(flat[key], layout, cfg.vocab)
+    for key, (suffix, layout) in LAYER_PARAMS.items():
+        for i, layer in enumerate(flat[f"blocks/{key}"]):
+            out[f"model.layers.{i}.{suffix}"] = _to_hf(layer, layout, cfg.vocab)
+    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
+
+
+def write_hf(params: dict, cfg: LlamaConfig, out, dtype: str = "float32",
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Write `config.json` and safetensors (split with an index beyond `max_shard_bytes`); returns a summary."""
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"export target {str(out)!r} already exists; choose another --out or remove it")
+    np_dtype = _numpy_dtype(dtype)
+    tensors = hf_state_dict(params, cfg, np.float32)
+    out.mkdir(parents=True)
+    (out / HF_CONFIG).write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
+    groups: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        nbytes = array.size * np_dtype.itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = array
+        size += nbytes
+    total = sum(a.size * np_dtype.itemsize for a in tensors.values())
+    metadata = {"format": "pt"}
+    if len(groups) == 1:
+        _save(groups[0], np_dtype, out / SINGLE_FILE, metadata)
+        files = [SINGLE_FILE]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        weight_map = {}
+        for file, group in zip(files, groups):
+            _save(group, np_dtype, out / file, metadata)
+            weight_map.update({name: file for name in group})
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return {"path": str(out), "format": "hf", "files": files, "tensors": len(tensors), "bytes": total}
+
+
+def _numpy_dtype(dtype: str) -> np.dtype:
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return np.dtype(jax.numpy.dtype(dtype))
+
+
+def _save(group: dict[str, np.ndarray], dtype: np.dtype, path: Path, metadata: dict) -> None:
+    """One safetensors file; bfloat16 (which safetensors' numpy writer lacks) goes through its flax writer on the CPU."""
+    if dtype == np.dtype(jax.numpy.bfloat16):
+        from safetensors.flax import save_file
+
+        with _on_host():
+            save_file({k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in group.items()}, path, metadata=metadata)
+        return
+    from safetensors.numpy import save_file
+
+    save_file({k: v.astype(dtype) for k, v in group.items()}, path, metadata=metadata)
+
+
+# -- commands -----------------------------------------------------------------------------------------------
+
+
+def import_plan(devices=None):
+    """The default layout of an import: every parameter split over all local devices where it divides."""
+    from jaxpar.core.plan import Plan
+
+    devices = jax.devices() if devices is None else devices
+    return Plan.create(f"data={len(devices)}", devices=devices, zero=3, zero_tolerance=1.0)
+
+
+def import_hf(source, out, plan=None) -> dict:
+    """`jaxpar import-hf`: a Hugging Face Llama (directory or Hub id) into a jaxpar export directory.
+
+    The parameters are read shard by shard onto `plan` (default: split over all
+    devices) and written by Orbax shard by shard, with a `config.json` that
+    `jaxpar train --init-from`, `eval` and `generate` read.
+    """
+    import time
+
+    import orbax.checkpoint as ocp
+
+    from jaxpar.interop.export import CONFIG_FILE, PARAMS_DIR
+    from jaxpar.models import model_factory
+    from jaxpar.train.state import describe
+
+    began = time.perf_counter()
+    out = Path(out).absolute()
+    if out.exists():
+        raise ValueError(f"import target {str(out)!r} already exists; choose another --out or remove it")
+    directory = resolve_source(str(source))
+    hf = read_hf_config(directory)
+    cfg = config_from_hf(hf)
+    plan = import_plan() if plan is None else plan
+    model = describe(model_factory(JAXPAR_NAME, cfg, 0))
+    shardings = plan.shardings(plan.param_specs(model.logical))
+    _, params = load_hf_params(directory, cfg, shardings)
+    out.mkdir(parents=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out / PARAMS_DIR, params)
+    config = {"model": {"name": JAXPAR_NAME, "config": dataclasses.asdict(cfg)}, "step": 0,
+              "source": str(source), "hf_config": hf,
+              "dtypes": {k: str(v.dtype) for k, v in _flat_paths(params).items()}}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    leaves = jax.tree.leaves(params)
+    return {"path": str(out), "params": int(sum(math.prod(a.shape) for a in leaves)),
+            "seconds": round(time.perf_counter() - began, 3)}
+
+
+def saved_model_config(path) -> tuple[str, LlamaConfig]:
+    """(model name, config) of a Hugging Face dir, a jaxpar export directory or a training checkpoint directory."""
+    path = Path(path)
+    if is_hf_dir(path):
+        return JAXPAR_NAME, config_from_hf(read_hf_config(path))
+    from jaxpar.interop.export import CONFIG_FILE
+
+    if (path / CONFIG_FILE).is_file():
+        model = json.loads((path / CONFIG_FILE).read_text()).get("model")
+    else:
+        from jaxpar.train.checkpoint import Checkpoints
+
+        with Checkpoints(path, read_only=True) as checkpoints:
+            model = (checkpoints.metadata()["config"] or {}).get("model")
+    if not model:
+        raise ValueError(f"{path}: holds no model config (saved without a run config)")
+    return model["name"], _llama_config(model["config"])
+
+
+def _llama_config(fields: dict) -> LlamaConfig:
+    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+    extra = set(fields) - known
+    if extra:
+        raise ValueError(f"the saved model has fields {sorted(extra)} the dense Llama lacks (an MoE model?)")
+    return LlamaConfig(**fields)
+
+
+def load_params(path, model, plan, step: int | None = None) -> dict:
+    """Parameters of an HF dir, export directory or training checkpoint, read shard by shard onto `plan`.
+
+    In natural layer order, as every file holds them (for a forward outside the pipeline; a train state
+    takes them through `jaxpar.train.state.state_from_params`).
+
+    `model` is the ModelDef (jaxpar.train.state.describe) the parameters must fit.
+    """
+    import orbax.checkpoint as ocp
+
+    from jaxpar.train.checkpoint import Checkpoints, listing, mismatches
+    from jaxpar.interop.export import CONFIG_FILE, PARAMS_DIR
+
+    path = Path(path).absolute()
+    shardings = plan.shardings(plan.param_specs(model.logical))
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), model.logical, shardings,
+                          is_leaf=lambda x: hasattr(x, "names"))
+    if is_hf_dir(path):
+        name, cfg = saved_model_config(path)
+        expected = unflatten({k: jax.ShapeDtypeStruct(v, np.float32) for k, v in _jaxpar_shapes(cfg).items()})
+        wrong = mismatches(expected, target, dtypes=False)
+        if wrong:
+            raise ValueError(f"the Hugging Face model in {path} does not fit the model:{listing(wrong)}")
+        params = load_hf_params(path, cfg, shardings)[1]
+        return jax.tree.map(lambda a, t: a if a.dtype == t.dtype else a.astype(t.dtype), params, target)
+    if (path / CONFIG_FILE).is_file():
+        with ocp.StandardCheckpointer() as checkpointer:
+            saved = checkpointer.metadata(path / PARAMS_DIR)
+            saved = getattr(saved, "item_metadata", saved)
+            wrong = mismatches(saved, target, dtypes=False)
+            if wrong:
+                raise ValueError(f"parameters in {path} do not fit the model:{listing(wrong)}")
+            return checkpointer.restore(path / PARAMS_DIR, target)
+    with Checkpoints(path, read_only=True) as checkpoints:
+        step = checkpoints._step(step)
+        saved = checkpoints._array_metadata(step, "params")
+        wrong = mismatches(saved, target, dtypes=False)
+        if wrong:
+            raise ValueError(f"checkpoint step {step} in {path} does not fit the model:{listing(wrong)}")
+        read = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        return checkpoints._read(step, ocp.args.Composite(params=read))["params"]
+
+
+def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dict:
+    """`jaxpar export --format hf`: a training checkpoint (or export) as a Hugging Face Llama directory."""
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.interop.export import CONFIG_FILE
+    from jaxpar.interop.export import load_params as load_export
+
+    path = Path(path)
+    _numpy_dtype(dtype)
+    name, cfg = saved_model_config(path)
+    if is_hf_dir(path):
+        params = load_hf_params(path, cfg)[1]
+        saved_step = None
+    elif (path / CONFIG_FILE).is_file():
+        params, config = load_export(path)
+        saved_step = config.get("step")
+    else:
+        with Checkpoints(path, read_only=True) as checkpoints:
+            saved_step = checkpoints.metadata(step)["step"]
+            params = checkpoints.read_params(saved_step)
+    return {**write_hf(params, cfg, out, dtype), "step": saved_step}
+
+
+def initial_state(path, model, optimizer, plan, step: int | None = None):
+    """`jaxpar train --init-from`: step 0 of a run whose parameters are read from `path` onto `plan`'s shards."""
+    from jaxpar.train.state import state_from_params
+
+    return state_from_params(load_params(path, model, plan, step), model, optimizer, plan)

@@ -1,0 +1,162 @@
+"""Stacked layers: one block's parameters stacked along a leading `layers` axis, run by `lax.scan`.
+
+A transformer is mostly the same block many times. Stacking its parameters and
+scanning over them compiles the block once, and gives jaxpar one place to apply
+what a layer stack needs under a plan, with no change to the block itself:
+
+- ZeRO-2/3: each layer's parameters are all-gathered inside the scan, just
+  before the block runs; autodiff turns each gather into the reduce-scatter of
+  that layer's gradients (jaxpar.parallel.zero);
+- the plan's activation-checkpointing policy wraps each layer (`remat_wrapper`);
+- auxiliary outputs (router losses, metrics) come back stacked per layer.
+
+`scan_layers` is the functional form (a block function and a dict of stacked
+arrays: the built-in Llama uses it); `Stack` is the NNX module that stacks a
+user's own block. Under `pipe > 1` a model hands its stacked layers to
+`jaxpar.pipeline.executor.loss`, which cuts them into stages and runs each stage
+through `scan_layers`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.pipeline import executor as pipeline
+
+from jaxpar.core import usage
+
+from jaxpar.parallel import zero
+from jaxpar.core.plan import Plan, active_plan
+
+# What a block keeps for its backward pass: everything, nothing (recompute the
+# whole block), or the outputs of its weight matmuls (recompute attention and
+# elementwise work, as in Korthikanti et al.'s selective recomputation).
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_wrapper(plan: Plan | None) -> Callable[[Callable], Callable]:
+    """Wrap a per-layer function with the plan's activation-checkpointing policy (none outside a plan).
+
+    The ZeRO stage decides what becomes of a layer's gathered parameters.
+    ZeRO-2 keeps them for the backward pass whatever else is recomputed.
+    ZeRO-3 never keeps them: even `none` checkpoints the block, keeping every
+    matmul output but nothing computed from the parameters alone (the gathered
+    weights, their concatenations), so the backward pass gathers them again.
+    """
+    if plan is None:
+        return lambda f: f
+    policy = REMAT[plan.remat]
+    if plan.zero_ranks > 1 and plan.zero == 2 and policy is not None:
+        policy = jax.checkpoint_policies.save_from_both_policies(
+            policy, jax.checkpoint_policies.save_only_these_names(zero.GATHERED)
+        )
+    if plan.zero_ranks > 1 and plan.zero == 3 and policy is None:
+        policy = jax.checkpoint_policies.dots_saveable
+    return (lambda f: f) if policy is None else functools.partial(jax.checkpoint, policy=policy)
+
+
+def scan_layers(block: Callable, stacked: Any, x: Any, *, remat: Callable | None = None):
+    """Run `block(layer_params, x)` for each layer of `stacked` (arrays with a leading layer axis).
+
+    `block` returns the new x, or (x, aux); then `scan_layers` returns (x, aux
+    stacked along a leading layer axis). `remat` overrides the plan's policy.
+    Parameters the step holds sharded over `data` (ZeRO-2/3) are gathered one
+    layer at a time; any other tree of stacked arrays runs as it is.
+    """
+    usage.mark(usage.STACK)
+    remat = remat_wrapper(active_plan()) if remat is None else remat
+    sources, entries = zero.layer_sources(stacked)
+    returns_aux = []
+
+    def body(h, p):
+        out = block(zero.gather_layer(p, entries), h)
+        returns_aux.append(isinstance(out, tuple))
+        return out if isinstance(out, tuple) else (out, None)
+
+    y, aux = jax.lax.scan(remat(body), x, sources)
+    return (y, aux) if returns_aux[-1] else y
+
+
+class Stack(nnx.Module):
+    """`count` copies of the block `make_block(rngs)` builds, every parameter stacked on a leading `layers` axis.
+
+    Calling the stack runs `block(x, *args)` through every layer in turn with
+    `scan_layers`, so ZeRO-2/3 gathers one layer at a time and the plan's remat
+    policy applies. The block returns x, or (x, aux) to get aux stacked per
+    layer. Each layer's initial parameters come from its own split of `rngs`.
+    Other variables (BatchNorm statistics, counters) are read per layer and
+    written back as each layer leaves them; RNG streams are read per layer.
+    """
+
+    def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs):
+        if count < 1:
+            raise ValueError(f"a Stack needs at least one layer, got count={count}")
+
+        @nnx.split_rngs(splits=count)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: zero.SCANNED})
+        def build(rngs: nnx.Rngs) -> nnx.Module:
+            return make_block(rngs)
+
+        self.layers = build(rngs)
+        self.count = count
+
+    def __call__(self, x, *args, **kwargs):
+        graphdef, params, streams, variables = nnx.split(self.layers, nnx.Param, nnx.RngState, ...)
+
+        def block(layer: dict, h):
+            module = nnx.merge(graphdef, layer["params"], layer["streams"], layer["variables"])
+            out = module(h, *args, **kwargs)
+            y, aux = out if isinstance(out, tuple) else (out, None)
+            return y, (aux, nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))))
+
+        stacked = {"params": nnx.to_pure_dict(params), "streams": nnx.to_pure_dict(streams),
+                   "variables": nnx.to_pure_dict(variables)}
+        y, (aux, updated) = scan_layers(block, stacked, x)
+        if updated:
+            nnx.update(self.layers, updated)
+        return y if aux is None else (y, aux)
+
+
+def pipelined_loss(model: nnx.Module, stack: Stack, embed: Callable, head: Callable, inputs, targets,
+                   aux_loss: Callable | None = None, layer_order: str | None = None):
+    """The mean loss `head(model, stack(embed(model, inputs)), targets)`, a pipeline over `pipe` when the plan has one.
+
+    `embed(model, inputs) -> x` and `head(model, x, targets) -> mean loss` are
+    the model's own code before and after its stacked layers. Under pipe > 1
+    the first stage embeds, the stack is cut into stages that run the plan's
+    schedule, and every stage runs the head on its share of the sequence
+    positions (see `jaxpar.pipeline.executor`). The head must be a mean over positions.
+    Blocks that return (x, stats) (an MoE layer's router losses) give
+    (loss + aux_loss(sums), sums), sums the stats summed over the layers:
+    see `jaxpar.pipeline.executor.Stages` for what `aux_loss` must be. The stack's parameters come in the
+    plan's layer order, as a train state holds them (`jaxpar.pipeline.layer_order`); outside jaxpar's train
+    step an interleaved plan needs `layer_order` ("pipeline" or "natural") to say which order they are in.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    layer_graphdef, layer_params, layer_rest = nnx.split(stack.layers, nnx.Param, ...)
+    if jax.tree.leaves(nnx.to_pure_dict(rest)) or jax.tree.leaves(nnx.to_pure_dict(layer_rest)):
+        raise ValueError(
+            "pipelined_loss runs models that hold only parameters; this one also holds other variables "
+            "(BatchNorm statistics, RNG streams, counters), which a pipeline stage cannot carry yet"
+        )
+    stacked = nnx.to_pure_dict(layer_params)
+    in_stack = {id(a) for a in jax.tree.leaves(stacked)}
+    # The embedding and the head see the rest of the model; the stack's arrays are left out (empty).
+    outside = jax.tree.map(lambda a: jnp.zeros((0,), a.dtype) if id(a) in in_stack else a, nnx.to_pure_dict(params))
+
+    stages = pipeline.Stages(
+        embed=lambda p, tokens: embed(nnx.merge(graphdef, p), tokens),
+        layers=lambda s, x: scan_layers(lambda layer, h: nnx.merge(layer_graphdef, layer)(h), s, x),
+        head=lambda p, x, t: head(nnx.merge(graphdef, p), x, t),
+        aux_loss=aux_loss,
+    )
+    return pipeline.loss(stages, outside, stacked, outside, inputs, targets, layer_order=layer_order)

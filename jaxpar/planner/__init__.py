@@ -1,0 +1,1 @@
+"""The analytic model of a step (memory, traffic, time), the search over layouts, and what the compiler really did."""

@@ -1,0 +1,1 @@
+"""A run from the command line: the training loop, evaluation, generation, and what they print."""

@@ -1,0 +1,107 @@
+"""Loss and perplexity on a held-out split: the tail of the token stream, cut into non-overlapping windows.
+
+With evaluation on (`--eval-every N`, or `jaxpar eval` on a run that had it),
+training samples its windows from the first (1 - HOLDOUT) of the tokens only, so
+the evaluated tail is never trained on. The forward is the model's `logits`
+(positions, padding mask; no pipeline), jitted under the plan, its batch split
+over the plan's batch axes like a training batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HOLDOUT = 0.05  # the fraction of the token stream held out for evaluation
+MAX_BATCHES = 8  # windows evaluated: at most this many batches of the run's batch size
+
+
+def check_evaluable(model_name: str) -> None:
+    """ValueError unless the named model has the `logits` forward evaluation runs (the dense Llama)."""
+    from jaxpar.models import MODELS
+    from jaxpar.models.llama import Llama
+
+    if MODELS[model_name][0] is not Llama:
+        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the dense Llama models, not {model_name!r}")
+
+
+def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the last `holdout` of the stream is held out."""
+    cut = tokens.size - max(1, int(tokens.size * holdout))
+    return tokens[:cut], tokens[cut:]
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
+    """Non-overlapping windows of the held-out tokens as whole batches: inputs, targets, weights (0: padding row)."""
+    count = (tokens.size - 1) // seq_len
+    if count < 1:
+        raise ValueError(f"the held-out split has {tokens.size} tokens, fewer than one window of seq_len+1={seq_len + 1}")
+    count = min(count, batch_size * max_batches)
+    rows = math.ceil(count / batch_size) * batch_size
+    windows = np.zeros((rows, seq_len + 1), np.int32)
+    for i in range(count):
+        windows[i] = tokens[i * seq_len: i * seq_len + seq_len + 1]
+    weights = (np.arange(rows) < count).astype(np.float32)[:, None].repeat(seq_len, axis=1)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": weights}
+
+
+def token_losses(model, inputs, targets):
+    """Per-token next-token cross-entropy [batch, seq] from the model's logits."""
+    logits = model.logits(inputs)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
+class Evaluator:
+    """Held-out loss and perplexity of a model's parameters under a plan (compiled once, reused)."""
+
+    def __init__(self, model_def, plan, windows: dict, batch_size: int):
+        self.model_def, self.plan, self.batch_size = model_def, plan, batch_size
+        self.windows = windows
+        sharding = plan.sharding(plan.batch_spec(2))
+
+        def loss_sum(params, batch):
+            module = model_def.merge(params)
+            losses = token_losses(module, batch["inputs"], batch["targets"])
+            return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
+
+        self._sharding = sharding
+        self._fn = jax.jit(loss_sum)
+
+    def __call__(self, params) -> dict[str, float]:
+        """Held-out figures of `params` in natural layer order (jaxpar.pipeline.layer_order): the forward is no pipeline."""
+        total, count = 0.0, 0.0
+        rows = self.windows["inputs"].shape[0]
+        with self.plan.activate():
+            for lo in range(0, rows, self.batch_size):
+                batch = {k: jax.device_put(v[lo: lo + self.batch_size], self._sharding) for k, v in self.windows.items()}
+                loss, n = self._fn(params, batch)
+                total, count = total + float(loss), count + float(n)
+        loss = total / count
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(count)}
+
+
+def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None = None, batch_size: int = 8,
+                        step: int | None = None, max_batches: int = MAX_BATCHES, tokenizer: str | None = None
+                        ) -> dict[str, Any]:
+    """`jaxpar eval`: held-out loss and perplexity of a training checkpoint, export or HF directory.
+
+    The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers), so the held-out tail is the same.
+    """
+    from jaxpar.interop import hf
+    from jaxpar.models import model_factory
+    from jaxpar.train.state import describe
+    from jaxpar.interop.tokenize import training_tokens
+
+    name, cfg = hf.saved_model_config(path)
+    seq_len = seq_len or min(cfg.seq_len, 256)
+    tokens = training_tokens(data, tokenizer, cfg.vocab)
+    plan.check_batch(batch_size)
+    model = describe(model_factory(name, cfg, 0))
+    params = hf.load_params(path, model, plan, step)
+    _, heldout = split_tokens(tokens)
+    windows = eval_windows(heldout, seq_len, batch_size, max_batches)
+    return {"path": str(path), **Evaluator(model, plan, windows, batch_size)(params)}

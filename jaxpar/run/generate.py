@@ -1,0 +1,188 @@
+"""Text generation: greedy decoding and temperature / top-p sampling with a KV cache, laid out by a plan.
+
+Prompts are left-padded to one length with a padding mask, so every sequence
+writes the same cache slot at each step while keeping its own positions. The
+whole generation (prefill, then one `lax.scan` over new tokens) is one jitted
+function under the plan: parameters on the plan's shardings, the batch and the
+cache split over the batch axes (`data`) and the cache's kv heads over `tensor`.
+Without the cache the same tokens come from re-running the full sequence at
+every step, which the tests use as the reference.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.models.llama import init_cache
+
+
+def sample(logits, key, temperature: float, top_p: float):
+    """Next tokens [batch] from logits [batch, vocab]: argmax at temperature 0, else softmax(logits / T) within top-p."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_p < 1.0:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        cumulative = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1)
+        # keep the smallest prefix whose probability reaches top_p: a token stays if the mass before it is < top_p
+        kept = jnp.sum((cumulative - jax.nn.softmax(ordered, axis=-1)) < top_p, axis=-1, keepdims=True)
+        threshold = jnp.take_along_axis(ordered, kept - 1, axis=-1)
+        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], rows: int | None = None, pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, mask) [rows, longest]: prompts right-aligned; extra rows (to fill a batch) repeat the last prompt."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    rows = len(prompts) if rows is None else rows
+    longest = max(len(p) for p in prompts)
+    tokens = np.full((rows, longest), pad, np.int32)
+    mask = np.zeros((rows, longest), bool)
+    for i in range(rows):
+        p = prompts[min(i, len(prompts) - 1)]
+        tokens[i, longest - len(p):] = p
+        mask[i, longest - len(p):] = True
+    return tokens, mask
+
+
+def make_generate(model_def, cfg, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                  eos: int | None = None, use_cache: bool = True):
+    """A jittable (params, tokens, mask, key) -> new tokens [batch, max_new_tokens].
+
+    After a sequence emits `eos` it emits `eos` again until the end.
+    """
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+
+    def choose(logits, key, done):
+        token = sample(logits, key, temperature, top_p)
+        if eos is None:
+            return token, done
+        token = jnp.where(done, eos, token)
+        return token, done | (token == eos)
+
+    def with_cache(params, tokens, mask, key):
+        model = model_def.merge(params)
+        batch, length = tokens.shape
+        cache = init_cache(cfg, batch, length + max_new_tokens, jnp.dtype(cfg.param_dtype))
+        logits, cache = model.decode(tokens, cache, mask)
+
+        def step(carry, key):
+            cache, last, done = carry
+            token, done = choose(last, key, done)
+            logits, cache = model.decode(token[:, None], cache)
+            return (cache, logits[:, -1], done), token
+
+        done = jnp.zeros((batch,), bool)
+        _, new = jax.lax.scan(step, (cache, logits[:, -1], done), jax.random.split(key, max_new_tokens))
+        return new.T
+
+    def without_cache(params, tokens, mask, key):
+        model = model_def.merge(params)
+        batch, length = tokens.shape
+        seq = jnp.concatenate([tokens, jnp.zeros((batch, max_new_tokens), jnp.int32)], axis=1)
+        seq_mask = jnp.concatenate([mask, jnp.zeros((batch, max_new_tokens), bool)], axis=1)
+
+        def step(carry, inputs):
+            seq, seq_mask, done = carry
+            i, key = inputs
+            logits = model.logits(seq, mask=seq_mask)
+            last = jax.lax.dynamic_index_in_dim(logits, length + i - 1, axis=1, keepdims=False)
+            token, done = choose(last, key, done)
+            seq = jax.lax.dynamic_update_slice(seq, token[:, None], (0, length + i))
+            seq_mask = jax.lax.dynamic_update_slice(seq_mask, jnp.ones((batch, 1), bool), (0, length + i))
+            return (seq, seq_mask, done), token
+
+        done = jnp.zeros((batch,), bool)
+        steps = (jnp.arange(max_new_tokens), jax.random.split(key, max_new_tokens))
+        _, new = jax.lax.scan(step, (seq, seq_mask, done), steps)
+        return new.T
+
+    return with_cache if use_cache else without_cache
+
+
+class Generator:
+    """Generation of one model under one plan, compiled once per (batch, prompt length)."""
+
+    def __init__(self, model_def, cfg, params, plan, **options):
+        if plan.shape["pipe"] > 1:
+            raise ValueError(f"generation runs the layers in one scan: use a mesh with pipe=1, got pipe={plan.shape['pipe']}")
+        self.model_def, self.cfg, self.plan = model_def, cfg, plan
+        self.params = jax.device_put(params, plan.shardings(plan.param_specs(model_def.logical)))
+        self.options = options
+        self._fn = jax.jit(make_generate(model_def, cfg, **options))
+        self._batch_sharding = plan.sharding(plan.batch_spec(2))
+
+    @property
+    def batch_ways(self) -> int:
+        return self.plan.axis_size(*self.plan.batch_axes)
+
+    def __call__(self, prompts: Sequence[Sequence[int]], seed: int = 0) -> tuple[list[list[int]], dict]:
+        """New tokens per prompt, and timings: compile, generate (s) and tokens/s of the generation alone."""
+        ways = self.batch_ways
+        rows = -(-len(prompts) // ways) * ways
+        tokens, mask = left_pad(prompts, rows)
+        for token in {int(t) for p in prompts for t in p}:
+            if not 0 <= token < self.cfg.vocab:
+                raise ValueError(f"prompt token {token} is outside the model's vocabulary of {self.cfg.vocab}")
+        tokens, mask = (jax.device_put(a, self._batch_sharding) for a in (tokens, mask))
+        key = jax.random.key(seed)
+        with self.plan.activate():
+            began = time.perf_counter()
+            compiled = self._fn.lower(self.params, tokens, mask, key).compile()
+            compiled_s = time.perf_counter() - began
+            began = time.perf_counter()
+            new = np.asarray(jax.device_get(compiled(self.params, tokens, mask, key)))
+            seconds = time.perf_counter() - began
+        count = new.shape[1] * len(prompts)
+        stats = {"compile_s": compiled_s, "generate_s": seconds, "new_tokens": count, "tokens_per_s": count / seconds}
+        return [row.tolist() for row in new[: len(prompts)]], stats
+
+
+def generation_plan(mesh: str | None, devices=None):
+    """The plan inference runs under: the mesh given (default one device) on the first devices it needs."""
+    import math
+
+    from jaxpar.core.mesh import parse_mesh
+    from jaxpar.core.plan import Plan
+
+    spec, options = parse_mesh(mesh or "data=1")
+    wanted = math.prod(spec.shape.values())
+    if devices is None and wanted > 0 and wanted <= jax.device_count():
+        devices = jax.devices()[:wanted]
+    return Plan.create(spec, devices=devices, **options)
+
+
+def generate_from_checkpoint(path, prompts: Sequence[str], mesh: str | None = None, max_new_tokens: int = 32,
+                             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos: int | None = None,
+                             tokenizer: str | None = None, step: int | None = None, use_cache: bool = True) -> dict:
+    """`jaxpar generate`: texts continuing `prompts` from a training checkpoint, export or HF directory."""
+    from jaxpar.interop import hf
+    from jaxpar.models import model_factory
+    from jaxpar.train.state import describe
+
+    name, cfg = hf.saved_model_config(path)
+    encode, decode = text_codec(tokenizer, cfg.vocab)
+    plan = generation_plan(mesh)
+    model = describe(model_factory(name, cfg, 0))
+    params = hf.load_params(path, model, plan, step)
+    generator = Generator(model, cfg, params, plan, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, eos=eos, use_cache=use_cache)
+    new, stats = generator([encode(p) for p in prompts], seed)
+    texts = [decode(row[: row.index(eos) if eos is not None and eos in row else len(row)]) for row in new]
+    return {"prompts": list(prompts), "completions": texts, "tokens": new, **stats}
+
+
+def text_codec(tokenizer: str | None, vocab: int):
+    """(encode, decode) between text and token ids: UTF-8 bytes by default, a tokenizer.json or a SentencePiece .model."""
+    from jaxpar.interop.tokenize import check_covers, load_tokenizer
+
+    loaded = load_tokenizer(tokenizer)
+    check_covers(loaded, vocab, "--tokenizer" if tokenizer else "byte tokens")
+    return (lambda text: [int(i) for i in loaded.encode([text])[0]]), loaded.decode

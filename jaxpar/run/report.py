@@ -1,0 +1,150 @@
+"""What `jaxpar` shows a person: the mesh, the parameter layout, training progress, a compiled step."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from jaxpar.planner import inspect as inspect_lib
+from jaxpar.parallel import zero
+from jaxpar.train.state import abstract_state
+from jaxpar.run.training import Run, changed_settings, iterate, open_checkpoints, param_table, resume
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def show_layout(run: Run, console: Console) -> None:
+    shape = run.plan.shape
+    mesh = " x ".join(f"{a}={s}" for a, s in shape.items())
+    console.print(f"[bold]mesh[/] {mesh} on {jax.device_count()} {jax.devices()[0].platform} devices "
+                  f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}"
+                  + (f"; across processes: {', '.join(inspect_lib.process_axes(run.plan.mesh))})"
+                     if jax.process_count() > 1 else ")"))
+    options = {k: v for k, v in vars(run.plan).items() if k not in ("mesh", "rules")}
+    console.print("[bold]plan[/] " + ", ".join(f"{k}={v}" for k, v in options.items()))
+    if zero.no_effect_message(run.plan):
+        console.print(f"[yellow]note:[/] {zero.no_effect_message(run.plan)}")
+    elif run.plan.zero:
+        console.print(escape(str(run.plan.zero_report(run.model.logical))).split("\n")[0])
+    table = Table(title=f"{run.config.model}: {run.model.param_count():,} parameters", show_lines=False)
+    for column in ("parameter", "shape", "logical axes", "sharding", "per device"):
+        table.add_column(column)
+    for row in param_table(run):
+        logical = ",".join(str(name) for name in row["logical"])
+        shape = "x".join(map(str, row["shape"]))
+        table.add_row(row["path"].replace("']['", ".").strip("[']"), shape, logical, row["spec"][1:],
+                      _bytes(row["bytes_per_device"]))
+    console.print(table)
+
+
+def mfu_text(run: Run, step_time_s: float | None) -> str:
+    """`MFU 41.2%` for a step time, `MFU n/a (CPU)` (or why else there is none), or "" before any step."""
+    if run.mfu.peak is None:
+        return f"MFU {run.mfu.why_not}"
+    return "" if step_time_s is None else f"MFU {run.mfu(step_time_s):.1%}"
+
+
+def train_with_progress(run: Run, console: Console) -> int:
+    """Train with a progress bar (loss, tokens/s, step time, MFU) and print the loss curve's key points.
+
+    The closing line's tokens/s and MFU are those of the median step after
+    the first, whose time includes compiling.
+
+    With a checkpoint directory the run continues from its newest checkpoint;
+    SIGTERM saves after the current step and returns 0.
+    """
+    show_layout(run, console)
+    try:
+        checkpoints = open_checkpoints(run)
+        state, position = resume(run, checkpoints)
+    except ValueError as error:
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return 2
+    start, row = position["step"], {}
+    if start:
+        mesh = (position["config"] or {}).get("mesh", {})
+        under = (",".join(f"{a}={n}" for a, n in mesh.items() if n > 1) or "one device") if mesh else "an unknown plan"
+        console.print(f"[bold]resumed[/] from step {start} in {checkpoints.directory} (saved under {under})")
+        for change in changed_settings(position, run):
+            console.print(f"[yellow]changed since that checkpoint:[/] {change}")
+    log_every = max(1, run.config.steps // 10)
+    losses, times = [], []
+    columns = (TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+               TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[ms]:.1f} ms/step"
+                          "  {task.fields[mfu]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=run.config.steps, completed=start, loss=float("nan"), tps=0.0, ms=0.0,
+                                 mfu=mfu_text(run, None))
+        try:
+            for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
+                losses.append(row["loss"])
+                times.append(row["step_time_s"])
+                progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],
+                                ms=row["step_time_s"] * 1e3, mfu=mfu_text(run, row["step_time_s"]))
+                if row["step"] % log_every == 0 or row["step"] == 1:
+                    extras = "  ".join(f"{k} {v:.4g}" for k, v in row.items()
+                                       if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))
+                    progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.6f}  {extras}")
+        except FloatingPointError as error:
+            Console(stderr=True).print(f"[bold red]stopped:[/] {error}")
+            return 1
+        finally:
+            if checkpoints is not None:
+                checkpoints.close()
+    if row.get("preempted"):
+        console.print(f"[bold yellow]preempted[/] (SIGTERM): step {row['step']} saved in {checkpoints.directory}")
+    if losses:
+        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # the first step's time includes compiling
+        console.print(f"[bold green]done[/]: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+                      f"median step {steady * 1e3:.1f} ms, {run.config.batch_size * run.config.seq_len / steady:,.0f} "
+                      f"tok/s, {mfu_text(run, steady)}")
+    return 0
+
+
+def inspection(run: Run) -> dict:
+    """Compile one step on abstract inputs (no parameters allocated) and read it back."""
+    state = abstract_state(run.model, run.optimizer, run.plan)
+    shape = (run.config.batch_size, run.config.seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=run.batch_sharding) for k in ("inputs", "targets")}
+    compiled = run.step_fn.lower(state, batch).compile()
+    summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
+    return {"model": run.config.model, "params": run.model.param_count(), **summary}
+
+
+def print_inspection(run: Run, console: Console, as_json: bool) -> int:
+    report = inspection(run)
+    if as_json:
+        print(json.dumps(report))
+        return 0
+    show_layout(run, console)
+    table = Table(title="collectives per device per step")
+    for column in ("kind", "axes", "calls", "buffers", "bytes", "traffic"):
+        table.add_column(column, justify="right" if column not in ("kind", "axes") else "left")
+    for row in report["collectives"]:
+        table.add_row(row["kind"], ",".join(row["axes"]), str(row["count"]), str(row["buffers"]),
+                      _bytes(row["bytes"]), _bytes(row["traffic"]))
+    console.print(table)
+    memory = Table(title="memory per device")
+    for column in ("arguments", "outputs", "temp", "total"):
+        memory.add_column(column, justify="right")
+    memory.add_row(*(_bytes(report["memory"][k]) for k in ("arguments", "outputs", "temp", "total")))
+    console.print(memory)
+    console.print(f"[bold]FLOPs per device per step[/] {report['flops']:.4g}")
+    if pipe := report.get("pipeline"):
+        ring = "" if pipe["peak_residual_bytes"] is None else (
+            f", residual ring {pipe['ring_rows']} rows, {_bytes(pipe['peak_residual_bytes'])}")
+        console.print(f"[bold]pipeline[/] {pipe['schedule']}: bubble {pipe['bubble']:.1%}, "
+                      f"{pipe['live_microbatches']:g} microbatches' residuals live{ring}")
+    return 0

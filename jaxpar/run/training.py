@@ -1,0 +1,320 @@
+"""The training run behind `jaxpar train`: model, plan, data and optimizer from one config.
+
+Everything is checked before anything compiles: the mesh against the devices,
+every parameter against the plan's rules, the batch against the batch axes,
+the data against the vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+import optax
+
+from jaxpar.train import data as data_lib
+from jaxpar.planner import mfu as mfu_lib
+from jaxpar.parallel import offload
+from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, Preemption, differences, run_config
+from jaxpar.train.distributed import is_leader
+from jaxpar.pipeline.layer_order import to_natural_order
+from jaxpar.models import model_config, model_factory
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import ModelDef, TrainState, describe, init_state
+from jaxpar.train.step import Step, make_train_step
+from jaxpar.interop.tokenize import training_tokens
+
+
+NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
+# Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
+TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What to train and for how long (the plan says how it is laid out)."""
+
+    model: str = "tiny"
+    model_overrides: dict = dataclasses.field(default_factory=dict)
+    steps: int = 150
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup: int = 10
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    data: str | None = None
+    metrics: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 100
+    keep: int = 3
+    on_nonfinite: str = "skip"
+    init_from: str | None = None  # initial parameters: import-hf output, an export or a Hugging Face directory
+    eval_every: int = 0  # held-out loss every N steps (0: never); the held-out tail is then not trained on
+    tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
+    tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
+    peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.mfu's table does not know it
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: no evaluation), got {self.eval_every}")
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"peak_flops must be > 0 (FLOP/s of one device, e.g. 989e12), got {self.peak_flops}")
+
+
+def learning_rate(config: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to `lr`, then cosine decay to lr/10 at the last step; the update of step t uses lr(t)."""
+    warmup = min(config.warmup, config.steps - 1)
+    return optax.warmup_cosine_decay_schedule(0.0, config.lr, warmup, max(config.steps, warmup + 1),
+                                              end_value=config.lr / 10)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on `learning_rate(config)` with global-norm clipping."""
+    return optax.chain(optax.clip_by_global_norm(config.clip),
+                       optax.adamw(learning_rate(config), weight_decay=config.weight_decay))
+
+
+@dataclasses.dataclass
+class Run:
+    """A prepared run: everything built and checked, nothing compiled yet."""
+
+    config: TrainConfig
+    plan: Plan
+    model_config: Any
+    model: ModelDef
+    optimizer: optax.GradientTransformation
+    batches: data_lib.Batches
+    make_model: Callable
+    step_fn: Step
+    mfu: mfu_lib.Mfu
+    heldout: np.ndarray | None = None  # the tokens --eval-every evaluates on (never trained on)
+
+    @property
+    def batch_sharding(self):
+        return self.plan.sharding(self.plan.batch_spec(2))
+
+    def init(self) -> TrainState:
+        if self.config.init_from:
+            from jaxpar.interop.hf import initial_state
+
+            return initial_state(self.config.init_from, self.model, self.optimizer, self.plan)
+        return init_state(self.make_model, self.optimizer, self.plan)[1]
+
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        return data_lib.global_batch(self.batches, step, self.batch_sharding)
+
+
+def prepare(config: TrainConfig, plan: Plan) -> Run:
+    """Build and check everything a run needs; raises ValueError on any bad input."""
+    name, saved = config.model, {}
+    if config.init_from:  # the model is the one the weights belong to; [model] fields may still override
+        from jaxpar.interop.hf import saved_model_config
+
+        name, saved_config = saved_model_config(config.init_from)
+        saved = dataclasses.asdict(saved_config)
+        if config.model not in (TrainConfig.model, name):
+            raise ValueError(f"--model {config.model} and --init-from {config.init_from} name different models; "
+                             "the weights decide the model: drop --model")
+    mcfg = model_config(name, {**saved, "seq_len": config.seq_len, **config.model_overrides})
+    plan.check_batch(config.batch_size)
+    make_model = model_factory(name, mcfg, config.seed)
+    model = describe(make_model)
+    optimizer = make_optimizer(config)
+    plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
+    tokens = training_tokens(config.data, config.tokenizer, mcfg.vocab)
+    heldout = None
+    if config.eval_every:
+        from jaxpar.run.evaluate import check_evaluable, split_tokens
+
+        check_evaluable(name)
+        tokens, heldout = split_tokens(tokens)
+    batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed)
+    step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
+    mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
+                          list(plan.mesh.devices.flat), config.peak_flops)
+    return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn, mfu, heldout)
+
+
+def scalar_metrics(metrics: dict) -> dict[str, Any]:
+    """Metrics as JSON-ready values: scalars as floats, small arrays as lists."""
+    out = {}
+    for key, value in jax.device_get(metrics).items():
+        value = np.asarray(value)
+        out[key] = float(value) if value.ndim == 0 else value.tolist()
+    return out
+
+
+def device_memory() -> dict[str, int]:
+    """Bytes in use and their peak on the fullest local device, where the backend reports them (not XLA:CPU)."""
+    stats = [s for s in (d.memory_stats() for d in jax.local_devices()) if s]
+    out = {}
+    for key in ("bytes_in_use", "peak_bytes_in_use"):
+        if any(key in s for s in stats):
+            out["memory_" + key] = max(int(s.get(key, 0)) for s in stats)
+    return out
+
+
+def open_checkpoints(run: Run) -> Checkpoints | None:
+    """The run's checkpoint directory (None without one); raises ValueError if it holds another model's."""
+    config = run.config
+    if not config.checkpoint_dir:
+        return None
+    return Checkpoints(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
+                       config=run_config(config, run.model_config, run.plan))
+
+
+def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]:
+    """The newest intact checkpoint's state laid out for this run's plan (or a fresh state), and where it stands.
+
+    The position is the saved metadata (`step`, `nonfinite_steps`, `config`, ...),
+    or step 0 for a fresh start. Newer steps that are damaged are said so on
+    stderr and renamed out of the way (`Checkpoints.set_aside`), never deleted;
+    if every step is damaged, ValueError lists them and nothing is moved.
+    """
+    if checkpoints is None or checkpoints.latest_step() is None:
+        return run.init(), {"step": 0, "nonfinite_steps": 0}
+    damaged = []
+    for step in reversed(checkpoints.steps()):
+        try:
+            restored = checkpoints.restore(run.model, run.optimizer, run.plan, step)
+        except CorruptCheckpoint as error:
+            damaged.append(error)
+            continue
+        for error in damaged:
+            kept = checkpoints.set_aside(error.step)
+            if is_leader():
+                print(f"warning: {error}\n  kept it as {kept}; resuming from step {step}, the newest intact checkpoint",
+                      file=sys.stderr, flush=True)
+        return restored
+    steps = ", ".join(str(error.step) for error in damaged)
+    raise ValueError("\n".join([f"no intact checkpoint in {checkpoints.directory} (damaged steps: {steps}); nothing was "
+                                f"moved or deleted. Use another --checkpoint-dir to start afresh.", *map(str, damaged)]))
+
+
+def changed_settings(position: dict, run: Run) -> list[str]:
+    """Train settings that differ from the ones the resumed checkpoint was saved with (see TRAJECTORY)."""
+    if not position.get("config"):
+        return []
+    saved, current = position["config"]["train"], run_config(run.config, run.model_config, run.plan)["train"]
+    return differences({k: saved.get(k) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
+
+
+def compiled_in_step(run: Run, state: TrainState, start: int):
+    """The step compiled ahead in every process, which then wait for each other before the first one runs.
+
+    On CPU each new group of processes sets up its collectives when it first
+    meets, and gives up after XLA's fixed 30 s; processes compiling at different
+    speeds (a loaded host) would reach the first step further apart than that.
+    """
+    import orbax.checkpoint as ocp
+
+    compiled = run.step_fn.lower(state, run.batch(start)).compile()
+    # The coordination service's barrier, not a collective (which would itself have the 30 s limit).
+    ocp.multihost.get_barrier_sync_fn()(key="jaxpar-step-compiled", timeout_ms=30 * 60 * 1000)
+    return compiled
+
+
+def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoints | None = None,
+            nonfinite_steps: int = 0) -> Iterator[tuple[TrainState, dict]]:
+    """Train from step `start` to `config.steps`, yielding the state and metrics of each step.
+
+    With `checkpoints`, saves every `save_every` steps and at the end. SIGTERM
+    ends the run after the current step, saved (the last row says
+    `preempted`). A step whose loss or gradient is not finite keeps the old
+    parameters (see jaxpar.train.step) and is counted in `nonfinite_steps`; under
+    `on_nonfinite="stop"` it raises FloatingPointError instead. Rows carry the
+    step's learning rate, MFU where it is meaningful (jaxpar.planner.mfu) and device
+    memory where the backend reports it; process 0 writes them to `--metrics`
+    and `--tensorboard`.
+    """
+    config = run.config
+    tokens = config.batch_size * config.seq_len
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
+        lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
+    metrics_file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
+    board = None
+    if config.tensorboard and is_leader():
+        from jaxpar.run.tensorboard import TensorBoard
+
+        board = TensorBoard(config.tensorboard)
+    if config.eval_every:
+        from jaxpar.run.evaluate import Evaluator, eval_windows
+
+        windows = eval_windows(run.heldout, config.seq_len, config.batch_size)
+        evaluator = Evaluator(run.model, run.plan, windows, config.batch_size)
+    step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
+    try:
+        with Preemption() as preemption:
+            for step in range(start, config.steps):
+                batch = run.batch(step)
+                began = time.perf_counter()
+                state, metrics = step_fn(state, batch)
+                row = scalar_metrics(metrics)
+                elapsed = time.perf_counter() - began
+                done = step + 1
+                nonfinite_steps += int(row.get("nonfinite", 0))
+                row = {"step": done, **row, "lr": float(lrs[step]), "nonfinite_steps": nonfinite_steps,
+                       "step_time_s": elapsed, "tokens_per_s": tokens / elapsed, **device_memory()}
+                mfu = run.mfu(elapsed)
+                if mfu is not None:
+                    row["mfu"] = mfu
+                if row.get("nonfinite") and config.on_nonfinite == "stop":
+                    raise FloatingPointError(
+                        f"step {done}: loss {row['loss']}, gradient norm {row.get('grad_norm')}; stopping "
+                        f"(on_nonfinite='stop'), parameters left as after step {step}"
+                    )
+                preempted = preemption.reached(done)
+                if checkpoints is not None:
+                    position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": config.seed},
+                                "rng": {"seed": config.seed, "batches": "numpy default_rng([seed, step]) per step"}}
+                    row["saved"] = checkpoints.save(done, state, force=preempted or done == config.steps,
+                                                    metadata=position, model=run.model, optimizer=run.optimizer,
+                                                    plan=run.plan)
+                if preempted:
+                    row["preempted"] = True
+                if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
+                    row.update(evaluator(to_natural_order(offload.fetched(state.params), run.model.logical, run.plan)))
+                if metrics_file:
+                    metrics_file.write(json.dumps(row) + "\n")
+                    metrics_file.flush()
+                if board:
+                    board.write(row)
+                yield state, row
+                if preempted:
+                    break
+    finally:
+        if checkpoints is not None:
+            checkpoints.wait()
+        if metrics_file:
+            metrics_file.close()
+        if board:
+            board.close()
+
+
+def param_table(run: Run) -> list[dict]:
+    """One row per parameter: path, shape, logical names, PartitionSpec, bytes per device."""
+    specs = run.plan.param_specs(run.model.logical)
+    rows = []
+    for (path, leaf), spec in zip(
+        jax.tree_util.tree_flatten_with_path(run.model.logical, is_leaf=lambda x: hasattr(x, "names"))[0],
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+    ):
+        axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+        rows.append({
+            "path": jax.tree_util.keystr(path), "shape": list(leaf.shape), "logical": list(leaf.names),
+            "spec": str(spec), "bytes_per_device": leaf.nbytes // run.plan.axis_size(*axes),
+        })
+    return rows

@@ -1,0 +1,615 @@
+"""Sharded Orbax checkpoints: async saves every N steps, the newest K kept, restore onto any plan.
+
+A checkpoint is one Orbax step directory with up to four items: `params`,
+`opt_state` and `variables` (the model's non-parameter state: BatchNorm
+statistics, counters), each array written shard by shard by the devices that
+hold it (TensorStore/OCDBT, no pickle), and `meta`, readable JSON with the step (which
+is also the data position: batches are a pure function of (seed, step)), the
+seeds, and the run's config (model, mesh, plan, train). Orbax writes a step
+into a temporary directory and renames it once every shard is on disk, so a
+crash in the middle of a save leaves the previous checkpoints intact; the
+half-written directory is removed the next time the directory is opened.
+
+Restoring reads every shard straight into the devices that hold it under the
+target plan (its `abstract_state`), whatever mesh and ZeRO stage wrote it.
+Checkpoints hold the stacked layers in natural order, whatever order the
+saving plan kept them in (jaxpar.pipeline.layer_order), so they restore onto any plan
+and export as they are.
+
+Orbax's files carry no checksum of the array values (a flipped byte in a data
+file restores silently), so `meta` also holds a 32-bit checksum of every array,
+computed on the devices at save time and again after each restore; a step that
+fails it, or whose files cannot be read, raises `CorruptCheckpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import shutil
+import signal
+import sys
+import threading
+import types
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax import lax
+
+from jaxpar.pipeline import layer_order
+
+from jaxpar.parallel import offload
+
+from jaxpar.train import precision
+from jaxpar.core.plan import Plan
+from jaxpar.train.state import ModelDef, TrainState, abstract_state
+
+FORMAT = "jaxpar-checkpoint/1"
+ARRAY_ITEMS = ("params", "opt_state", "variables")
+TEMPORARY = ".orbax-checkpoint-tmp"  # how Orbax marks a step directory still being written
+# bf16/fp16 checkpoints of ZeRO-1 (and older ones of every stage) hold 2-byte `params` and the fp32 parameters
+# here in the optimizer state ({master, inner, loss_scale}, jaxpar.train.precision.MasterState); those of the other
+# stages hold fp32 `params` once. Either restores onto either layout from its fp32 values, and exports them.
+MASTER = "master"
+CHECKSUMS = "checksums"  # meta key: `item/path` -> checksum of each saved array (see `checksums`)
+SET_ASIDE = ".corrupted"  # suffix of a damaged step directory that a training run moved out of its way
+READ_ERRORS = (ValueError, OSError, KeyError, RuntimeError, TypeError, EOFError)  # what damaged files raise
+
+
+class CorruptCheckpoint(ValueError):
+    """A saved step whose files cannot be read or whose arrays differ from the checksums saved with them."""
+
+    def __init__(self, step: int, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+    """Orbax's array handler, without replica-parallel writes when one process writes everything.
+
+    Replica-parallel saving splits each replicated array among its replicas with
+    an eager slice per array shape (~0.1 s of compiling each on CPU), which buys
+    nothing when a single process writes all the shards anyway.
+    """
+    replica_parallel = None if jax.process_count() > 1 else False
+    return ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+    )
+
+
+def run_config(train: Any, model_config: Any, plan: Plan) -> dict:
+    """The config saved with every checkpoint, as JSON-ready values: model, mesh, plan and train."""
+    options = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "mesh"}
+    config = {
+        "model": {"name": train.model, "config": dataclasses.asdict(model_config)},
+        "mesh": plan.shape,
+        "plan": options,
+        "train": dataclasses.asdict(train),
+    }
+    return json.loads(json.dumps(config))
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """`key: saved -> current` for every top-level key whose value differs."""
+    keys = sorted(set(saved) | set(current))
+    missing = "(absent)"
+    return [f"{k}: {saved.get(k, missing)} -> {current.get(k, missing)}"
+            for k in keys if saved.get(k) != current.get(k)]
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _leaves(tree) -> dict[str, Any]:
+    """path -> array leaf, paths as `opt_state/0/mu/blocks/wq` for saved and live trees alike."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in flat}
+
+
+def _leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    """path -> (shape, dtype) of every array leaf."""
+    return {path: (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in _leaves(tree).items()}
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: each input bit flips about half of the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _array_checksum(x: jax.Array) -> jax.Array:
+    """32 bits from an array's values and positions, equal under every sharding of it.
+
+    Each element's bits are mixed with its flat index and the results summed
+    modulo 2**32, an exactly associative reduction: the shards' partial sums
+    combine to the same value whatever plan holds the array, so a checkpoint
+    saved under one plan is verified under another without gathering anything.
+    """
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+    index, stride = jnp.zeros(x.shape, jnp.uint32), 1
+    for axis in reversed(range(x.ndim)):
+        index = index + lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= x.shape[axis]
+    return jnp.sum(_mix(bits ^ _mix(index + jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
+
+
+_checksum_tree = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
+
+
+def checksums(arrays: dict) -> dict[str, int]:
+    """`item/path` -> checksum of every array in `{item: tree}` (what `save` writes and restores verify).
+
+    Arrays kept in host memory (jaxpar.parallel.offload) visit the device one at a time,
+    so a checksum never needs the whole offloaded state in device memory.
+    """
+    leaves = _leaves(arrays)
+    on_host = {path for path, x in leaves.items() if offload.in_host_memory(x)}
+    sums = _leaves(jax.device_get(_checksum_tree({p: x for p, x in leaves.items() if p not in on_host})))
+    sums.update({path: jax.device_get(_checksum_tree(offload.fetched(leaves[path]))) for path in on_host})
+    return {path: int(sums[path]) for path in leaves}
+
+
+def mismatches(saved, target, dtypes: bool = True) -> list[str]:
+    """Every leaf whose shape (or dtype) differs between a saved tree and the target, and leaves only one has."""
+    saved, target = _leaf_table(saved), _leaf_table(target)
+    lines = []
+    for path in [*target, *(p for p in saved if p not in target)]:
+        if path not in target:
+            lines.append(f"{path}: saved {_show(saved[path])}, not in the model")
+        elif path not in saved:
+            lines.append(f"{path}: not in the checkpoint, model {_show(target[path])}")
+        elif saved[path][0] != target[path][0] or (dtypes and saved[path][1] != target[path][1]):
+            lines.append(f"{path}: saved {_show(saved[path])}, model {_show(target[path])}")
+    return lines
+
+
+def listing(lines: list[str], limit: int = 24) -> str:
+    """Indented lines for an error message, the middle elided beyond `limit`."""
+    if len(lines) > limit:
+        lines = lines[: limit - 4] + [f"... {len(lines) - limit + 1} more ..."] + lines[-3:]
+    return "\n  " + "\n  ".join(lines)
+
+
+def _show(entry: tuple[tuple[int, ...], str]) -> str:
+    return f"{entry[1]}{list(entry[0])}"
+
+
+def _where_they_lie(convert, state: TrainState, compiled: dict) -> TrainState:
+    """`convert(state)` computed where its arrays are, each result sharded (and in the memory) as its input.
+
+    Arrays kept in host memory (jaxpar.parallel.offload) visit the device for it, as they do for every step's update.
+    `compiled` keeps the jitted `convert` per layout of `state`, so that a run saving every few steps
+    compiles it once.
+    """
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    leaves, treedef = jax.tree.flatten(shardings)
+    key = (treedef, tuple(leaves))
+    if key not in compiled:
+        compiled[key] = jax.jit(convert, out_shardings=shardings)
+    return compiled[key](offload.fetched(state))
+
+
+def _filled(state: TrainState) -> list[str]:
+    """The array items that hold arrays (Orbax refuses an empty tree, e.g. plain SGD's optimizer state)."""
+    return [item for item in ARRAY_ITEMS if jax.tree.leaves(getattr(state, item))]
+
+
+class Checkpoints:
+    """A run's checkpoint directory: async saves every `save_every` steps, the newest `keep` kept.
+
+    `config` (see `run_config`) is saved with every step; opening a directory
+    whose checkpoints hold a different model raises ValueError, so one run
+    never overwrites another model's checkpoints. `read_only` opens an
+    existing directory for restoring or exporting and never deletes anything.
+    """
+
+    def __init__(self, directory, *, save_every: int = 1, keep: int | None = None, config: dict | None = None,
+                 async_save: bool = True, read_only: bool = False):
+        _quiet_orbax()
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"checkpoint directory {str(self.directory)!r} is a file")
+        if read_only and not self.directory.is_dir():
+            raise ValueError(f"checkpoint directory {str(self.directory)!r} does not exist")
+        if save_every < 1 or (keep is not None and keep < 1):
+            raise ValueError(f"save_every and keep must be >= 1, got save_every={save_every}, keep={keep}")
+        self.config = config
+        self.save_every = save_every
+        self._reorders: dict = {}
+        if not read_only:
+            self._remove_half_written()
+        handler = lambda: ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers())  # noqa: E731
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=0 if read_only else 1,  # `save` decides itself and forces; 0 keeps read-only quiet
+            cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=async_save,
+            read_only=read_only,
+            create=not read_only,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={**{item: handler() for item in ARRAY_ITEMS}, "meta": ocp.JsonCheckpointHandler()},
+        )
+        self.read_only = read_only
+        try:
+            if read_only and self.latest_step() is None:
+                raise ValueError(f"checkpoint directory {str(self.directory)!r} holds no complete checkpoint")
+            if config is not None:
+                self._check_same_model(config)
+        except ValueError:
+            self.close()
+            raise
+
+    def _check_same_model(self, config: dict) -> None:
+        """Refuse a directory whose checkpoints hold another model, judged by the newest readable step.
+
+        Without a saved config, restore checks shapes; a damaged step is left to restore to report.
+        """
+        for step in reversed(self.steps()):
+            try:
+                saved = self.metadata(step)["config"]
+            except CorruptCheckpoint:
+                continue
+            break
+        else:
+            return
+        if saved is None:
+            return
+        changed = differences(saved["model"]["config"], config["model"]["config"])
+        if saved["model"]["name"] != config["model"]["name"]:
+            changed.insert(0, f"name: {saved['model']['name']} -> {config['model']['name']}")
+        if changed:
+            raise ValueError(
+                f"{self.directory} holds checkpoints of another model (step {step}); refusing to "
+                f"overwrite them. Differences: {'; '.join(changed)}. Use another --checkpoint-dir."
+            )
+
+    def _remove_half_written(self) -> None:
+        """Delete the steps a crash left half-written, now rather than in Orbax's background sweep.
+
+        One process deletes; the others reach their first save only after every
+        process has passed Orbax's barrier at the start of a save.
+        """
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for path in self.directory.iterdir():
+            if TEMPORARY in path.name and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+
+    # -- what is there --------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def metadata(self, step: int | None = None) -> dict:
+        """The JSON saved with `step` (default the newest): step, data position, seeds, config."""
+        step = self._step(step)
+        meta = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"step {step} in {self.directory} is not a jaxpar checkpoint (no {FORMAT} metadata)")
+        return meta
+
+    def _step(self, step: int | None) -> int:
+        steps = self.steps()
+        if not steps:
+            raise ValueError(f"checkpoint directory {str(self.directory)!r} holds no complete checkpoint")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise ValueError(f"no checkpoint of step {step} in {self.directory}; saved steps: {steps}")
+        return step
+
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Turn Orbax's and TensorStore's many errors on damaged files into one CorruptCheckpoint naming the step."""
+        try:
+            yield
+        except CorruptCheckpoint:
+            raise
+        except Exception as error:
+            if not isinstance(error, READ_ERRORS) and type(error) is not Exception:  # Orbax raises bare Exception
+                raise
+            root = error
+            while root.__cause__ is not None:
+                root = root.__cause__
+            cause = str(root).split(" [tensorstore_spec=")[0]
+            raise CorruptCheckpoint(
+                step, f"checkpoint step {step} in {self.directory} is unreadable ({type(root).__name__}: {cause})"
+            ) from error
+
+    def _verify(self, step: int, meta: dict, arrays: dict) -> None:
+        """Raise CorruptCheckpoint naming every restored array whose checksum differs from the saved one.
+
+        Checkpoints written before checksums existed carry none and pass unverified.
+        """
+        saved = meta.get(CHECKSUMS) or {}
+        restored = checksums(arrays) if saved else {}
+        wrong = [path for path, value in restored.items() if path in saved and saved[path] != value]
+        if wrong:
+            raise CorruptCheckpoint(
+                step, f"checkpoint step {step} in {self.directory} is corrupted: {len(wrong)} of {len(restored)} "
+                f"arrays differ from the checksums written when it was saved:{listing(wrong)}"
+            )
+
+    def set_aside(self, step: int) -> Path:
+        """Rename a damaged step's directory to `<step>.corrupted`: kept for inspection, no longer a step.
+
+        So the run that falls back past it can save that step number again.
+        """
+        if self.read_only:
+            raise ValueError(f"{self.directory} is opened read-only; not moving step {step}")
+        source = self.directory / str(step)
+        target, n = source.with_name(f"{step}{SET_ASIDE}"), 1
+        while target.exists():
+            target, n = source.with_name(f"{step}{SET_ASIDE}.{n}"), n + 1
+        if jax.process_index() == 0:
+            source.rename(target)
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"jaxpar-set-aside-{step}")
+        self._manager.reload()
+        return target
+
+    def _read(self, step: int, args: ocp.args.Composite):
+        with self._reading(step):
+            return self._manager.restore(step, args=args)
+
+    def _array_metadata(self, step: int, item: str):
+        """Shapes and dtypes of an array item as saved ({} if the step has none: an empty optimizer state)."""
+        with self._reading(step):
+            saved = self._manager.item_metadata(step).get(item)
+        return {} if saved is None else saved.tree
+
+    # -- save and restore -----------------------------------------------------------
+
+    def save(self, step: int, state: TrainState, *, force: bool = False, metadata: dict | None = None,
+             model: ModelDef | None = None, optimizer: optax.GradientTransformation | None = None,
+             plan: Plan | None = None) -> bool:
+        """Start saving `state` as `step` if it is a multiple of `save_every` (or `force`); True if started.
+
+        Waits for the previous save to commit, then returns once the arrays are
+        copied off the devices (so the next step may donate them); the write to
+        disk and the commit finish in the background. The stacked layers are
+        written in natural order: a state held by a plan that keeps them in
+        pipeline order (jaxpar.pipeline.layer_order) needs its `model`, `optimizer` and `plan`.
+        """
+        if not force and step % self.save_every:
+            return False
+        state = self._natural_order(state, model, optimizer, plan)
+        trees = {item: getattr(state, item) for item in _filled(state)}
+        meta = {"format": FORMAT, "step": step, "config": self.config, CHECKSUMS: checksums(trees), **(metadata or {})}
+        arrays = {item: ocp.args.PyTreeSave(tree) for item, tree in trees.items()}
+        return self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **arrays), force=True)
+
+    def _natural_order(self, state: TrainState, model, optimizer, plan) -> TrainState:
+        """`state` with its stacked layers in natural order, converted where they lie (a copy of those arrays)."""
+        if plan is None:
+            config = self.config or {}
+            if config.get("plan", {}).get("virtual_stages", 1) > 1 and config.get("mesh", {}).get("pipe", 1) > 1:
+                raise ValueError("this run's plan keeps the stacked layers in pipeline order (virtual_stages > 1): "
+                                 "pass save(..., model=, optimizer=, plan=) so that they are written in natural order")
+            return state
+        if not layer_order.reorders(plan):
+            return state
+        if model is None or optimizer is None:
+            raise ValueError(f"plan with pipe={plan.shape['pipe']} x virtual_stages={plan.virtual_stages} keeps the "
+                             "stacked layers in pipeline order: save needs the state's model and optimizer too")
+        return self._reordered(state, model, optimizer, plan, to_natural=True)
+
+    def _reordered(self, state: TrainState, model, optimizer, plan, to_natural: bool) -> TrainState:
+        """`state` between natural and `plan`'s layer order, converted where it lies; the conversion is
+        traced and compiled once per (model, optimizer, plan, direction), then reused at every save."""
+        key = (id(model), id(optimizer), id(plan), to_natural)
+        if key not in self._reorders:
+            reorder = layer_order.state_to_natural_order if to_natural else layer_order.state_to_pipeline_order
+            # the objects ride along so that their ids are not reused while the entry lives
+            self._reorders[key] = (lambda s: reorder(s, model.logical, optimizer, plan), {}, (model, optimizer, plan))
+        convert, compiled, _ = self._reorders[key]
+        return _where_they_lie(convert, state, compiled)
+
+    def check_fits(self, target: TrainState, step: int | None = None) -> None:
+        """Raise ValueError listing every array whose path, shape or dtype differs from the target state's."""
+        step = self._step(step)
+        wrong = [line for item in ARRAY_ITEMS
+                 for line in mismatches({item: self._array_metadata(step, item)}, {item: getattr(target, item)})]
+        if wrong:
+            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
+
+    def restore(self, model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan,
+                step: int | None = None) -> tuple[TrainState, dict]:
+        """The state saved at `step` (default the newest) laid out for `plan`, and its metadata.
+
+        Each device reads only its own shards under `plan`, so the state is never
+        whole on one device, whatever plan saved it. The checkpoint's natural
+        layer order becomes `plan`'s (jaxpar.pipeline.layer_order) once read and verified.
+        """
+        state, meta = self._restore(self._step(step), abstract_state(model, optimizer, plan))
+        if layer_order.reorders(plan):
+            state = self._reordered(state, model, optimizer, plan, to_natural=False)
+        return state, meta
+
+    def _restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+        """The state saved at `step` read onto the shardings of `target` (an abstract state)."""
+        saved_optimizer = self._array_metadata(step, "opt_state")
+        saved_master = isinstance(saved_optimizer, dict) and MASTER in saved_optimizer
+        if saved_master and not isinstance(target.opt_state, precision.MasterState):
+            return self._restore_with_master(step, target, saved_optimizer)
+        if isinstance(target.opt_state, precision.MasterState) and not saved_master:
+            return self._restore_into_master(step, target)
+        self.check_fits(target, step)
+        arrays = {
+            item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+            for item, tree in ((item, getattr(target, item)) for item in _filled(target))
+        }
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
+        items = {item: restored[item] if item in arrays else getattr(target, item) for item in ARRAY_ITEMS}
+        return TrainState(**items, step=counter), restored.meta
+
+    def _restore_with_master(self, step: int, target: TrainState, saved: dict) -> tuple[TrainState, dict]:
+        """A checkpoint with an fp32 master (ZeRO-1's, or an older one) restored onto fp32 params held once: its
+        master becomes the params (its 2-byte params, a cast of the master, are not read), its inner state the
+        optimizer's."""
+        scaled = isinstance(target.opt_state, precision.ScaledState)
+        inner = target.opt_state.inner if scaled else target.opt_state
+        legacy = {MASTER: target.params, "inner": inner, "loss_scale": target.opt_state.loss_scale if scaled else None}
+        wrong = mismatches({"opt_state": saved}, {"opt_state": legacy})
+        if wrong:
+            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
+        trees = {"opt_state": legacy, **({"variables": target.variables} if "variables" in _filled(target) else {})}
+        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                  for item, tree in trees.items()}
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        opt = restored["opt_state"]
+        opt_state = precision.ScaledState(opt["inner"], opt["loss_scale"]) if scaled else opt["inner"]
+        counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
+        variables = restored["variables"] if "variables" in arrays else target.variables
+        return TrainState(opt[MASTER], opt_state, counter, variables), restored.meta
+
+    def _restore_into_master(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+        """A checkpoint of fp32 params held once restored onto ZeRO-1's master layout: the saved fp32 params
+        become the master (read straight into its shards over data), the params its 2-byte cast."""
+        opt = target.opt_state
+        scaled = opt.loss_scale is not None
+        saved_opt = precision.ScaledState(opt.inner, opt.loss_scale) if scaled else opt.inner
+        trees = {"params": opt.master, "opt_state": saved_opt,
+                 **({"variables": target.variables} if "variables" in _filled(target) else {})}
+        wrong = [line for item, tree in trees.items()
+                 for line in mismatches({item: self._array_metadata(step, item)}, {item: tree})]
+        if wrong:
+            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
+        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                  for item, tree in trees.items() if jax.tree.leaves(tree)}
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        master = restored["params"]
+        inner = restored["opt_state"] if "opt_state" in arrays else saved_opt
+        inner, loss_scale = (inner.inner, inner.loss_scale) if scaled else (inner, None)
+        shardings = jax.tree.map(lambda a: a.sharding, target.params)
+        params = jax.jit(lambda m: jax.tree.map(lambda x, p: x.astype(p.dtype), m, target.params),
+                         out_shardings=shardings)(offload.fetched(master))
+        counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
+        variables = restored["variables"] if "variables" in arrays else target.variables
+        return TrainState(params, precision.MasterState(master, inner, loss_scale), counter, variables), restored.meta
+
+    def read_params(self, step: int | None = None) -> dict:
+        """The parameters saved at `step` as whole host numpy arrays, for export: the exact fp32 weights
+        under bf16/fp16 (the master of an older checkpoint), else the parameters as held."""
+        step = self._step(step)
+        optimizer = self._array_metadata(step, "opt_state")
+        if isinstance(optimizer, dict) and MASTER in optimizer:
+            item, tree = "opt_state", {MASTER: optimizer[MASTER]}
+        else:
+            item, tree = "params", self._array_metadata(step, "params")
+        if not tree:
+            raise ValueError(f"checkpoint step {step} in {self.directory} is unreadable: it holds no parameters")
+        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        read = ocp.args.PyTreeRestore(tree, restore_args=restore_args, partial_restore=True)
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **{item: read}))
+        self._verify(step, restored.meta, {item: restored[item]})
+        return restored[item][MASTER] if item == "opt_state" else restored[item]
+
+    def wait(self) -> None:
+        """Block until every save in flight is committed."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _orbax_echo(error: BaseException | None, origin: object = None) -> bool:
+    """Whether an error reported after the fact is the echo of a failed Orbax read (see `_quiet_orbax`)."""
+    if isinstance(origin, types.CoroutineType):
+        return "orbax" in origin.cr_code.co_filename
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    frames = error.__traceback__ if error is not None else None
+    while frames is not None:
+        if "orbax" in frames.tb_frame.f_code.co_filename:
+            return True
+        frames = frames.tb_next
+    return False
+
+
+@functools.cache
+def _quiet_orbax() -> None:
+    """Keep Orbax's echoes of what jaxpar already reports off the screen (installed once per process).
+
+    When one array of a damaged checkpoint fails to read, Orbax closes its event
+    loop while TensorStore still finishes the other reads. Those then report
+    "Event loop is closed", a never-awaited coroutine or a never-retrieved task
+    error, from other threads and as late as interpreter exit, after the failure
+    was raised as one CorruptCheckpoint. And every read-only open warns that the
+    directory is read-only, which is what the caller asked for.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _orbax_echo(unraisable.exc_value, unraisable.object):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(lambda record: not (record.exc_info and _orbax_echo(record.exc_info[1])))
+    logging.getLogger("absl").addFilter(lambda record: not str(record.msg).startswith("Given directory is read only"))
+
+
+class Preemption:
+    """SIGTERM, a scheduler's preemption notice, as a request to save and stop after the current step.
+
+    In one process a signal handler sets a flag. With several processes jax's
+    preemption sync point decides, so that every process stops after the same step.
+    """
+
+    def __init__(self):
+        self.noticed = False
+        self._previous = None
+
+    def __enter__(self) -> "Preemption":
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._notice)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _notice(self, signum, frame) -> None:
+        self.noticed = True
+
+    def reached(self, step: int) -> bool:
+        """True once a preemption notice came (and, across processes, all agree to stop after `step`)."""
+        if jax.process_count() > 1:
+            return ocp.multihost.reached_preemption(step)
+        return self.noticed
