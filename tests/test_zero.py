@@ -8,7 +8,7 @@ from flax import nnx
 
 from helpers import batches, compile_and_train, max_relative_error, sharded_lookup_bytes, single_device_plan
 from jaxpar.planner import inspect
-from jaxpar.parallel import zero
+from jaxpar.core import zero_layout
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.core.plan import Plan
 from jaxpar.train.state import LogicalArray, abstract_state, describe, init_state
@@ -185,6 +185,6 @@ def test_bad_zero_options_fail_clearly(options, message):
 
 def test_zero_on_a_single_data_rank_says_it_changes_nothing():
     lone = Plan.create("tensor=8", zero=2)
-    assert "zero=2 has no effect: the data axis has size 1" in zero.no_effect_message(lone)
-    assert zero.no_effect_message(Plan.create("data=8", zero=2)) is None
-    assert zero.no_effect_message(Plan.create("tensor=8")) is None
+    assert "zero=2 has no effect: the data axis has size 1" in zero_layout.no_effect_message(lone)
+    assert zero_layout.no_effect_message(Plan.create("data=8", zero=2)) is None
+    assert zero_layout.no_effect_message(Plan.create("tensor=8")) is None

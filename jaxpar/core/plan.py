@@ -31,7 +31,7 @@ from jaxpar.train import precision as precision_lib
 from jaxpar.core import rules as rules_lib
 from jaxpar.pipeline import schedule as schedule_lib
 from jaxpar.parallel import tensor as tensor_lib
-from jaxpar.parallel import zero as zero_lib
+from jaxpar.core import zero_layout as zero_lib
 from jaxpar.core.trace import active_plan  # noqa: F401  (the public way for layers to read the plan being traced)
 from jaxpar.core.mesh import AXES, MeshSpec, adopt, make_mesh, mesh_shape, nesting_order
 

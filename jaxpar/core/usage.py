@@ -19,7 +19,7 @@ import warnings
 import jax
 from jax.sharding import PartitionSpec
 
-from jaxpar.parallel import zero as zero_lib
+from jaxpar.core import zero_layout as zero_lib
 TENSOR = "tensor"  # a Megatron layer split its weights over tensor axes (jaxpar.parallel.tensor)
 EXPERTS = "experts"  # an MoE layer dispatched tokens to experts (jaxpar.parallel.experts.moe_ffn)
 STACK = "stack"  # a stacked-layer block ran its scan (applies the remat policy and ZeRO per-layer gathers)

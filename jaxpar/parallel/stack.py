@@ -30,6 +30,7 @@ from jaxpar.pipeline import executor as pipeline
 
 from jaxpar.core import usage
 
+from jaxpar.core import zero_layout
 from jaxpar.parallel import zero
 from jaxpar.core.plan import Plan, active_plan
 
@@ -102,7 +103,7 @@ class Stack(nnx.Module):
             raise ValueError(f"a Stack needs at least one layer, got count={count}")
 
         @nnx.split_rngs(splits=count)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: zero.SCANNED})
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: zero_layout.SCANNED})
         def build(rngs: nnx.Rngs) -> nnx.Module:
             return make_block(rngs)
 

@@ -45,32 +45,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.parallel import bits
 from jaxpar.core import rules as rules_lib
-AXES = ("replica", "data")  # the batch axes ZeRO may shard over; the step runs its gradients per rank of these
-SCANNED = "layers"  # the stacked-layers dimension: a layer scan slices it, so ZeRO never shards it
+from jaxpar.core.zero_layout import (AXES, SCANNED, axes_of, dim_over_zero_axes, entries_of, over_zero_axes,
+                                 zero_axes_of)
+
 GATHERED = "zero_gathered"  # checkpoint name of a layer's gathered parameters (remat policies keep or drop them)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entries(spec: P, ndim: int) -> tuple:
-    return tuple(spec) + (None,) * (ndim - len(spec))
-
-
-def _zero_axes(entry) -> tuple[str, ...]:
-    """The ZeRO axes (`AXES`) one spec entry names."""
-    return tuple(a for a in _axes(entry) if a in AXES)
-
-
-def _over_data(entries) -> bool:
-    return any(_zero_axes(e) for e in entries)
-
-
-def _dim_over_data(entries) -> int | None:
-    return next((d for d, e in enumerate(entries) if _zero_axes(e)), None)
 
 
 def _rank_axes() -> tuple[str, ...]:
@@ -81,104 +59,6 @@ def _rank_axes() -> tuple[str, ...]:
     """
     mesh = jax.sharding.get_abstract_mesh()
     return tuple(a for a in AXES if a in mesh.manual_axes and (a == "data" or mesh.shape[a] > 1))
-
-
-def choose_dim(names: Sequence[str | None], shape: Sequence[int], spec: P, data: int) -> int | None:
-    """The dimension of one array that ZeRO shards over its `data` ranks (the product of the ZeRO axes; None: whole).
-
-    The first (most major) dimension that no mesh axis shards yet, that is
-    not the stacked `layers` axis, and whose size divides by `data`. Gathered
-    along its major dimension, an array comes back as contiguous blocks in its
-    own layout; gathered along a minor one it needs a relayout. On issue 16's
-    fsdp8 the output layer gathered along its vocabulary (the largest
-    dimension, chosen before) cost a transposing copy and converts, 2982 ms of
-    op self time per device-step against 2695 ms (jax.profiler, XLA:CPU).
-    """
-    entries = _entries(spec, len(shape))
-    if data == 1 or _over_data(entries):
-        return None
-    free = [d for d, e in enumerate(entries) if e is None and names[d] != SCANNED and shape[d] % data == 0]
-    return free[0] if free else None
-
-
-def add_data_axis(spec: P, leaf, plan) -> P:
-    """`spec` with the plan's ZeRO axes (`Plan.zero_axes`) added on the dimension `choose_dim` picks for `leaf`."""
-    axes = plan.zero_axes
-    dim = choose_dim(leaf.names, leaf.shape, spec, plan.zero_ranks)
-    if dim is None:
-        return spec
-    entries = list(_entries(spec, len(leaf.shape)))
-    entries[dim] = axes[0] if len(axes) == 1 else axes
-    while entries[-1] is None:
-        entries.pop()
-    return P(*entries)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicatedReport:
-    """Parameters that ZeRO leaves whole on every data rank, and their share of all parameter bytes.
-
-    `data` is the number of ranks ZeRO shards over, `over` how the ZeRO axes
-    read (`data=4`, `replica=2 x data=4 = 8`).
-    """
-
-    data: int
-    over: str
-    replicated: tuple[tuple[str, tuple[int, ...], int], ...]  # (path, shape, bytes)
-    total_bytes: int
-
-    @property
-    def replicated_bytes(self) -> int:
-        return sum(nbytes for _, _, nbytes in self.replicated)
-
-    @property
-    def fraction(self) -> float:
-        return self.replicated_bytes / self.total_bytes if self.total_bytes else 0.0
-
-    def __str__(self) -> str:
-        head = (
-            f"ZeRO over {self.over}: {len(self.replicated)} parameters stay replicated, "
-            f"{self.replicated_bytes} of {self.total_bytes} bytes ({self.fraction:.2%})"
-        )
-        rows = [f"  {path} {shape}: no unsharded dimension divides by {self.over}"
-                for path, shape, _ in self.replicated]
-        return "\n".join([head, *rows])
-
-
-def replicated_report(logical, plan) -> ReplicatedReport:
-    """Which parameters of a model (a tree of LogicalArray) ZeRO cannot shard under `plan`."""
-    data = plan.zero_ranks
-    replicated, total = [], 0
-    leaves = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: hasattr(x, "names"))[0]
-    for path, leaf in leaves:
-        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-        total += nbytes
-        name = jax.tree_util.keystr(path)
-        spec = rules_lib.resolve_spec(leaf.names, leaf.shape, plan.shape, plan.rules, path=name)
-        if data > 1 and choose_dim(leaf.names, leaf.shape, spec, data) is None:
-            replicated.append((name, tuple(leaf.shape), nbytes))
-    over = " x ".join(f"{a}={plan.shape[a]}" for a in plan.zero_axes) + ("" if len(plan.zero_axes) == 1 else f" = {data}")
-    return ReplicatedReport(data, over, tuple(replicated), total)
-
-
-def check_replicated(report: ReplicatedReport, tolerance: float) -> None:
-    """Raise when more than `tolerance` of the parameter bytes would stay replicated."""
-    if report.fraction > tolerance:
-        raise ValueError(
-            f"{report}\nthat is above zero_tolerance={tolerance:.2%}: pick ZeRO axis sizes ({report.over}) that divide these "
-            f"dimensions, or raise zero_tolerance"
-        )
-
-
-def no_effect_message(plan) -> str | None:
-    """Why `plan.zero` changes nothing (its ZeRO axes have size 1), or None when it does shard something."""
-    if plan.zero and plan.zero_ranks == 1:
-        return (
-            f"zero={plan.zero} has no effect: the {' and '.join(plan.zero_axes)} "
-            f"{'axis has' if len(plan.zero_axes) == 1 else 'axes have'} size 1, so parameters, gradients and "
-            f"optimizer state stay whole on every device"
-        )
-    return None
 
 
 # -- inside jax.shard_map over the batch axes (replica, data) ---------------------
@@ -197,7 +77,7 @@ def _fully_manual(collective, x, entries: tuple = ()):
     auto = {a for a, n in mesh.shape.items() if n > 1 and a not in mesh.manual_axes}
     if not auto:
         return collective(x)
-    spec = P(*(tuple(a for a in _axes(e) if a in auto) or None for e in entries))
+    spec = P(*(tuple(a for a in axes_of(e) if a in auto) or None for e in entries))
     return jax.shard_map(collective, in_specs=spec, out_specs=spec, axis_names=auto)(x)
 
 
@@ -209,7 +89,7 @@ def mean(tree):
 
 def _summed_axes(spec) -> tuple[str, ...]:
     """The batch rank axes a parameter (or gradient) with `spec` is whole over: its gradient is summed over them."""
-    held = {a for e in spec for a in _zero_axes(e)}
+    held = {a for e in spec for a in zero_axes_of(e)}
     return tuple(a for a in _rank_axes() if a not in held)
 
 
@@ -224,7 +104,7 @@ def summed_at_use(param_specs, grad_specs):
     chooses this only with one microbatch per step (`jaxpar.train.step`): each
     microbatch's backward would sum again.
     """
-    return jax.tree.map(lambda p, g: not _over_data(tuple(p)) and not _over_data(tuple(g)) and bool(_summed_axes(p)),
+    return jax.tree.map(lambda p, g: not over_zero_axes(tuple(p)) and not over_zero_axes(tuple(g)) and bool(_summed_axes(p)),
                         param_specs, grad_specs, is_leaf=lambda v: isinstance(v, P))
 
 
@@ -266,8 +146,8 @@ def gather(x, entries: tuple):
 
     Autodiff turns the gather into the reduce-scatter of the gradient.
     """
-    dim = _dim_over_data(entries)
-    axes = _zero_axes(entries[dim])
+    dim = dim_over_zero_axes(entries)
+    axes = zero_axes_of(entries[dim])
     full = _fully_manual(lambda v: bits.all_gather(v, axes, axis=dim), x, entries)
     return checkpoint_name(full, GATHERED)
 
@@ -312,19 +192,19 @@ def gather_params(params, specs=None, dtype=None, at_use=None):
     gets it whole: correct, with every layer cast or gathered at once.
     """
     def one(x, spec, summed):
-        entries = _entries(spec, x.ndim)
+        entries = entries_of(spec, x.ndim)
         cast = dtype if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else None
         low = x if cast is None else x.astype(cast)
-        if not _over_data(entries):
+        if not over_zero_axes(entries):
             if summed:
                 low = vary_at_use(low, entries)
             if (cast is not None or summed) and x.ndim > 1:
                 _remember(low, x, Use(None, cast, entries[1:] if summed else None))
             return low
         whole = gather(low, entries)
-        if _dim_over_data(entries) == 0:
-            _remember(whole, low, _zero_axes(entries[0]), kind="rows")
-        if x.ndim > 1 and _dim_over_data(entries) != 0:
+        if dim_over_zero_axes(entries) == 0:
+            _remember(whole, low, zero_axes_of(entries[0]), kind="rows")
+        if x.ndim > 1 and dim_over_zero_axes(entries) != 0:
             _remember(whole, x, Use(entries[1:], cast))
         return whole
 
@@ -341,11 +221,11 @@ def scatter_gradients(grads, grad_specs, param_specs):
     autodiff has already reduce-scattered their gradients.
     """
     def one(g, grad_spec, param_spec):
-        entries = _entries(grad_spec, g.ndim)
-        dim = _dim_over_data(entries)
-        if dim is None or _over_data(param_spec):
+        entries = entries_of(grad_spec, g.ndim)
+        dim = dim_over_zero_axes(entries)
+        if dim is None or over_zero_axes(param_spec):
             return g
-        axes = _zero_axes(entries[dim])
+        axes = zero_axes_of(entries[dim])
         return _fully_manual(lambda v: jax.lax.psum_scatter(v, axes, scatter_dimension=dim, tiled=True), g, entries)
 
     return jax.tree.map(one, grads, grad_specs, param_specs, is_leaf=lambda v: isinstance(v, P))
@@ -362,7 +242,7 @@ def sum_gradients(grads, grad_specs, at_use=None):
         axes = _summed_axes(grad_spec)
         if not axes or summed:
             return g
-        return _fully_manual(lambda v: jax.lax.psum(v, axes), g, _entries(grad_spec, g.ndim))
+        return _fully_manual(lambda v: jax.lax.psum(v, axes), g, entries_of(grad_spec, g.ndim))
 
     at_use = _none_summed(grads) if at_use is None else at_use
     return jax.tree.map(one, grads, grad_specs, at_use, is_leaf=lambda v: isinstance(v, P))

@@ -29,7 +29,7 @@ import optax
 
 from jaxpar.train import precision
 
-from jaxpar.parallel import zero
+from jaxpar.core import zero_layout
 from jaxpar.core.rules import is_logical
 
 
@@ -86,7 +86,7 @@ def _reorder_leaf(plan, to_natural: bool):
     p, v = plan.shape["pipe"], plan.virtual_stages
 
     def one(x, names):
-        if not is_logical(names) or names.names[:1] != (zero.SCANNED,):
+        if not is_logical(names) or names.names[:1] != (zero_layout.SCANNED,):
             return x
         return _swap_chunks(x, p, v, to_natural)
 

@@ -322,7 +322,7 @@ def zero_table(psi: float, n: int, k: int = 12, p: int = 2, g: int = 2) -> dict[
 
 def _shard_ways(leaf: Leaf, shape: dict[str, int], over_data: bool) -> int:
     """Devices one copy of `leaf` is split over: its rules' mesh axes, and `data` under ZeRO (jaxpar.parallel.zero)."""
-    from jaxpar.parallel import zero as zero_lib
+    from jaxpar.core import zero_layout as zero_lib
     spec = rules_lib.resolve_spec(leaf.names, leaf.shape, shape, rules_lib.DEFAULT_RULES, path=leaf.path)
     ways = math.prod(shape[a] for e in spec if e for a in ((e,) if isinstance(e, str) else e))
     if over_data and zero_lib.choose_dim(leaf.names, leaf.shape, spec, shape["data"]) is not None:

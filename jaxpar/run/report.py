@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from jaxpar.planner import inspect as inspect_lib
-from jaxpar.parallel import zero
+from jaxpar.core import zero_layout
 from jaxpar.train.state import abstract_state
 from jaxpar.run.training import Run, changed_settings, iterate, open_checkpoints, param_table, resume
 
@@ -33,8 +33,8 @@ def show_layout(run: Run, console: Console) -> None:
                      if jax.process_count() > 1 else ")"))
     options = {k: v for k, v in vars(run.plan).items() if k not in ("mesh", "rules")}
     console.print("[bold]plan[/] " + ", ".join(f"{k}={v}" for k, v in options.items()))
-    if zero.no_effect_message(run.plan):
-        console.print(f"[yellow]note:[/] {zero.no_effect_message(run.plan)}")
+    if zero_layout.no_effect_message(run.plan):
+        console.print(f"[yellow]note:[/] {zero_layout.no_effect_message(run.plan)}")
     elif run.plan.zero:
         console.print(escape(str(run.plan.zero_report(run.model.logical))).split("\n")[0])
     table = Table(title=f"{run.config.model}: {run.model.param_count():,} parameters", show_lines=False)
