@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar import inspect  # noqa: E402
+from jaxpar.planner import inspect  # noqa: E402
 
 from jaxpar.parallel import attention
 from jaxpar.models.llama import CONFIGS, Llama  # noqa: E402

@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--train-args", default="", help="more `jaxpar train` arguments, e.g. '--batch-size 64'")
     args = parser.parse_args()
     if not args.config.is_file():
-        parser.error(f"no model config at {args.config} (the MaxText-paired model of shared/peers); pass --config")
+        parser.error(f"no model config at {args.config} (the MaxText-paired model, benchmarks/maxtext-model.toml); pass --config")
     for layout in args.layouts:
         variants = {name: compiled(args.config, layout, args.train_args.split(), change)
                     for name, change in (("before", args.change), ("now", None))}

@@ -17,7 +17,7 @@ casting the fp32 parameters to bf16 at use, optax AdamW, state donated) start
 from the same parameters and see the same batches; their losses must agree to
 bf16 tolerance. For each: lower + compile seconds, the median step time after
 warm-up, tokens/s, MFU (the planner's model FLOPs, 6 N + attention, over the
-device's dense peak from `jaxpar.planner.mfu`; none on the CPU), XLA's memory figures,
+device's dense peak from `jaxpar.planner.devices`; none on the CPU), XLA's memory figures,
 and the top ops by self time from a `jax.profiler` trace of a few steps (read
 from the trace JSON the profiler writes, standard library only). Then one
 summary line: jaxpar / hand-written.
@@ -48,10 +48,10 @@ from handwritten import compile_jaxpar, handwritten_step, make_batch, metrics_lo
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpar import mfu  # noqa: E402
+from jaxpar.planner import mfu  # noqa: E402
 from jaxpar.models.llama import LlamaConfig  # noqa: E402
 from jaxpar.core.plan import Plan  # noqa: E402
-from jaxpar.planner.planner import Model, llama_leaves  # noqa: E402
+from jaxpar.planner.model import Model, llama_leaves  # noqa: E402
 
 CONFIGS = {
     "1b": (LlamaConfig(vocab=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128, d_ff=8192,
@@ -156,7 +156,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--profile-steps", type=int, default=3, help="steps traced for the top ops (0: none)")
     parser.add_argument("--remat", choices=("none", "selective", "full"), default="selective")
-    parser.add_argument("--peak-flops", type=float, default=None, help="FLOP/s of the device, if not in jaxpar.planner.mfu")
+    parser.add_argument("--peak-flops", type=float, default=None, help="FLOP/s of the device, if not in jaxpar.planner.devices")
     args = parser.parse_args()
     config, default_batch = CONFIGS[args.config]
     batch_size = args.batch or default_batch

@@ -19,7 +19,10 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from jaxpar import planner  # noqa: E402
+from jaxpar.planner.compare import compiled_figures, predicted_figures, ratios  # noqa: E402
+from jaxpar.planner.estimate import estimate  # noqa: E402
+from jaxpar.planner.layout import Layout, Workload  # noqa: E402
+from jaxpar.planner.model import Model  # noqa: E402
 from jaxpar.core.plan import Plan  # noqa: E402
 from jaxpar.run.report import inspection  # noqa: E402
 from jaxpar.run.training import TrainConfig, prepare  # noqa: E402
@@ -57,9 +60,9 @@ def sweep(quick: bool) -> list[tuple[str, dict, str]]:
 
 def measure(mesh: str, options: dict, model: str, batch: int, seq: int) -> dict:
     sizes = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
-    layout = planner.Layout(**sizes, **{"precision": "fp32", **options})
-    work = planner.Workload(batch, seq)
-    est = planner.estimate(planner.Model.named(model, {"seq_len": seq}), layout, work, "cpu")
+    layout = Layout(**sizes, **{"precision": "fp32", **options})
+    work = Workload(batch, seq)
+    est = estimate(Model.named(model, {"seq_len": seq}), layout, work, "cpu")
     row = {"model": model, "mesh": mesh, "options": options}
     if "arguments" not in est.memory:  # the layout cannot run the model (not fitting the CPU is no matter)
         return {**row, "skipped": est.reason}
@@ -69,8 +72,8 @@ def measure(mesh: str, options: dict, model: str, batch: int, seq: int) -> dict:
         summary = inspection(run)
     except ValueError as error:
         return {**row, "skipped": str(error)}
-    return {**row, "compile_s": time.perf_counter() - began, "ratios": planner.ratios(est, summary),
-            "predicted": planner.predicted_figures(est), "compiled": planner.compiled_figures(summary)}
+    return {**row, "compile_s": time.perf_counter() - began, "ratios": ratios(est, summary),
+            "predicted": predicted_figures(est), "compiled": compiled_figures(summary)}
 
 
 def main():

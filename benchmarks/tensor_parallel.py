@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar import inspect  # noqa: E402
+from jaxpar.planner import inspect  # noqa: E402
 from jaxpar.models.llama import CONFIGS, Llama  # noqa: E402
 from jaxpar.core.plan import Plan  # noqa: E402
 from jaxpar.core.rules import mesh_axes_of  # noqa: E402

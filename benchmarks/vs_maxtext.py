@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-CONFIG = "/work/shared/peers/jaxpar/maxtext-model.toml"
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "maxtext-model.toml")  # the paired model
 LAYOUTS = {
     "dp8": ["--mesh", "data=8"],
     "fsdp8": ["--mesh", "data=8", "--zero", "3"],

@@ -26,7 +26,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
 
-from jaxpar import inspect  # noqa: E402
+from jaxpar.planner import inspect  # noqa: E402
 from jaxpar.core.plan import Plan  # noqa: E402
 from jaxpar.run.training import TrainConfig, prepare  # noqa: E402
 

@@ -9,22 +9,41 @@ if not (_root / "jaxpar" / "models").exists() and (_root / "models" / "__init__.
     __path__.append(str(_root))
 del _Path, _root
 
-from jaxpar.core.trace import active_plan
 from jaxpar.core.mesh import AXES, MeshSpec, make_mesh, parse_mesh
 from jaxpar.core.plan import Plan
-from jaxpar.core.rules import DEFAULT_RULES, LogicalArray, constrain
-from jaxpar.train.state import TrainState, describe, init_state, place_state
-from jaxpar.pipeline.layer_order import (state_to_natural_order, state_to_pipeline_order, to_natural_order,
-                                to_pipeline_order)
-from jaxpar.train.step import make_train_step
+from jaxpar.core.rules import DEFAULT_RULES, LogicalArray
+from jaxpar.core.trace import active_plan
 from jaxpar.core.usage import PlanOptionUnused
+
+# Each strategy registers its plan options' choices and checks when imported (jaxpar.core.options): all of
+# them are imported here, so that any Plan made after `import jaxpar` is checked by every one.
+from jaxpar.parallel import offload as _offload  # noqa: F401
+
 # Building blocks for a model of one's own: stacked layers, Megatron layers, the MoE layer, the pipeline.
-from jaxpar.parallel.stack import Stack, pipelined_loss, scan_layers
-from jaxpar.parallel.tensor import column_parallel, embedding_lookup, enter_tensor_region, row_parallel, vocab_parallel_cross_entropy
 from jaxpar.parallel.attention import causal_attention
+from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.experts import MoEConfig, moe_ffn
+from jaxpar.parallel.stack import Stack, scan_layers
+from jaxpar.parallel.tensor import (
+    column_parallel,
+    embedding_lookup,
+    enter_tensor_region,
+    row_parallel,
+    vocab_parallel_cross_entropy,
+)
+from jaxpar.pipeline import schedule as _schedule  # noqa: F401
 from jaxpar.pipeline.executor import Stages
 from jaxpar.pipeline.executor import loss as pipeline_loss
+from jaxpar.pipeline.layer_order import (
+    state_to_natural_order,
+    state_to_pipeline_order,
+    to_natural_order,
+    to_pipeline_order,
+)
+from jaxpar.pipeline.pipelined_loss import pipelined_loss
+from jaxpar.train import precision as _precision  # noqa: F401
+from jaxpar.train.state import TrainState, describe, init_state, place_state
+from jaxpar.train.step import make_train_step
 
 __all__ = [
     "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",

@@ -32,7 +32,7 @@ TRAIN_FLAGS = {
     "tokenizer": (str, "tokenize text --data with this Hugging Face tokenizer.json or SentencePiece .model "
                        "(default: UTF-8 bytes); with a .npy from `jaxpar tokenize`, check that it was made with it"),
     "tensorboard": (str, "also write loss, lr, grad norm, tokens/s, MFU and memory as TensorBoard scalars here"),
-    "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.planner.mfu) lacks the device"),
+    "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.planner.devices) lacks the device"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_command(sub) -> None:
-    """`jaxpar plan`: rank layouts for a model on N devices by the analytic model (jaxpar.planner.planner), no compile."""
+    """`jaxpar plan`: rank layouts for a model on N devices by the analytic model (jaxpar.planner), no compile."""
     plan = sub.add_parser("plan", help="choose the layout for a model and a cluster: memory, traffic, bubble, "
                                        "step time and MFU predicted per layout (nothing is compiled)")
     plan.add_argument("--model", default="7b", help="model name (tiny, small, 1b, 7b, 70b, 405b, moe-tiny, ...)")
@@ -281,7 +281,8 @@ def _hf_command(args: argparse.Namespace) -> int:
 
 def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
     """Draw a pipeline timeline: from --stages and the schedule flags, or from the plan being inspected."""
-    from jaxpar.pipeline.schedule import Schedule, render, save_png
+    from jaxpar.pipeline.schedule import Schedule
+    from jaxpar.pipeline.schedule_pictures import render, save_png
 
     if plan is not None:
         schedule = Schedule(plan.schedule, plan.shape["pipe"], plan.pipeline_microbatches, plan.virtual_stages)
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_local(args.processes, args.devices_per_process, args.rest)
     if args.command == "plan":
-        from jaxpar.planner.planner import main as plan_main
+        from jaxpar.planner.command import main as plan_main
 
         return plan_main(args)
     if args.command in HF_COMMANDS or (args.command == "export" and args.format == "hf"):

@@ -3,7 +3,7 @@
 Blocks are stacked along a leading `layers` axis and run with `lax.scan`, so a
 pipeline can cut that axis into stages and the compiled step stays the same
 size whatever the depth. The model never names a mesh axis: sharding comes
-from the plan's rules through `jaxpar.core.rules.constrain` and the parameters'
+from the plan's rules through `jaxpar.parallel.constrain.constrain` and the parameters'
 logical names.
 """
 
@@ -19,11 +19,10 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.parallel import attention as attention_lib
-from jaxpar.pipeline import executor as pipeline
 from jaxpar.parallel import tensor
-from jaxpar.core.rules import constrain
+from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
-
+from jaxpar.pipeline import executor as pipeline
 
 ROPE_TYPES = ("default", "llama3")
 

@@ -17,16 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.parallel import experts
-
-from jaxpar.pipeline import executor as pipeline
-
-from jaxpar.parallel import tensor
-
-from jaxpar.parallel import zero
 from jaxpar.models import llama
-from jaxpar.core.rules import constrain
+from jaxpar.parallel import experts, tensor, zero
+from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
+from jaxpar.pipeline import executor as pipeline
 
 MoeLayer = Callable[[dict, jax.Array, experts.MoEConfig], tuple[jax.Array, dict]]
 

@@ -13,6 +13,7 @@ from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxpar.planner import mfu
+from jaxpar.planner.devices import device_peak
 from jaxpar.cli import build_parser, main, resolve
 from jaxpar.run.tensorboard import TensorBoard
 from jaxpar.models import model_config
@@ -88,16 +89,16 @@ def test_peak_flops_gives_mfu_by_the_formula(run):
 
 
 def test_peaks_by_device_kind():
-    assert mfu.device_peak("NVIDIA H100 80GB HBM3") == (989e12, "H100 SXM")
-    assert mfu.device_peak("NVIDIA H100 PCIe")[0] == 756e12
-    assert mfu.device_peak("NVIDIA H200")[0] == 989e12
-    assert mfu.device_peak("NVIDIA A100-SXM4-80GB", "fp32")[0] == 156e12  # TF32: how JAX runs fp32 matmuls there
-    assert mfu.device_peak("NVIDIA B200")[0] == 2.25e15
-    assert mfu.device_peak("TPU v4")[0] == 275e12
-    assert mfu.device_peak("TPU v5 lite")[0] == 197e12
-    assert mfu.device_peak("TPU v5")[0] == 459e12
-    assert mfu.device_peak("TPU v6 lite")[0] == 918e12
-    assert mfu.device_peak("NVIDIA GeForce GTX 1080") is None and mfu.device_peak("TPU v4 lite") is None
+    assert device_peak("NVIDIA H100 80GB HBM3") == (989e12, "H100 SXM")
+    assert device_peak("NVIDIA H100 PCIe")[0] == 756e12
+    assert device_peak("NVIDIA H200")[0] == 989e12
+    assert device_peak("NVIDIA A100-SXM4-80GB", "fp32")[0] == 156e12  # TF32: how JAX runs fp32 matmuls there
+    assert device_peak("NVIDIA B200")[0] == 2.25e15
+    assert device_peak("TPU v4")[0] == 275e12
+    assert device_peak("TPU v5 lite")[0] == 197e12
+    assert device_peak("TPU v5")[0] == 459e12
+    assert device_peak("TPU v6 lite")[0] == 918e12
+    assert device_peak("NVIDIA GeForce GTX 1080") is None and device_peak("TPU v4 lite") is None
 
 
 def test_mfu_only_where_a_peak_is_known():

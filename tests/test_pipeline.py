@@ -19,6 +19,7 @@ from helpers import TINY, copy_state, gradients, max_relative_error, reference_s
 from jaxpar.planner import inspect
 from jaxpar.pipeline import executor as pipeline
 from jaxpar.pipeline import schedule
+from jaxpar.pipeline.residual_ring import ResidualRing
 from jaxpar.cli import build_parser, main, resolve
 from jaxpar.pipeline.layer_order import to_pipeline_order, train_state_layers
 from jaxpar.models.llama import Llama
@@ -99,13 +100,13 @@ def test_zb_h1_with_its_cotangents_in_a_buffer_of_their_own_matches_single_devic
     """Where no residual buffer can hold a cotangent, zb-h1 keeps them in a buffer of their own (and at m < 2p - 2,
     where the ring has no row free for some, those go there): same loss and gradients, NaN-filled bubbles."""
     model, state, _, batch, ref_loss, ref_grads = references(CONFIG)
-    init = pipeline._ResidualRing.__init__
+    init = ResidualRing.__init__
 
     def without_holder(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.holder = None
 
-    monkeypatch.setattr(pipeline._ResidualRing, "__init__", without_holder)
+    monkeypatch.setattr(ResidualRing, "__init__", without_holder)
     plan = Plan.create(MESHES[pipe], schedule="zb-h1", microbatches=m)
     with pipeline.bubble_fill(NAN):
         loss, grads = gradients(model, state.params, batch, plan)

@@ -8,10 +8,9 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.core import trace as context
-
-from jaxpar.core import rules
 from jaxpar.core.mesh import AXES, MeshSpec
 from jaxpar.core.plan import Plan
+from jaxpar.parallel import constrain
 
 
 def test_replace_derives_the_rules_again():
@@ -44,8 +43,8 @@ def test_mesh_axes_are_data():
 
 def test_one_active_plan_context():
     plan = Plan.create("data=4,tensor=2", rules={"hidden": "tensor"})
-    assert context.active_plan() is None and rules.rule_axes("hidden") == ()
+    assert context.active_plan() is None and constrain.rule_axes("hidden") == ()
     with plan.activate():
-        assert context.active_plan() is plan and rules.rule_axes("hidden") == ("tensor",)
+        assert context.active_plan() is plan and constrain.rule_axes("hidden") == ("tensor",)
         assert jax.sharding.get_abstract_mesh().axis_names == plan.mesh.axis_names
     assert context.active_plan() is None

@@ -14,22 +14,29 @@ import math
 import jax
 import pytest
 
-from jaxpar.planner import planner
+from jaxpar.planner import compare
+from jaxpar.planner.command import config_toml, run_command
 from jaxpar.planner.devices import DEVICES, load_device
+from jaxpar.planner.estimate import Estimate, estimate
+from jaxpar.planner.layout import AXES, Layout, Workload
+from jaxpar.planner.memory import memory_breakdown, zero_table
+from jaxpar.planner.model import Leaf, Model, leaves_of, llama_leaves, model_seq
+from jaxpar.planner.search import default_batch, plan
+from jaxpar.planner.ticks import bubble, megatron_bubble, schedule_ticks
 from jaxpar.pipeline.schedule import Schedule
 
 TINY = {"seq_len": 32}
-WORK = planner.Workload(batch_size=16, seq_len=32)
+WORK = Workload(batch_size=16, seq_len=32)
 
 
 # -- published figures ----------------------------------------------------------------------------
 
 
-def _one_leaf_model(psi: int, layers: int = 100) -> planner.Model:
+def _one_leaf_model(psi: int, layers: int = 100) -> Model:
     """A model of psi parameters in `layers` stacked [embed, mlp] matrices (ZeRO splits each over data)."""
     width = psi // (layers * 4096)
-    leaf = planner.Leaf("w", (layers, 4096, width), ("layers", "embed", "mlp"))
-    return planner.Model("zero-table", (leaf,), 4096, layers, 32, 32, 128, 4 * 4096, 32000)
+    leaf = Leaf("w", (layers, 4096, width), ("layers", "embed", "mlp"))
+    return Model("zero-table", (leaf,), 4096, layers, 32, 32, 128, 4 * 4096, 32000)
 
 
 def test_zero_table_1_reproduced():
@@ -41,14 +48,14 @@ def test_zero_table_1_reproduced():
     """
     psi_n = 7_500_000_000 // (100 * 4096) * 100 * 4096
     paper = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
-    formula = planner.zero_table(7.5e9, 64, k=12)
+    formula = zero_table(7.5e9, 64, k=12)
     assert [formula[k] for k in ("baseline", "os", "os+g", "os+g+p")] == pytest.approx(list(paper.values()), rel=0.02)
     jaxpar = {0: 14 * psi_n, 1: 4 * psi_n + 12 * psi_n / 64, 2: 2 * psi_n + 10 * psi_n / 64, 3: 14 * psi_n / 64}
     model = _one_leaf_model(psi_n)
     device = load_device("h100")
     for stage, expected in jaxpar.items():
-        layout = planner.Layout(data=64, zero=stage, precision="bf16")
-        memory = planner.memory_breakdown(model, layout, planner.Workload(64, 1024), device)
+        layout = Layout(data=64, zero=stage, precision="bf16")
+        memory = memory_breakdown(model, layout, Workload(64, 1024), device)
         model_state = memory["params"] + memory["grads"] + memory["optimizer"]
         assert model_state == pytest.approx(expected, rel=1e-6), stage
         assert model_state <= paper[stage] * 1.02, stage
@@ -59,32 +66,32 @@ def test_megatron_bubble(p, m, v):
     """Narayanan et al. 2021: bubble time over ideal time is (p-1)/m, (p-1)/(v m) interleaved; as a share of
     the step (p-1)/(v m + p-1); and the tick tables of jaxpar.pipeline.schedule idle exactly that share."""
     schedule = "interleaved" if v > 1 else "1f1b"
-    layout = planner.Layout(pipe=p, schedule=schedule, microbatches=m, virtual_stages=v)
-    ratio = planner.megatron_bubble(p, m, v)
-    assert planner.bubble(layout) == pytest.approx(ratio / (1 + ratio))
-    assert planner.bubble(layout) == pytest.approx(Schedule(schedule, p, m, v).bubble_formula)
+    layout = Layout(pipe=p, schedule=schedule, microbatches=m, virtual_stages=v)
+    ratio = megatron_bubble(p, m, v)
+    assert bubble(layout) == pytest.approx(ratio / (1 + ratio))
+    assert bubble(layout) == pytest.approx(Schedule(schedule, p, m, v).bubble_formula)
     if v == 1:
         for name in ("gpipe", "1f1b"):
-            assert Schedule(name, p, m).bubble == pytest.approx(planner.bubble(layout))
-            assert planner.schedule_ticks(planner.Layout(pipe=p, schedule=name, microbatches=m)) == \
+            assert Schedule(name, p, m).bubble == pytest.approx(bubble(layout))
+            assert schedule_ticks(Layout(pipe=p, schedule=name, microbatches=m)) == \
                 Schedule(name, p, m).ticks - (p - 1 if name == "1f1b" else 0)
     else:
-        assert planner.schedule_ticks(layout) == Schedule(schedule, p, m, v).forward_ticks
+        assert schedule_ticks(layout) == Schedule(schedule, p, m, v).forward_ticks
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
 def test_tensor_traffic_per_layer(t):
     """Megatron: 4 all-reduces of b s h per layer (2 forward, 2 backward), ring traffic 8 b s h (t-1)/t."""
     b, s = 4, 2048
-    small, large = (planner.Model.named("7b", {"n_layers": n, "seq_len": s}) for n in (4, 8))
-    work = planner.Workload(b, s)
-    layout = planner.Layout(tensor=t, precision="bf16")
-    per_layer = (planner.estimate(large, layout, work).traffic["tensor"]
-                 - planner.estimate(small, layout, work).traffic["tensor"]) / 4
+    small, large = (Model.named("7b", {"n_layers": n, "seq_len": s}) for n in (4, 8))
+    work = Workload(b, s)
+    layout = Layout(tensor=t, precision="bf16")
+    per_layer = (estimate(large, layout, work).traffic["tensor"]
+                 - estimate(small, layout, work).traffic["tensor"]) / 4
     h = small.d_model
     assert per_layer == pytest.approx(8 * b * s * h * (t - 1) / t * 2)  # bf16 activations: 2 bytes
-    sp = planner.estimate(large, planner.Layout(tensor=t, sequence_parallel=True), work)
-    assert sp.traffic["tensor"] == pytest.approx(planner.estimate(large, layout, work).traffic["tensor"])
+    sp = estimate(large, Layout(tensor=t, sequence_parallel=True), work)
+    assert sp.traffic["tensor"] == pytest.approx(estimate(large, layout, work).traffic["tensor"])
 
 
 def test_inventory_matches_the_models():
@@ -94,8 +101,8 @@ def test_inventory_matches_the_models():
 
     for name in ("tiny", "moe-tiny"):
         config = model_config(name)
-        counted = planner.llama_leaves(config)
-        traced = planner.leaves_of(describe(model_factory(name, config, 0)).logical)
+        counted = llama_leaves(config)
+        traced = leaves_of(describe(model_factory(name, config, 0)).logical)
         assert sorted((a.shape, a.names) for a in counted) == sorted((a.shape, a.names) for a in traced)
         assert sum(a.size for a in counted) == config.param_count()
 
@@ -112,15 +119,15 @@ def test_devices_and_toml(tmp_path):
 
 
 def test_layout_text_round_trip():
-    layout = planner.Layout.parse("data=8,tensor=8,pipe=16 zero=1 schedule=interleaved microbatches=32 "
-                                  "virtual_stages=2 remat=full sequence_parallel=true")
+    layout = Layout.parse("data=8,tensor=8,pipe=16 zero=1 schedule=interleaved microbatches=32 "
+                          "virtual_stages=2 remat=full sequence_parallel=true")
     assert (layout.data, layout.tensor, layout.pipe, layout.zero, layout.virtual_stages) == (8, 8, 16, 1, 2)
-    assert planner.Layout.parse(str(layout)) == layout
-    long = planner.Layout.parse("data=2,context=4 context_form=ring offload=optimizer")
+    assert Layout.parse(str(layout)) == layout
+    long = Layout.parse("data=2,context=4 context_form=ring offload=optimizer")
     assert (long.context, long.context_form, long.offload, long.devices) == (4, "ring", "optimizer", 8)
-    assert planner.Layout.parse(str(long)) == long
+    assert Layout.parse(str(long)) == long
     with pytest.raises(ValueError, match="name=value"):
-        planner.Layout.parse("data=8 turbo")
+        Layout.parse("data=8 turbo")
 
 
 # -- plans for the big shapes ------------------------------------------------------------------------
@@ -128,10 +135,10 @@ def test_layout_text_round_trip():
 
 @pytest.mark.parametrize("name,devices", [("7b", 8), ("70b", 64), ("70b", 1024), ("405b", 16384)])
 def test_top_plans_fit(name, devices):
-    model = planner.Model.named(name)
-    work = planner.Workload(planner.default_batch(model, devices, model.d_model and planner.model_seq(name)),
-                            planner.model_seq(name))
-    ranking = planner.plan(model, devices, work, "h100")
+    model = Model.named(name)
+    work = Workload(default_batch(model, devices, model.d_model and model_seq(name)),
+                    model_seq(name))
+    ranking = plan(model, devices, work, "h100")
     best = ranking.best
     assert best is not None and best.layout.devices == devices
     assert best.peak <= 80e9 and best.fits
@@ -142,34 +149,34 @@ def test_top_plans_fit(name, devices):
 
 
 def test_a_sequence_too_long_for_every_plain_layout_gets_context_parallelism():
-    model, work = planner.Model.named("7b"), planner.Workload(8, 131072)
-    ranking = planner.plan(model, 8, work, "h100")
+    model, work = Model.named("7b"), Workload(8, 131072)
+    ranking = plan(model, 8, work, "h100")
     plain = [e for e in ranking.dropped if e.layout.context == 1 and e.layout.offload == "none"]
     assert plain and not any(e.fits for e in plain)
     best = ranking.best
     assert best is not None and best.layout.context > 1 and best.fits and best.layout.devices == 8
-    assert f"context={best.layout.context}" in planner.run_command("7b", best, work)
+    assert f"context={best.layout.context}" in run_command("7b", best, work)
     # the K/V collectives over context: 3 (C - 1)/C of K and V per layer run, both forms alike
     for form in ("all-gather", "ring"):
         layout = dataclasses.replace(best.layout, context_form=form)
-        est = planner.estimate(model, layout, work, "h100")
+        est = estimate(model, layout, work, "h100")
         kv = [c for c in est.collectives if c.axis == "context" and c.kind != "all-reduce"]
         c, runs = layout.context, model.n_layers * layout.grad_accum
         whole = 8 // (layout.data * layout.grad_accum) * work.seq_len * model.n_kv_heads / layout.tensor * model.head_dim * 2
         assert sum(k.traffic(c) for k in kv) == pytest.approx(2 * 3 * (c - 1) / c * whole * runs)
-    odd = planner.estimate(model, dataclasses.replace(best.layout, context=3, data=1), planner.Workload(8, 1000), "h100")
+    odd = estimate(model, dataclasses.replace(best.layout, context=3, data=1), Workload(8, 1000), "h100")
     assert "does not divide by 2 x context=3" in odd.reason
 
 
 def test_offload_moves_the_optimizer_state_and_master_to_the_host():
-    model, work = planner.Model.named("7b"), planner.Workload(8, 4096)
-    base = planner.Layout.parse("data=8 zero=3 remat=full precision=bf16")
-    kept, offloaded = (planner.estimate(model, dataclasses.replace(base, offload=o), work, "h100")
+    model, work = Model.named("7b"), Workload(8, 4096)
+    base = Layout.parse("data=8 zero=3 remat=full precision=bf16")
+    kept, offloaded = (estimate(model, dataclasses.replace(base, offload=o), work, "h100")
                        for o in ("none", "optimizer"))
     host = kept.memory["optimizer"] + kept.memory["params"]  # ZeRO-3's fp32 shard is the bf16 master
     assert offloaded.memory["host"] == host and kept.memory["host"] == 0
     assert offloaded.memory["arguments"] == pytest.approx(kept.memory["arguments"] - host)
-    device = planner.load_device("h100")
+    device = load_device("h100")
     assert offloaded.time["update"] - kept.time["update"] == pytest.approx(2 * host / device.host_bandwidth)
 
 
@@ -190,7 +197,7 @@ def test_plan_command(tmp_path, capsys):
     args = cli.build_parser().parse_args(["train", "--config", str(config)])
     train, options, mesh = cli.resolve(args)
     assert train.model == "70b" and math.prod(mesh.shape.values()) == 1024
-    assert options == planner.Layout(**{a: n for a, n in mesh.shape.items() if a in planner.AXES}, **options).options()
+    assert options == Layout(**{a: n for a, n in mesh.shape.items() if a in AXES}, **options).options()
 
     assert cli.main(["plan", "--model", "70b", "--devices", "64", "--explain",
                      "data=2,tensor=8,pipe=4 zero=1 microbatches=8 remat=full", "--json"]) == 0
@@ -209,13 +216,13 @@ def test_plan_from_file_runs_on_cpu(tmp_path):
     from jaxpar.core.plan import Plan
     from jaxpar.run.training import prepare
 
-    model = planner.Model.named("tiny", TINY)
-    ranking = planner.plan(model, 8, WORK, "cpu", precision="fp32")
+    model = Model.named("tiny", TINY)
+    ranking = plan(model, 8, WORK, "cpu", precision="fp32")
     path = tmp_path / "tiny.toml"
-    path.write_text(planner.config_toml("tiny", ranking.best, WORK))
+    path.write_text(config_toml("tiny", ranking.best, WORK))
     train, options, mesh = cli.resolve(cli.build_parser().parse_args(["train", "--config", str(path)]))
     run = prepare(train, Plan.create(mesh, **options))
-    assert {a: n for a, n in run.plan.shape.items() if a in planner.AXES} == ranking.best.layout.shape
+    assert {a: n for a, n in run.plan.shape.items() if a in AXES} == ranking.best.layout.shape
 
 
 # -- against the compiler -------------------------------------------------------------------------
@@ -257,17 +264,17 @@ def compiled_cell(mesh: str, options: dict, model: str) -> dict:
     return inspection(run)
 
 
-def predicted_cell(mesh: str, options: dict, model: str) -> planner.Estimate:
+def predicted_cell(mesh: str, options: dict, model: str) -> Estimate:
     sizes = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
-    layout = planner.Layout(**sizes, **{"precision": "fp32", **options})
-    return planner.estimate(planner.Model.named(model, TINY), layout, WORK, "cpu")
+    layout = Layout(**sizes, **{"precision": "fp32", **options})
+    return estimate(Model.named(model, TINY), layout, WORK, "cpu")
 
 
 @pytest.mark.parametrize("mesh,options,model", GRID, ids=[f"{m} {o}".strip() for m, o, _ in (getattr(c, "values", c) for c in GRID)])
 def test_prediction_matches_compiled_step(mesh, options, model):
     est = predicted_cell(mesh, options, model)
     assert not est.reason, est.reason
-    ratios = planner.ratios(est, compiled_cell(mesh, options, model))
+    ratios = compare.ratios(est, compiled_cell(mesh, options, model))
     assert set(ratios) >= {"arguments", "temp"}
     for key, ratio in ratios.items():
         tolerance = TOLERANCE.get(key, 0.10)

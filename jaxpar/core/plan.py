@@ -24,19 +24,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core import trace as context
-from jaxpar.parallel import attention as attention_lib
-from jaxpar.parallel import offload as offload_lib
-from jaxpar.train import precision as precision_lib
+from jaxpar.core import options, trace
 from jaxpar.core import rules as rules_lib
-from jaxpar.pipeline import schedule as schedule_lib
-from jaxpar.parallel import tensor as tensor_lib
 from jaxpar.core import zero_layout as zero_lib
-from jaxpar.core.trace import active_plan  # noqa: F401  (the public way for layers to read the plan being traced)
 from jaxpar.core.mesh import AXES, MeshSpec, adopt, make_mesh, mesh_shape, nesting_order
-
-PRECISIONS = tuple(precision_lib.POLICIES)
-REMAT_POLICIES = ("none", "full", "selective")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,16 +101,12 @@ class Plan:
             raise ValueError(f"zero stage must be 0, 1, 2 or 3, got {self.zero!r}")
         if not 0.0 <= self.zero_tolerance <= 1.0:
             raise ValueError(f"zero_tolerance must be a fraction in [0, 1], got {self.zero_tolerance!r}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat policy must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        options.check_choice("remat", self.remat)
+        options.check_choice("precision", self.precision)
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
-        if self.tensor_form not in tensor_lib.FORMS:
-            raise ValueError(f"tensor_form must be one of {tensor_lib.FORMS}, got {self.tensor_form!r}")
-        if self.context_form not in attention_lib.FORMS:
-            raise ValueError(f"context_form must be one of {attention_lib.FORMS}, got {self.context_form!r}")
+        options.check_choice("tensor_form", self.tensor_form)
+        options.check_choice("context_form", self.context_form)
         if not isinstance(self.rules, Mapping) or "batch" not in self.rules:
             raise ValueError(f"rules must be a mapping with a 'batch' rule (Plan.create converts pairs), got {self.rules!r}")
         for name, rule in self.rules.items():
@@ -137,9 +124,8 @@ class Plan:
                              f"build the plan with Plan.create, which orders them")
         if self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 1, or 0 for one per pipe stage; got {self.microbatches}")
-        schedule_lib.validate(self.schedule, self.shape["pipe"], self.pipeline_microbatches, self.virtual_stages)
-        offload_lib.check(self.offload, self.mesh)
-        context_ways, outer = self.shape[attention_lib.AXIS], self.axis_size(*self.rank_axes, "pipe")
+        options.check_plan(self)  # the pipeline schedule's counts, offload's host memory (jaxpar.core.options)
+        context_ways, outer = self.shape["context"], self.axis_size(*self.rank_axes, "pipe")
         if (context_ways > 1 and self.shape["tensor"] > 1 and self.tensor_form == "annotation" and outer > 1
                 and jax.__version_info__ >= (0, 12)):
             raise ValueError(
@@ -271,8 +257,7 @@ class Plan:
                 f"{', '.join(f'{a}={self.shape[a]}' for a in splitting)} x grad_accum={self.grad_accum} "
                 f"x microbatches={self.pipeline_microbatches} (product {ways})"
             )
-        if seq_len is not None:
-            attention_lib.check_sequence(seq_len, self.shape[attention_lib.AXIS])
+        options.check_batch(self, global_batch, seq_len)  # e.g. a sequence that splits over context
         if self.sequence_parallel and seq_len is not None:
             rules_lib.resolve_spec(("seq_residual",), (seq_len,), self.shape, self.logical_rules,
                                    path="batch sequence")
@@ -287,21 +272,15 @@ class Plan:
         """
         return self._specs(logical, over_data=self.zero >= 2)
 
-    def optimizer_specs(self, optimizer: optax.GradientTransformation, logical) -> Any:
+    def optimizer_specs(self, optimizer, logical) -> Any:
         """PartitionSpec of every optimizer-state leaf: like its parameter (ZeRO-1+: over data; so is the fp32
         master that ZeRO-1 keeps there under bf16/fp16, jaxpar.train.precision)."""
-        optimizer = precision_lib.for_plan(optimizer, self)
+        optimizer = options.wrapped_optimizer(optimizer, self)
         specs = self._specs(logical, over_data=self.zero >= 1)
         shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), logical, is_leaf=rules_lib.is_logical)
         abstract = jax.eval_shape(optimizer.init, shapes)
-        return optax.tree_map_params(
-            optimizer,
-            lambda _, spec: spec,
-            abstract,
-            specs,
-            transform_non_params=lambda _: P(),
-            is_leaf=lambda x: isinstance(x, P),
-        )
+        return optax.tree_map_params(optimizer, lambda _, spec: spec, abstract, specs,
+                                     transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
 
     def variable_specs(self, logical) -> Any:
         """PartitionSpec of every non-parameter variable (BatchNorm statistics, ...) from its logical names."""
@@ -338,7 +317,7 @@ class Plan:
 
     def activate(self):
         """Context in which this plan is `jaxpar.core.trace.active_plan()` and its mesh jax's current mesh."""
-        return context.activate(self)
+        return trace.activate(self)
 
 
 def manual_axes(shape: Mapping[str, int], tensor_form: str) -> tuple[str, ...]:

@@ -13,13 +13,14 @@ runs while tracing, before anything compiles.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import warnings
 
 import jax
 from jax.sharding import PartitionSpec
 
+from jaxpar.core import trace
 from jaxpar.core import zero_layout as zero_lib
+
 TENSOR = "tensor"  # a Megatron layer split its weights over tensor axes (jaxpar.parallel.tensor)
 EXPERTS = "experts"  # an MoE layer dispatched tokens to experts (jaxpar.parallel.experts.moe_ffn)
 STACK = "stack"  # a stacked-layer block ran its scan (applies the remat policy and ZeRO per-layer gathers)
@@ -41,9 +42,6 @@ EXPLICIT_UNUSED = (
     "array split over tensor, or repeat the whole work on every rank. Use tensor_form='annotation'"
 )
 
-_record: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("jaxpar_usage", default=None)
-
-
 class PlanOptionUnused(UserWarning):
     """A plan option that changes nothing for this model."""
 
@@ -58,7 +56,7 @@ def mark_tensor_params(specs) -> None:
 
 def mark(feature: str) -> None:
     """Note that the model being traced used `feature` (one of the names above); a no-op outside `recording`."""
-    record = _record.get()
+    record = trace.current().used
     if record is not None:
         record.add(feature)
 
@@ -67,11 +65,8 @@ def mark(feature: str) -> None:
 def recording():
     """Collect the features marked while the body runs (traces the model) into the yielded set."""
     record: set[str] = set()
-    token = _record.set(record)
-    try:
+    with trace.scoped(used=record):
         yield record
-    finally:
-        _record.reset(token)
 
 
 def problems(plan, used: set[str]) -> tuple[list[str], list[str]]:

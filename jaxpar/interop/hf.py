@@ -522,8 +522,8 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
     """
     import orbax.checkpoint as ocp
 
-    from jaxpar.train.checkpoint import Checkpoints, listing, mismatches
     from jaxpar.interop.export import CONFIG_FILE, PARAMS_DIR
+    from jaxpar.train.checkpoint import Checkpoints, listing, mismatches
 
     path = Path(path).absolute()
     shardings = plan.shardings(plan.param_specs(model.logical))
@@ -558,9 +558,9 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
 
 def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dict:
     """`jaxpar export --format hf`: a training checkpoint (or export) as a Hugging Face Llama directory."""
-    from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.interop.export import CONFIG_FILE
     from jaxpar.interop.export import load_params as load_export
+    from jaxpar.train.checkpoint import Checkpoints
 
     path = Path(path)
     _numpy_dtype(dtype)

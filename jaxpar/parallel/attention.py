@@ -26,8 +26,6 @@ so no [queries, keys] score matrix outlives its layer.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -35,14 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel import bits
-
-from jaxpar.core import usage
+from jaxpar.core import options, trace, usage
 from jaxpar.core.trace import active_plan
-from jaxpar.core.rules import rule_axes, varying_axes
+from jaxpar.parallel import bits
+from jaxpar.parallel.constrain import rule_axes, varying_axes
 
 AXIS = "context"
 FORMS = ("all-gather", "ring")
+options.register_choices("context_form", FORMS)
 
 
 def context_ways() -> int:
@@ -68,10 +66,6 @@ def balanced_order(seq: int, ways: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[c], chunks[2 * ways - 1 - c]]) for c in range(ways)])
 
 
-_ordered: contextvars.ContextVar[frozenset] = contextvars.ContextVar("jaxpar_context_ordered", default=frozenset())
-
-
-@contextlib.contextmanager
 def already_ordered(feature: str):
     """Within: `context_order(x, feature)` returns x as it is (still recording the feature).
 
@@ -79,11 +73,7 @@ def already_ordered(feature: str):
     microbatches and sequence shares for each stage's loss head; a share is
     not a sequence that `balanced_order` could reorder.
     """
-    token = _ordered.set(_ordered.get() | {feature})
-    try:
-        yield
-    finally:
-        _ordered.reset(token)
+    return trace.scoped(ordered=trace.current().ordered | {feature})
 
 
 def context_order(x: jax.Array, feature: str, axis: int = 1) -> jax.Array:
@@ -96,9 +86,15 @@ def context_order(x: jax.Array, feature: str, axis: int = 1) -> jax.Array:
     if ways == 1:
         return x
     usage.mark(feature)
-    if feature in _ordered.get():
+    if feature in trace.current().ordered:
         return x
     return jnp.take(x, jnp.asarray(balanced_order(x.shape[axis], ways)), axis=axis)
+
+
+@options.register_batch_check
+def _check_batch(plan, global_batch: int, seq_len: int | None) -> None:
+    if seq_len is not None:
+        check_sequence(seq_len, plan.shape[AXIS])
 
 
 def positions(seq: int) -> jax.Array:

@@ -19,11 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel import bits
-
 from jaxpar.core import usage
+from jaxpar.parallel import bits
+from jaxpar.parallel.constrain import constrain, rule_axes
 from jaxpar.parallel.matmul import weight_einsum
-from jaxpar.core.rules import constrain, rule_axes
 
 
 @dataclasses.dataclass(frozen=True)

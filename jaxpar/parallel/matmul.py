@@ -34,7 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core.rules import varying_axes
+from jaxpar.parallel.constrain import varying_axes
 
 
 def weight_einsum(equation: str, x, w, *, out_dtype=None):

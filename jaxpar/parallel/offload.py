@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from jaxpar.core import options
+
 TARGETS = ("none", "optimizer")
 HOST = "pinned_host"  # page-locked host memory: the device copies it by DMA
 DEVICE = "device"
@@ -32,6 +34,9 @@ def check(target: str, mesh: Mesh) -> None:
     if HOST not in kinds:
         raise ValueError(f"offload={target!r} needs {HOST!r} memory, but {device.platform} devices have "
                          f"{', '.join(kinds)}; use offload='none' on this backend")
+
+
+options.register_plan_check(lambda plan: check(plan.offload, plan.mesh))
 
 
 def on_host(shardings):

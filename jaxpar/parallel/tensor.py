@@ -28,17 +28,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel import bits
-
-from jaxpar.core import usage
-
-from jaxpar.parallel import zero
-from jaxpar.parallel.attention import context_order
+from jaxpar.core import options, usage
+from jaxpar.core.rules import mesh_axes_of, resolve_spec, specs_over
 from jaxpar.core.trace import active_plan
+from jaxpar.parallel import bits, zero
+from jaxpar.parallel.attention import context_order
+from jaxpar.parallel.constrain import constrain, rule_axes, varying_axes
 from jaxpar.parallel.matmul import weight_einsum
-from jaxpar.core.rules import constrain, mesh_axes_of, resolve_spec, rule_axes, specs_over, varying_axes
 
 FORMS = ("annotation", "explicit")
+options.register_choices("tensor_form", FORMS)
 RESIDUAL = ("batch", "seq_residual", "embed")
 
 

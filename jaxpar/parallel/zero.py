@@ -30,23 +30,24 @@ over, so the collectives below read them from the spec.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.core import trace
+from jaxpar.core.zero_layout import (
+    AXES,
+    axes_of,
+    dim_over_zero_axes,
+    entries_of,
+    over_zero_axes,
+    zero_axes_of,
+)
 from jaxpar.parallel import bits
-from jaxpar.core import rules as rules_lib
-from jaxpar.core.zero_layout import (AXES, SCANNED, axes_of, dim_over_zero_axes, entries_of, over_zero_axes,
-                                 zero_axes_of)
 
 GATHERED = "zero_gathered"  # checkpoint name of a layer's gathered parameters (remat policies keep or drop them)
 
@@ -152,14 +153,9 @@ def gather(x, entries: tuple):
     return checkpoint_name(full, GATHERED)
 
 
-@contextlib.contextmanager
 def layer_registry():
     """While the step's loss is traced, remember which arrays are stacked layers sharded over data (see below)."""
-    token = _registry.set({})
-    try:
-        yield
-    finally:
-        _registry.reset(token)
+    return trace.scoped(zero_layers={})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,19 +246,19 @@ def sum_gradients(grads, grad_specs, at_use=None):
 
 # -- stacked layers gathered one at a time (jaxpar.parallel.stack.scan_layers) ---------------------------
 
-# id(array) -> (array, what it was made from (its fp32 shard over data), the `Use` that makes one layer of
-# it). The array itself is kept so that its id cannot be reused while the trace runs.
-_registry: contextvars.ContextVar[dict[tuple[str, int], tuple] | None] = contextvars.ContextVar("jaxpar_zero_layers", default=None)
+# The trace's `zero_layers` (jaxpar.core.trace): (kind, id(array)) -> (array, what it was made from (its fp32
+# shard over data), the `Use` that makes one layer of it). The array itself is kept so that its id cannot be
+# reused while the trace runs.
 
 
 def _remember(array, source, use, kind: str = "use") -> None:
-    registry = _registry.get()
+    registry = trace.current().zero_layers
     if registry is not None:
         registry[kind, id(array)] = (array, source, use)
 
 
 def _lookup(array, kind: str = "use"):
-    found = (_registry.get() or {}).get((kind, id(array)))
+    found = (trace.current().zero_layers or {}).get((kind, id(array)))
     return found[1:] if found is not None and found[0] is array else None
 
 

@@ -19,17 +19,13 @@ for evaluation or generation (a forward outside the pipeline).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from typing import Any
 
 import jax
 import optax
 
-from jaxpar.train import precision
-
-from jaxpar.core import zero_layout
+from jaxpar.core import options, trace, zero_layout
 from jaxpar.core.rules import is_logical
 
 
@@ -70,7 +66,7 @@ def _state_reordered(state, logical, optimizer, plan, to_natural: bool):
     if not reorders(plan):
         return state
     one = _reorder_leaf(plan, to_natural)
-    opt_state = optax.tree_map_params(precision.for_plan(optimizer, plan), one, state.opt_state, logical,
+    opt_state = optax.tree_map_params(options.wrapped_optimizer(optimizer, plan), one, state.opt_state, logical,
                                       is_leaf=is_logical)
     return dataclasses.replace(state, params=_reordered(state.params, logical, plan, to_natural), opt_state=opt_state)
 
@@ -104,18 +100,10 @@ def _swap_chunks(x, p: int, v: int, to_natural: bool):
 
 
 ORDERS = ("pipeline", "natural")
-_train_state_layers = contextvars.ContextVar("jaxpar_train_state_layers", default=False)
-
-
-@contextlib.contextmanager
 def train_state_layers():
     """Parameters traced inside come from a train state on the active plan, so in its order (jaxpar's train
     step traces the loss under this)."""
-    token = _train_state_layers.set(True)
-    try:
-        yield
-    finally:
-        _train_state_layers.reset(token)
+    return trace.scoped(train_state_layers=True)
 
 
 def stack_in_plan_order(stacked, plan, order: str | None):
@@ -130,7 +118,7 @@ def stack_in_plan_order(stacked, plan, order: str | None):
         raise ValueError(f"layer_order must be one of {ORDERS}, got {order!r}")
     if not reorders(plan):
         return stacked
-    order = order or ("pipeline" if _train_state_layers.get() else None)
+    order = order or ("pipeline" if trace.current().train_state_layers else None)
     if order is None:
         p, v = plan.shape["pipe"], plan.virtual_stages
         raise ValueError(

@@ -1,9 +1,10 @@
-"""Pipeline schedules as static tick tables: who runs which microbatch, when; the bubble; pictures.
+"""Pipeline schedules as static tick tables: who runs which microbatch, when; the bubble.
 
 In a scan-based pipeline every stage runs the same program once per tick, so a
 schedule is a table: at tick t, stage i runs the forward (or backward) of
 microbatch j on its virtual chunk k, or nothing (a bubble slot). `jaxpar.pipeline.executor`
-executes these tables; this module also measures their bubble and draws them.
+executes these tables; this module also measures their bubble (`jaxpar.pipeline.schedule_pictures`
+draws them).
 
 - gpipe: forward of j at stage i on tick i + j, then the backward by autodiff of
   that scan, i.e. the same table run in reverse.
@@ -19,7 +20,7 @@ executes these tables; this module also measures their bubble and draws them.
   in the ring row the backward has just freed (`ORDER`). Canonical
   1F1B hops once per slot, not per tick. Doing that in lockstep means a tick
   that is a forward on some stages and a backward on others. Each stage runs
-  only its own slot (`jaxpar.pipeline.executor` runs slots under `lax.cond`), but the
+  only its own slot (`jaxpar.pipeline.table_executor` runs slots under `lax.cond`), but the
   stages meet at every tick's `ppermute`, so such a tick lasts a backward
   (about two forwards) on every stage: the steady phase takes 2m backward-long
   ticks against m ticks of a forward and a backward, a third longer.
@@ -61,7 +62,7 @@ writes or reads (a row freed by a slot is taken by a later slot, of the same
 tick too; `Schedule.ring_layout`), and
 `Schedule.segments` cuts the ticks into phases with the same slot kinds;
 `Schedule.loops` cuts them further where the loss head starts or stops
-running and folds repeating runs into loops, which `jaxpar.pipeline.executor` runs as
+running and folds repeating runs into loops, which `jaxpar.pipeline.table_executor` runs as
 (nested) scans. Bubble fractions weigh F, B and W
 slots alike (a fused backward counts twice); for the 1f1b and gpipe tables
 the fraction does not depend on the weights.
@@ -73,6 +74,9 @@ import dataclasses
 import functools
 
 import numpy as np
+
+from jaxpar.core import options
+from jaxpar.pipeline.ring_rows import RingLayout, allocate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # schedules whose backward slots are in the table
@@ -114,6 +118,11 @@ def validate(schedule: str, stages: int, microbatches: int, virtual_stages: int)
             f"schedule 'interleaved' sends microbatches round the ring in groups of pipe={stages}: "
             f"microbatches={microbatches} does not divide by {stages}"
         )
+
+
+@options.register_plan_check
+def _check_plan(plan) -> None:
+    validate(plan.schedule, plan.shape["pipe"], plan.pipeline_microbatches, plan.virtual_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +315,7 @@ class Schedule:
             return 2 * (p - 1) / (3 * m + 2 * (p - 1))
         return (p - 1) / (v * m + p - 1)
 
-    def _slot_ticks(self, kind: str) -> dict[tuple[int, int, int], int]:
+    def slot_ticks(self, kind: str) -> dict[tuple[int, int, int], int]:
         """(stage, microbatch, chunk) -> the tick of its `kind` slot."""
         t, i = np.nonzero(self.actions[kind] != EMPTY)
         return {(int(s), int(self.actions[kind][a, s]), int(self.chunks[kind][a, s])): int(a) for a, s in zip(t, i)}
@@ -329,26 +338,26 @@ class Schedule:
         """
         back = "B" if "B" in self.actions else "BW"
         out = {kind: np.zeros_like(table) for kind, table in self.actions.items()}
-        backward = self._slot_ticks(back)
+        backward = self.slot_ticks(back)
         if "W" in self.actions:
             head_fed = self.stages - 1, self.virtual_stages - 1
-            for (stage, j, k), t in self._slot_ticks("W").items():
+            for (stage, j, k), t in self.slot_ticks("W").items():
                 out["W"][t, stage] = int(backward[stage, j, k] == t and (stage, k) == head_fed)
         freed = {}  # (stage, j, k) -> (tick, index in ORDER) of the last read of its residuals
         for kind in ("BW", "B", "W"):
-            for key, t in (self._slot_ticks(kind).items() if kind in self.actions else ()):
+            for key, t in (self.slot_ticks(kind).items() if kind in self.actions else ()):
                 freed[key] = max(freed.get(key, (t, -1)), (t, ORDER.index((kind, int(out[kind][t, key[0]])))))
         late = np.zeros(self.actions["F"].shape, bool)  # a row of the stage is freed after the early forward
         for (stage, _, _), (t, position) in freed.items():
             late[t, stage] |= position > ORDER.index(("F", 0))
-        for (stage, j, k), t in self._slot_ticks("F").items():
+        for (stage, j, k), t in self.slot_ticks("F").items():
             out["F"][t, stage] = int(backward[stage, j, k] != t and late[t, stage])
         return out
 
     def _when(self, kind: str) -> dict[tuple[int, int, int], int]:
         """(stage, microbatch, chunk) -> the position of its `kind` slot in the stage's program (tick, then `ORDER`)."""
         return {key: t * len(ORDER) + ORDER.index((kind, int(self.places[kind][t, key[0]])))
-                for key, t in self._slot_ticks(kind).items()}
+                for key, t in self.slot_ticks(kind).items()}
 
     @functools.cached_property
     def _lives(self) -> dict[str, dict]:
@@ -367,16 +376,16 @@ class Schedule:
         """The rows of the residual ring, and of the kept cotangents (split backward), per slot.
 
         The residual sets get the fewest rows (`in_flight`). shared: a kept
-        cotangent takes a ring row no set holds over its life (`jaxpar.pipeline.executor`
+        cotangent takes a ring row no set holds over its life (`jaxpar.pipeline.residual_ring`
         writes it into a residual buffer whose row can hold it), and only those
         that find none get a buffer of their own; otherwise all do.
         """
         if shared not in self._layouts:
             lives = self._lives
             residuals = {("residuals", *key): span for key, span in lives["residuals"].items()}
-            rows, where = _allocate(residuals)
+            rows, where = allocate(residuals)
             cotangents = {("cotangents", *key): span for key, span in lives["cotangents"].items()}
-            extra, kept = _allocate(cotangents, where if shared else {}, rows if shared else 0, residuals)
+            extra, kept = allocate(cotangents, where if shared else {}, rows if shared else 0, residuals)
             residual = {kind: self._row_table(kind, lambda key: where["residuals", *key]) for kind in self.actions}
             rows_of = {}
             if "W" in self.actions:
@@ -391,7 +400,7 @@ class Schedule:
 
     def _row_table(self, kind: str, row_of) -> np.ndarray:
         table = np.zeros_like(self.actions[kind])
-        for (stage, j, k), t in self._slot_ticks(kind).items():
+        for (stage, j, k), t in self.slot_ticks(kind).items():
             table[t, stage] = row_of((stage, j, k))
         return table
 
@@ -441,48 +450,6 @@ class Schedule:
         }
 
 
-@dataclasses.dataclass(frozen=True)
-class RingLayout:
-    """Rows of a stage's residual ring: how many, and which row each slot's residuals (and cotangent) use."""
-
-    ring_rows: int
-    rows: dict  # kind -> [ticks, stages] residual row
-    cotangent_buffer_rows: int  # rows of a separate cotangent buffer (0: cotangents live in the ring)
-    cotangent_rows: dict  # "B", "W" -> [ticks, stages] row of the kept cotangent, EMPTY where W takes B's directly
-
-
-def _allocate(spans: dict, placed: dict | None = None, shared: int = 0,
-              placed_spans: dict | None = None) -> tuple[int, dict]:
-    """(rows, label -> row) for labels (kind, stage, ...) held over (first, last) positions of their stage's program.
-
-    Greedy by first position, which needs no more rows than the most spans
-    live at once (an interval graph). Both ends are inclusive: a row freed at
-    some position can be taken at a later one, in the same tick too. With
-    `placed` (label -> row of `placed_spans`) a span may also take one of the
-    first `shared` rows where no placed span overlaps it; a row numbered
-    `shared + r` is then row r of the rows counted (those of its own).
-    """
-    spans_of = {}  # (stage, row) -> spans held
-    for label, row in (placed or {}).items():
-        if row < shared:
-            spans_of.setdefault((label[1], row), []).append(placed_spans[label])
-    rows, own = {}, {}
-    for label in sorted(spans, key=lambda label: (label[1], spans[label][0])):
-        first, last = spans[label]
-        free = lambda key: all(b < first or a > last for a, b in spans_of.get(key, ()))  # noqa: E731
-        row = next((r for r in range(shared) if free((label[1], r))), None)
-        if row is None:
-            taken = own.setdefault(label[1], [])
-            r = next((r for r, until in enumerate(taken) if until < first), len(taken))
-            if r == len(taken):
-                taken.append(0)
-            taken[r], row = last, shared + r
-        else:
-            spans_of.setdefault((label[1], row), []).append((first, last))
-        rows[label] = row
-    return max((len(taken) for taken in own.values()), default=0), rows
-
-
 # -- table generators (explicit backward) --------------------------------------------------------------
 
 
@@ -522,99 +489,3 @@ def _zb_h1(p: int, m: int, v: int):
 
 
 _GENERATORS = {"1f1b": _interleaved, "interleaved": _interleaved, "zb-h1": _zb_h1}
-
-
-# -- pictures ----------------------------------------------------------------
-
-_FORWARD_COLOURS = ("#4c72b0", "#8172b2", "#64b5cd", "#2a4a80")  # blues, one shade per virtual chunk
-_BACKWARD_COLOURS = ("#55a868", "#2f7d4a", "#8cc084", "#1b5e20")  # greens
-_WEIGHT_COLOURS = ("#dd8452", "#c44e52", "#e6a06f", "#8c3a1b")  # oranges: weight-backward slots
-
-
-def _colour(kind: str, chunk: int) -> str:
-    palette = {"F": _FORWARD_COLOURS, "W": _WEIGHT_COLOURS}.get(kind, _BACKWARD_COLOURS)
-    return palette[chunk % len(palette)]
-
-
-def _title(schedule: Schedule) -> str:
-    v = f", v={schedule.virtual_stages}" if schedule.virtual_stages > 1 else ""
-    formula = "2(p-1)/(3m+2(p-1))" if schedule.name == "zb-h1" else "(p-1)/(vm+p-1)"
-    return (f"{schedule.name}: p={schedule.stages}, m={schedule.microbatches}{v}; "
-            f"bubble {schedule.bubble:.1%} (formula {formula} = {schedule.bubble_formula:.1%})")
-
-
-def render(schedule: Schedule):
-    """The timeline as rich text: one row per stage, a coloured cell per forward/backward slot."""
-    from rich.text import Text
-
-    width = len(str(schedule.microbatches - 1)) + 1
-    text = Text(_title(schedule) + "\n", style="bold")
-    columns = schedule.timeline()
-    for stage in range(schedule.stages):
-        text.append(f"stage {stage} ", style="bold")
-        for col in columns:
-            j = col.microbatch[stage]
-            if j == EMPTY:
-                text.append("·".center(width), style="dim")
-            else:
-                text.append(str(j).rjust(width - 1) + " ", style=f"bold white on {_colour(col.kind, col.chunk[stage])}")
-        text.append("\n")
-    text.append("forward ", style=f"white on {_FORWARD_COLOURS[0]}")
-    text.append(" ")
-    split = schedule.explicit_backward and "W" in schedule.actions
-    text.append("input-backward" if split else "backward", style=f"white on {_BACKWARD_COLOURS[0]}")
-    if split:
-        text.append(" ")
-        text.append("weight-backward", style=f"white on {_WEIGHT_COLOURS[0]}")
-    text.append("  · bubble; numbers are microbatches")
-    if schedule.virtual_stages > 1:
-        text.append("; shades are virtual chunks")
-    text.append(f"\n{_residuals(schedule)}")
-    return text
-
-
-def _residuals(schedule: Schedule) -> str:
-    """The live-microbatch bound in words: how many stages' worth of residuals a stage keeps at the peak."""
-    if not schedule.explicit_backward:
-        return f"residuals kept: all {schedule.microbatches} microbatches' (autodiff of the tick scan)"
-    chunks = f" ({schedule.in_flight} chunk-sized sets)" if schedule.virtual_stages > 1 else ""
-    text = f"residuals kept: at most {schedule.live_microbatches:g} microbatches' per stage{chunks}"
-    if schedule.cotangents_in_flight:
-        extra = schedule.ring_layout().cotangent_buffer_rows
-        text += f"; up to {schedule.cotangents_in_flight} cotangents kept from B to W, in ring rows no residuals hold"
-        text += f" ({extra} rows of their own where none is free)" if extra else ""
-    return text
-
-
-def save_png(schedule: Schedule, path: str) -> None:
-    """Draw the timeline with matplotlib (stages x slots, bubbles left blank) into `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
-
-    columns = schedule.timeline()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * len(columns)), 0.55 * schedule.stages + 1.3))
-    for x, col in enumerate(columns):
-        for stage, j in enumerate(col.microbatch):
-            if j == EMPTY:
-                continue
-            ax.add_patch(plt.Rectangle((x, stage), 0.95, 0.9, color=_colour(col.kind, col.chunk[stage])))
-            ax.text(x + 0.47, stage + 0.45, str(j), ha="center", va="center", fontsize=7, color="white")
-    ax.set_xlim(0, len(columns))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylim(schedule.stages, 0)
-    ax.set_yticks([s + 0.45 for s in range(schedule.stages)], [f"stage {s}" for s in range(schedule.stages)])
-    ax.set_xlabel("time slot (one forward or backward slot of one chunk)")
-    ax.set_title(_title(schedule), fontsize=9)
-    split = schedule.explicit_backward and "W" in schedule.actions
-    handles = [Patch(color=_FORWARD_COLOURS[0], label="forward"),
-               Patch(color=_BACKWARD_COLOURS[0], label="input-backward" if split else "backward")]
-    if split:
-        handles.append(Patch(color=_WEIGHT_COLOURS[0], label="weight-backward"))
-    ax.legend(handles=handles, loc="upper right", fontsize=7, bbox_to_anchor=(1.0, -0.25), ncol=3, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

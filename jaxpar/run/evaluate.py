@@ -92,9 +92,9 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers), so the held-out tail is the same.
     """
     from jaxpar.interop import hf
+    from jaxpar.interop.tokenize import training_tokens
     from jaxpar.models import model_factory
     from jaxpar.train.state import describe
-    from jaxpar.interop.tokenize import training_tokens
 
     name, cfg = hf.saved_model_config(path)
     seq_len = seq_len or min(cfg.seq_len, 256)

@@ -10,10 +10,17 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from jaxpar.planner import inspect as inspect_lib
 from jaxpar.core import zero_layout
+from jaxpar.planner import inspect as inspect_lib
+from jaxpar.run.training import (
+    Run,
+    changed_settings,
+    iterate,
+    open_checkpoints,
+    param_table,
+    resume,
+)
 from jaxpar.train.state import abstract_state
-from jaxpar.run.training import Run, changed_settings, iterate, open_checkpoints, param_table, resume
 
 
 def _bytes(n: float) -> str:

@@ -18,18 +18,23 @@ import jax
 import numpy as np
 import optax
 
-from jaxpar.train import data as data_lib
-from jaxpar.planner import mfu as mfu_lib
-from jaxpar.parallel import offload
-from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, Preemption, differences, run_config
-from jaxpar.train.distributed import is_leader
-from jaxpar.pipeline.layer_order import to_natural_order
-from jaxpar.models import model_config, model_factory
 from jaxpar.core.plan import Plan
+from jaxpar.interop.tokenize import training_tokens
+from jaxpar.models import model_config, model_factory
+from jaxpar.parallel import offload
+from jaxpar.pipeline.layer_order import to_natural_order
+from jaxpar.planner import mfu as mfu_lib
+from jaxpar.train import data as data_lib
+from jaxpar.train.checkpoint import (
+    Checkpoints,
+    CorruptCheckpoint,
+    Preemption,
+    differences,
+    run_config,
+)
+from jaxpar.train.distributed import is_leader
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state
 from jaxpar.train.step import Step, make_train_step
-from jaxpar.interop.tokenize import training_tokens
-
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
@@ -60,7 +65,7 @@ class TrainConfig:
     eval_every: int = 0  # held-out loss every N steps (0: never); the held-out tail is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
-    peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.mfu's table does not know it
+    peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):

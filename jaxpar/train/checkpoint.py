@@ -44,12 +44,10 @@ import optax
 import orbax.checkpoint as ocp
 from jax import lax
 
-from jaxpar.pipeline import layer_order
-
-from jaxpar.parallel import offload
-
-from jaxpar.train import precision
 from jaxpar.core.plan import Plan
+from jaxpar.parallel import offload
+from jaxpar.pipeline import layer_order
+from jaxpar.train import precision
 from jaxpar.train.state import ModelDef, TrainState, abstract_state
 
 FORMAT = "jaxpar-checkpoint/1"

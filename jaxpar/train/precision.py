@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar.core import options
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -57,6 +59,8 @@ POLICIES = {
     "fp16": Policy(jnp.float32, jnp.float16, loss_scaling=True),
     "bf16-params": Policy(jnp.bfloat16, jnp.bfloat16, loss_scaling=False),
 }
+
+options.register_choices("precision", POLICIES)
 
 
 class LossScale(NamedTuple):
@@ -173,6 +177,7 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(tree)]))
 
 
+@options.register_optimizer_wrap
 def for_plan(optimizer, plan) -> Optimizer:
     """`optimizer` under `plan`'s precision and the ZeRO stage that acts on its state (none on data of size 1)."""
     return wrap(optimizer, plan.precision, plan.zero if plan.zero_ranks > 1 else 0)

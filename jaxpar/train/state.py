@@ -21,13 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.pipeline import layer_order
-
-from jaxpar.parallel import offload
-
-from jaxpar.train import precision
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import LogicalArray, is_logical
+from jaxpar.parallel import offload
+from jaxpar.pipeline import layer_order
+from jaxpar.train import precision
 
 # The three groups a model is split into: what the optimizer updates, its RNG streams, everything else.
 GROUPS = (nnx.Param, nnx.RngState, ...)

@@ -2,7 +2,7 @@
 
 `make_train_step` returns a `Step`: a `jax.jit` with in/out shardings from the
 plan and the state donated, that enters the plan's mesh and rules whenever it
-is traced, so model code can call `jaxpar.core.rules.constrain`. The gradient path
+is traced, so model code can call `jaxpar.parallel.constrain.constrain`. The gradient path
 runs per data rank inside `jax.shard_map` over `data`, where the ZeRO stage
 decides which collective sums the gradients (jaxpar.parallel.zero); the update runs in
 the plan's precision (jaxpar.train.precision).
@@ -21,17 +21,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline import layer_order
-
-from jaxpar.parallel import offload
-
-from jaxpar.train import precision
-
 from jaxpar.core import usage
-
-from jaxpar.parallel import zero
+from jaxpar.core.microbatches import microbatches
 from jaxpar.core.plan import Plan
-from jaxpar.core.rules import specs_over, varying_axes
+from jaxpar.core.rules import specs_over
+from jaxpar.parallel import offload, zero
+from jaxpar.parallel.constrain import varying_axes
+from jaxpar.pipeline import layer_order
+from jaxpar.train import precision
 from jaxpar.train.state import ModelDef, TrainState, state_shardings
 
 LossFn = Callable[..., Any]  # (model, batch[, rngs=]) -> loss or (loss, aux dict)
@@ -85,15 +82,6 @@ def _manual_axis_error(error: ValueError, plan: Plan) -> ValueError | None:
         f"axis cannot appear in it; constrain with logical names instead (jaxpar.constrain(x, ('batch', ...))), "
         f"which leaves the manual axes out"
     )
-
-
-def microbatches(batch: dict, k: int) -> dict:
-    """Split every [B, ...] leaf into [k, B/k, ...]; microbatch j takes rows j, j+k, ...
-
-    Strided rows keep each device's share of every microbatch local, so the
-    split needs no communication whatever the batch sharding.
-    """
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
 def check_batch(plan: Plan, batch) -> None:

@@ -1,0 +1,103 @@
+"""Activations a step keeps for its backward pass (Korthikanti et al. 2022), per device.
+
+Per layer and token, the values a block keeps by remat policy, divided by t
+where tensor parallelism (and sequence parallelism) splits them, times the
+layers a stage holds and the microbatches a pipeline schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+from jaxpar.planner.layout import Layout, Workload, local_seq, microbatch_sequences, remat_policy
+from jaxpar.planner.model import Model, capacity
+from jaxpar.planner.ticks import explicit_backward, in_flight, schedule_ticks
+
+
+def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float:
+    """Values one block keeps per token for its backward pass (Korthikanti et al. 2022, Table 2 adapted).
+
+    none: a Llama block without dropout keeps the two norms' inputs and outputs
+    (4 d), Q, K, V (h hd + 2 kv hd), the softmax probabilities (h s), the
+    attention output entering the projection (h hd) and the MLP's gate, up and
+    their product (3 f). dots (ZeRO-3's policy): every matmul output: Q, K, V,
+    the scores, the attention output, both projections' outputs (2 d) and gate
+    and up. selective: the weight matmuls' outputs: Q, K, V, gate, up and the
+    two row-parallel outputs (2 d). full: the block input (d). Tensor
+    parallelism splits all but the d-sized values by t; sequence parallelism
+    those too.
+
+    Where the block has no collective inside (no tensor split, no ZeRO-2/3
+    gather), XLA fuses each projection into its consumer, so selective remat
+    leaves only gate and up (2 f) to keep; where it has one, the collectives
+    cut those fusions, and without remat the block also keeps the
+    intermediates a fused block recomputes: the scores twice (before and after
+    the softmax), 6 d-sized and 8 f-sized values (fused gate|up, silu, its
+    product, ...).
+    """
+    t = layout.tensor
+    d, hd, h, kv, f = model.d_model, model.head_dim, model.n_heads, model.n_kv_heads, model.d_ff
+    d_split = t if layout.sequence_parallel else 1
+    qkv = (h + 2 * kv) * hd / t
+    policy = remat_policy(layout)
+    split = t > 1 or (layout.zero >= 2 and layout.data > 1)
+    if policy == "full":
+        return d / d_split
+    if policy == "selective":
+        return qkv + 2 * f / t + 2 * d / d_split if split else 2 * f
+    if policy == "dots":
+        return qkv + h * seq / t + h * hd / t + 2 * f / t + 2 * d / d_split
+    if split:
+        return 2 * h * seq / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t
+    return 4 * d / d_split + qkv + h * seq / t + h * hd / t + 3 * f / t
+
+
+def moe_mlp_values_per_token(model: Model, layout: Layout, seq: int) -> float:
+    """What a MoE layer keeps per token in place of the dense MLP: the router's logits (E), and per
+    capacity slot (E C / group of them per token) the dispatched input and the combined output (2 d)
+    and the expert's gate, up and product (3 fe, split by t)."""
+    group = model.group_size or seq
+    slots = model.n_experts * capacity(model, group) / group
+    return model.n_experts + slots * (2 * model.d_model + 3 * model.expert_d_ff / layout.tensor)
+
+
+def scores_kept(layout: Layout, seq: int) -> int:
+    """Keys per query whose scores a block keeps for its backward pass: none under context parallelism,
+    whose attention is a custom VJP that saves q, k and v and recomputes the rest (jaxpar.parallel.attention)."""
+    return seq if layout.context == 1 else 0
+
+
+def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
+    """Values one block keeps per token for the backward pass, by where it runs.
+
+    A plain layer scan keeps what its remat policy saves (`activation_values_per_token`;
+    a MoE block its experts' slots in place of the MLP). Without remat, a pipeline
+    keeps more: the block's values as its stage VJP's residuals (per token
+    2 h s + 6 f + 2 (h + kv) hd split by t, and 6 d), masked by each tick's
+    validity in GPipe's differentiated tick scan, in the residual ring's rows
+    under 1F1B and interleaved (the rows' shapes in the compiled step); tensor
+    parallelism adds 3 d whole (Megatron's f/g around each half).
+    """
+    t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
+    h, kv, hd, f, d = model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.d_model
+    if layout.pipe > 1 and remat_policy(layout) == "none":
+        return (2 * h * seq + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
+    values = activation_values_per_token(model, layout, seq)
+    if model.n_experts and remat_policy(layout) != "full":
+        share = model.moe_layers / model.n_layers
+        values += share * (moe_mlp_values_per_token(model, layout, seq) - 3 * f / t)
+    return values
+
+
+def activation_bytes(model: Model, layout: Layout, work: Workload, value_bytes: int, stage_weights: float) -> float:
+    """Activations kept per device: values per token x tokens of a microbatch x layers of a chunk x the
+    chunk-sized sets alive at once (one; every tick's under GPipe; the residual ring's rows under 1F1B,
+    interleaved and zb-h1). GPipe's tick scan also keeps each tick's stage weights, a per-tick
+    value to autodiff; the ring keeps ZeRO-2's gathered weights with each microbatch's residuals."""
+    b, s = microbatch_sequences(layout, work), local_seq(layout, work)
+    layers = model.n_layers / (layout.pipe * layout.virtual_stages)
+    sets = in_flight(layout)
+    kept = value_bytes * b * s * block_values_per_token(model, layout, scores_kept(layout, work.seq_len)) * layers * sets
+    if layout.pipe > 1 and not explicit_backward(layout):
+        kept += stage_weights * schedule_ticks(layout)
+    elif layout.pipe > 1 and layout.zero == 2 and layout.data > 1:
+        kept += stage_weights / layout.virtual_stages * sets  # ZeRO-2's gathered weights are residuals of each microbatch's VJP
+    return kept

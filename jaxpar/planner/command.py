@@ -1,0 +1,132 @@
+"""`jaxpar plan`: the ranked layouts as a table, one layout explained, and the command or config that runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.planner.devices import Device, load_device
+from jaxpar.planner.estimate import Estimate, estimate
+from jaxpar.planner.layout import Layout, Workload
+from jaxpar.planner.model import Model, model_seq
+from jaxpar.planner.pictures import save_pictures
+from jaxpar.planner.search import Ranking, default_batch, explain_choice, plan
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}" if x < 1e13 else "inf"
+
+
+def run_command(model_name: str, est: Estimate, work: Workload) -> str:
+    """The `jaxpar train` command line that runs this layout."""
+    flags = [f"--model {model_name}", f"--mesh {est.layout.mesh}", f"--batch-size {work.batch_size}",
+             f"--seq-len {work.seq_len}"]
+    for key, value in est.layout.options().items():
+        flag = "--" + key.replace("_", "-")
+        flags.append((flag if value else "--no-" + flag[2:]) if isinstance(value, bool) else f"{flag} {value}")
+    return "jaxpar train " + " ".join(flags)
+
+
+def config_toml(model_name: str, est: Estimate, work: Workload) -> str:
+    """A `jaxpar train --config FILE` file for this layout ([model], [train], [mesh], [plan] tables)."""
+    mesh = "\n".join(f"{a} = {n}" for a, n in est.layout.shape.items())
+    plan_lines = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v if isinstance(v, int) else repr(v)}"
+                           .replace("'", '"') for k, v in est.layout.options().items())
+    return (f"# jaxpar plan: {est.layout}\n# predicted {est.step_time:.3g} s/step, MFU {est.mfu:.0%}, "
+            f"{_gb(est.peak)} GB per device\n[model]\nname = \"{model_name}\"\n\n[train]\n"
+            f"batch_size = {work.batch_size}\nseq_len = {work.seq_len}\n\n[mesh]\n{mesh}\n\n[plan]\n{plan_lines}\n")
+
+
+def table(ranking: Ranking, top: int = 10):
+    """The ranked layouts as a rich table: memory breakdown (GB), traffic per axis (GB), bubble, time, MFU."""
+    from rich.table import Table
+
+    precision = ranking.ranked[0].layout.precision if ranking.ranked else ""
+    t = Table(title=f"{ranking.model.name} ({ranking.model.params / 1e9:.3g}B parameters) on {ranking.devices} x "
+                    f"{ranking.device.name}, {precision}: batch {ranking.work.batch_size} x {ranking.work.seq_len} "
+                    f"tokens; memory and traffic in GB per device per step")
+    for col in ("#", "layout", "params", "grads", "optim", "activ", "temp", "total", "data", "tensor", "pipe",
+                "expert", "bubble", "step s", "MFU"):
+        t.add_column(col, justify="left" if col == "layout" else "right")
+    for i, est in enumerate(ranking.ranked[:top], 1):
+        m, tr = est.memory, est.traffic
+        t.add_row(str(i), est.layout.label(precision=False), _gb(m["params"]), _gb(m["grads"]), _gb(m["optimizer"]),
+                  _gb(m["activations"]), _gb(m["temp"]), _gb(m["total"]),
+                  *(_gb(tr.get(a, 0.0)) for a in ("data", "tensor", "pipe", "expert")),
+                  f"{est.bubble:.1%}", f"{est.step_time:.3g}", f"{est.mfu:.0%}")
+    return t
+
+
+def explain(est: Estimate, device: Device) -> list[str]:
+    """One layout's breakdown: memory, every collective, bubble, FLOPs and time."""
+    if est.reason and not est.memory.get("params"):
+        return [f"{est.layout}: cannot run: {est.reason}"]
+    m, t = est.memory, est.time
+    lines = [f"layout {est.layout} on {est.layout.devices} x {device.name}"]
+    lines.append("memory per device (GB): " + ", ".join(
+        f"{k} {_gb(m[k])}" for k in ("params", "grads", "optimizer", "activations", "temp", "batch", "total"))
+        + (f" -> fits in {_gb(device.capacity)} usable" if est.fits else f" -> does NOT fit: {est.reason}"))
+    lines.append("collectives per device per step:")
+    for c in est.collectives:
+        lines.append(f"  {c.axis:7s} {c.kind:18s} {c.calls:8.0f} calls x {c.bytes / 1e6:10.3f} MB -> "
+                     f"{c.traffic(est.layout.shape[c.axis]) / 1e9:8.3f} GB traffic  ({c.why})")
+    lines.append(f"bubble {est.bubble:.1%}; model FLOPs {est.flops:.3g} per device (with recomputation "
+                 f"{est.hardware_flops:.3g})")
+    lines.append("time (s): " + ", ".join(f"{k} {v:.3g}" for k, v in t.items()) + f"; MFU {est.mfu:.1%}")
+    return lines
+
+
+def main(args) -> int:
+    """`jaxpar plan`: rank the layouts, or explain one; table, JSON, pictures, a runnable config."""
+    import json
+    import sys
+
+    from rich.console import Console
+
+    console = Console(stderr=bool(args.json))
+    if not console.is_terminal:
+        console.width = 220
+    try:
+        device = load_device(args.device)
+        if args.hosts:
+            if args.devices % args.hosts:
+                raise ValueError(f"--devices {args.devices} do not divide over --hosts {args.hosts}")
+            device = dataclasses.replace(device, devices_per_node=args.devices // args.hosts)
+        model = Model.named(args.model, {"seq_len": args.seq_len} if args.seq_len else None)
+        seq = args.seq_len or model_seq(args.model)
+        work = Workload(args.batch_size or default_batch(model, args.devices, seq), seq)
+        if args.explain:
+            layout = dataclasses.replace(Layout.parse(args.explain), precision=args.precision) \
+                if "precision" not in args.explain else Layout.parse(args.explain)
+            if layout.devices != args.devices:
+                raise ValueError(f"layout {layout.mesh} has {layout.devices} devices, --devices says {args.devices}")
+            est = estimate(model, layout, work, device)
+            for line in explain(est, device):
+                console.print(line, highlight=False, soft_wrap=True)
+            if args.json:
+                print(json.dumps(est.to_dict(), default=float))
+            return 0
+        ranking = plan(model, args.devices, work, device, args.precision)
+    except ValueError as error:
+        from rich.markup import escape
+
+        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return 2
+    console.print(table(ranking, args.top))
+    for line in explain_choice(ranking):
+        console.print(line, highlight=False, soft_wrap=True)
+    if ranking.best is not None:
+        console.print("run it: " + run_command(args.model, ranking.best, work), highlight=False, soft_wrap=True)
+        if args.write_config:
+            with open(args.write_config, "w") as f:
+                f.write(config_toml(args.model, ranking.best, work))
+            console.print(f"wrote {args.write_config} (jaxpar train --config {args.write_config})")
+    if args.png:
+        for path in save_pictures(ranking, args.png):
+            console.print(f"wrote {path}")
+    if args.json:
+        out = ranking.to_dict(args.top)
+        if ranking.best is not None:
+            out["command"] = run_command(args.model, ranking.best, work)
+        json.dump(out, sys.stdout, default=float)
+        print()
+    return 0

@@ -1,0 +1,176 @@
+"""Bytes per device of one step: model state (ZeRO), activations, the transients XLA keeps, host offload.
+
+Model state (ZeRO, Rajbhandari et al. 2020, Table 1): P bytes per parameter
+held, G per gradient, K per optimizer entry; ZeRO-1 divides the K bytes by the
+data size N, ZeRO-2 also the G bytes, ZeRO-3 also the P bytes. Tensor, pipe and
+expert sharding divide each parameter by the mesh axes the plan's rules give it
+(exactly as `jaxpar.core.rules` and `jaxpar.parallel.zero` shard it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from jaxpar.core import rules as rules_lib
+from jaxpar.planner.activations import activation_bytes
+from jaxpar.planner.devices import Device
+from jaxpar.planner.layout import Layout, Workload, local_seq, microbatch_sequences, remat_policy, sharded_lookup
+from jaxpar.planner.model import Leaf, Model
+
+
+def state_bytes_per_param(precision: str, zero: int = 0) -> tuple[int, int, int]:
+    """(P, G, K): bytes per parameter of the parameters, gradients and AdamW state (ZeRO's notation).
+
+    fp32: 4 + 4 + 8 (two moments). bf16/fp16 at ZeRO-0/2/3 hold fp32 parameters,
+    compute with 2-byte casts and sum the gradients in 2 bytes (jaxpar.train.precision):
+    4 + 2 + 8. Under ZeRO-1 they hold the paper's 2 + 2 + 12: the 2-byte
+    parameters whole, the fp32 master sharded with the moments. bf16-params: 2 + 2 + 4.
+    """
+    if zero == 1 and precision in ("bf16", "fp16"):
+        return 2, 2, 12
+    return {"fp32": (4, 4, 8), "bf16": (4, 2, 8), "fp16": (4, 2, 8), "bf16-params": (2, 2, 4)}[precision]
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes of a parameter as the model computes with it: what ZeRO-2/3 gathers and reduce-scatters."""
+    return 4 if precision == "fp32" else 2
+
+
+def zero_table(psi: float, n: int, k: int = 12, p: int = 2, g: int = 2) -> dict[str, float]:
+    """ZeRO paper Table 1: bytes per device of baseline, P_os, P_os+g and P_os+g+p for Psi parameters on n devices."""
+    return {
+        "baseline": (p + g + k) * psi,
+        "os": (p + g) * psi + k * psi / n,
+        "os+g": p * psi + (g + k) * psi / n,
+        "os+g+p": (p + g + k) * psi / n,
+    }
+
+
+def _shard_ways(leaf: Leaf, shape: dict[str, int], over_data: bool) -> int:
+    """Devices one copy of `leaf` is split over: its rules' mesh axes, and `data` under ZeRO (jaxpar.parallel.zero)."""
+    from jaxpar.core import zero_layout as zero_lib
+    spec = rules_lib.resolve_spec(leaf.names, leaf.shape, shape, rules_lib.DEFAULT_RULES, path=leaf.path)
+    ways = math.prod(shape[a] for e in spec if e for a in ((e,) if isinstance(e, str) else e))
+    if over_data and zero_lib.choose_dim(leaf.names, leaf.shape, spec, shape["data"]) is not None:
+        ways *= shape["data"]
+    return ways
+
+
+@dataclasses.dataclass(frozen=True)
+class Inventory:
+    """Parameters per device under one mesh: whole (tensor/pipe/expert sharding only) and under ZeRO."""
+
+    local: float  # parameters per device before ZeRO
+    sharded: float  # parameters per device with ZeRO's `data` dimension added
+    stacked_local: float  # the layer-stacked part of `local`
+    stacked_sharded: float
+    replicated_over_pipe: float  # parameters every pipe stage holds (embedding, head, final norm)
+    dense_replicated_over_expert: float  # `local` parameters not split over expert (their gradients sum over it)
+
+
+@functools.lru_cache(maxsize=4096)
+def inventory(model: Model, data: int, tensor: int, pipe: int, expert: int) -> Inventory:
+    shape = {"data": data, "tensor": tensor, "pipe": pipe, "expert": expert}
+    local = sharded = st_local = st_sharded = rep_pipe = rep_expert = 0.0
+    for leaf in model.leaves:
+        whole, split = leaf.size / _shard_ways(leaf, shape, False), leaf.size / _shard_ways(leaf, shape, True)
+        local, sharded = local + whole, sharded + split
+        if leaf.stacked:
+            st_local, st_sharded = st_local + whole, st_sharded + split
+        else:
+            rep_pipe += whole
+        if "experts" not in leaf.names:
+            rep_expert += whole
+    return Inventory(local, sharded, st_local, st_sharded, rep_pipe, rep_expert)
+
+
+def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Device) -> dict[str, float]:
+    """Bytes per device: params, grads, optimizer (ZeRO Table 1 on the local shard), activations, temp.
+
+    `arguments` is what the compiled step takes in (parameters, optimizer state,
+    batch); `temp` what it allocates while running (gradients, activations,
+    gathered parameters, the update's workspace). total = arguments + temp.
+    """
+    inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
+    P, G, K = state_bytes_per_param(layout.precision, layout.zero if layout.data > 1 else 0)
+    if device.low_precision_in_fp32:
+        G = 4  # the backend differentiates low-precision matmuls in fp32: gradients (and activations) are fp32
+    n = layout.data
+    z = layout.zero if n > 1 else 0
+    # ZeRO-2 keeps parameters sharded between steps but gathers every layer's for the whole step (held, as in
+    # the paper's P_os+g); ZeRO-3 holds its shard and gathers one layer at a time.
+    C = compute_bytes(layout.precision)  # what ZeRO-2/3 gather: the compute-dtype casts
+    at_rest = P * (inv.sharded if z >= 2 else inv.local)
+    params = P * inv.sharded if z == 3 else C * inv.local if z == 2 else at_rest
+    optimizer = K * (inv.sharded if z >= 1 else inv.local)
+    # ZeRO's gradient: the whole local gradient under ZeRO-0/1 (reduced once per step), the data shard under
+    # ZeRO-2/3, which reduce-scatter each layer's gradient as soon as the backward pass produces it.
+    grads = G * (inv.sharded if z >= 2 else inv.local)
+    per_layer = inv.stacked_local / max(model.scan_depth / layout.pipe, 1)
+    outside = inv.local - inv.stacked_local  # gathered and differentiated whole under ZeRO-2/3
+    if sharded_lookup(model, layout) and model.separate_head:
+        outside -= model.vocab * model.d_model  # except a table looked up in its shards (its gradient stays one)
+    transient = G * (per_layer + outside) if z >= 2 else 0.0  # one layer's whole gradient
+    if (layout.grad_accum > 1 or layout.pipe > 1) and G < 4:
+        transient += 4 * (inv.sharded if z >= 2 else inv.local)  # fp32 accumulators of low-precision gradients
+    if device.widens_low_precision and G < 4 and z <= 1 and n > 1:
+        transient += (4 - G) * inv.local  # the fp32 copy of the whole gradient a widened reduction takes
+    act_bytes = 4 if layout.precision == "fp32" or device.low_precision_in_fp32 else 2
+    b, s = microbatch_sequences(layout, work), work.seq_len
+    activations = activation_bytes(model, layout, work, act_bytes, (C if z == 2 else P) * inv.stacked_local)
+    gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
+    if z == 3:
+        gathered = C * (per_layer + outside - (inv.sharded - inv.stacked_sharded))
+    workspace = transient + layer_workspace(model, layout, work) + update_workspace(inv, layout, z, G)
+    batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
+    host = offloaded_bytes(layout, z, at_rest, optimizer)
+    arguments = at_rest + optimizer + batch - host
+    temp = (params - at_rest) + grads + activations + gathered + workspace
+    if host:  # copied in for the update, into the space the activations held (dead by then)
+        temp = max(temp, (params - at_rest) + grads + gathered + transient + update_workspace(inv, layout, z, G) + host)
+    return {
+        "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
+        "temp": gathered + workspace, "batch": batch, "arguments": arguments, "temp_total": temp,
+        "host": host, "total": arguments + temp,
+    }
+
+
+def offloaded_bytes(layout: Layout, zero: int, params_at_rest: float, optimizer: float) -> float:
+    """Bytes per device `--offload optimizer` keeps in host memory between steps: the optimizer state, and
+    the fp32 parameters under bf16/fp16 (held once, they are the master; jaxpar.parallel.offload) except under
+    ZeRO-1, whose master is part of the optimizer state and whose 2-byte parameters stay."""
+    if layout.offload == "none":
+        return 0.0
+    master = layout.precision in ("bf16", "fp16") and zero != 1
+    return optimizer + (params_at_rest if master else 0.0)
+
+
+def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
+    """The largest transients of one microbatch: the fp32 logits and their gradient over the vocabulary
+    shard (on each stage's share of positions under a pipeline), and one layer's attention scores when
+    the backward pass recomputes them with remat. Context-parallel attention recomputes its scores too,
+    but one layer's share of them is not alive at the step's peak (compiled temp at context 2 and 4)."""
+    b, s = microbatch_sequences(layout, work), local_seq(layout, work)
+    logits = 2 * 4 * b * s * model.vocab / layout.tensor / layout.pipe
+    recomputed = remat_policy(layout) in ("full", "selective") and layout.context == 1
+    return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0)
+
+
+def update_workspace(inv: Inventory, layout: Layout, z: int, grad_bytes: int) -> float:
+    """Parameter-sized transients besides ZeRO's own gradient (Table 1's G) that XLA keeps alive at once.
+
+    The update keeps two gradient-sized buffers of the shard it runs on (the
+    clipped gradient and the update itself): the whole local gradient under
+    ZeRO-0, the data shard under ZeRO-1/2/3. ZeRO-1 then all-gathers the
+    updated parameters into one whole buffer, which XLA places where those two
+    were. A pipeline returns its gradients from a custom VJP that scales them
+    by the incoming cotangent: one more copy.
+    """
+    whole = 2 * grad_bytes * (inv.local if z == 0 else inv.sharded)
+    if z == 1:
+        whole = max(whole, grad_bytes * inv.local)
+    if layout.pipe > 1:
+        whole += grad_bytes * (inv.sharded if z >= 2 else inv.local)
+    return whole

@@ -1,0 +1,158 @@
+"""What is being trained, as the planner sees it: each parameter's shape and logical names, and the dimensions.
+
+Shapes only: a registry model (jaxpar.models) is counted from its config, never
+traced, so planning a 405B model costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter array: its shape and logical names (stacked: leading `layers` axis)."""
+
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stacked(self) -> bool:
+        return self.names[:1] == ("layers",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The shapes the planner needs: the parameter inventory and the transformer's dimensions."""
+
+    name: str
+    leaves: tuple[Leaf, ...]
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab: int  # padded (the embedding's rows)
+    n_experts: int = 0
+    top_k: int = 0
+    moe_every: int = 1
+    expert_d_ff: int = 0
+    capacity_factor: float = 1.0
+    dropless: bool = False
+    group_size: int | None = None
+
+    @functools.cached_property
+    def params(self) -> int:
+        return sum(leaf.size for leaf in self.leaves)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.n_layers // self.moe_every if self.n_experts else 0
+
+    @property
+    def scan_depth(self) -> int:
+        """The stacked leading dimension: layers (dense) or groups of moe_every blocks (MoE)."""
+        return self.n_layers // self.moe_every if self.n_experts else self.n_layers
+
+    @functools.cached_property
+    def separate_head(self) -> bool:
+        """Whether the output layer has its own weight (not tied to the embedding table)."""
+        return any(leaf.path.endswith("head") for leaf in self.leaves)
+
+    @functools.cached_property
+    def flop_params(self) -> int:
+        """Parameters a token's forward multiplies with (2 FLOPs each): all but the embedding table and
+        the experts a token does not visit."""
+        n = self.params
+        if self.separate_head:
+            n -= self.vocab * self.d_model  # the embedding lookup is no matmul (tied: the table is the head)
+        if self.n_experts:
+            per_expert = 3 * self.d_model * self.expert_d_ff
+            n -= self.moe_layers * (self.n_experts - self.top_k) * per_expert
+        return n
+
+    @classmethod
+    def named(cls, name: str, overrides: dict | None = None) -> "Model":
+        """A model from the registry (jaxpar.models), its inventory counted from the config (no tracing)."""
+        from jaxpar.models import model_config
+
+        config = model_config(name, overrides)
+        return cls.from_config(name, config, llama_leaves(config))
+
+    @classmethod
+    def from_config(cls, name: str, config, leaves: tuple[Leaf, ...]) -> "Model":
+        """From a Llama-style config (jaxpar.models) and its parameters (`llama_leaves`, or `leaves_of`)."""
+        moe = {}
+        if getattr(config, "n_experts", 0):
+            moe = dict(n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every,
+                       expert_d_ff=config.expert_d_ff, capacity_factor=config.capacity_factor,
+                       dropless=config.dropless, group_size=config.group_size)
+        return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
+                   config.head_dim, config.d_ff, config.padded_vocab, **moe)
+
+
+def llama_leaves(c) -> tuple[Leaf, ...]:
+    """The parameters of jaxpar.models.llama (and its MoE variant), shapes and logical names, from the config."""
+    d, h, kv, hd, f, v = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.padded_vocab
+
+    def blocks(prefix: str, n: int, dense_ffn: bool = True) -> list[Leaf]:
+        out = [
+            Leaf(prefix + "attn_norm", (n, d), ("layers", "norm")),
+            Leaf(prefix + "wq", (n, d, h, hd), ("layers", "embed", "heads", "head_dim")),
+            Leaf(prefix + "wk", (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim")),
+            Leaf(prefix + "wv", (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim")),
+            Leaf(prefix + "wo", (n, h, hd, d), ("layers", "heads", "head_dim", "embed")),
+            Leaf(prefix + "mlp_norm", (n, d), ("layers", "norm")),
+        ]
+        if dense_ffn:
+            out += [Leaf(prefix + "w_gate", (n, d, f), ("layers", "embed", "mlp")),
+                    Leaf(prefix + "w_up", (n, d, f), ("layers", "embed", "mlp")),
+                    Leaf(prefix + "w_down", (n, f, d), ("layers", "mlp", "embed"))]
+        return out
+
+    leaves = [Leaf("embedding", (v, d), ("vocab", "embed"))]
+    if getattr(c, "n_experts", 0):
+        groups, e, fe = c.n_layers // c.moe_every, c.n_experts, c.expert_d_ff
+        if c.moe_every > 1:
+            leaves += blocks("blocks.dense.", groups * (c.moe_every - 1))
+        leaves += blocks("blocks.moe.", groups, dense_ffn=False)
+        leaves += [Leaf("blocks.moe.router", (groups, d, e), ("layers", "embed", None)),
+                   Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
+                   Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
+                   Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
+    else:
+        leaves += blocks("blocks.", c.n_layers)
+    leaves.append(Leaf("final_norm", (d,), ("norm",)))
+    if not c.tie_embeddings:
+        leaves.append(Leaf("head", (d, v), ("embed", "vocab")))
+    return tuple(leaves)
+
+
+def leaves_of(logical) -> tuple[Leaf, ...]:
+    """The parameters of any model from its tree of `jaxpar.train.state.LogicalArray` (jaxpar.train.state.describe)."""
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: hasattr(x, "names"))[0]
+    return tuple(Leaf(jax.tree_util.keystr(p), tuple(a.shape), tuple(a.names)) for p, a in flat)
+
+
+def capacity(model: Model, group: int) -> int:
+    """Slots per expert in a routing group (jaxpar.parallel.experts.MoEConfig.capacity)."""
+    if model.dropless:
+        return group
+    return max(1, min(group, math.ceil(model.top_k * group * model.capacity_factor / model.n_experts - 1e-9)))
+
+
+def model_seq(name: str) -> int:
+    """The registry model's own sequence length (what `jaxpar plan` uses without --seq-len)."""
+    from jaxpar.models import model_config
+
+    return model_config(name).seq_len

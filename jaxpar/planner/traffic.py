@@ -1,0 +1,240 @@
+"""Every collective of one step, per device and mesh axis, as (kind, bytes, calls), and the ring traffic they make.
+
+What the compiled step runs, by jaxpar's own layers: data parallelism and ZeRO,
+Megatron's tensor parallelism, the pipeline's permutes, HSDP's replicas,
+context parallelism and the experts' all-to-alls. `jaxpar.planner.inspect.ring_traffic`
+turns each into bytes sent: 2(n-1)/n S for an all-reduce, (n-1)/n S for a
+gather, scatter or all-to-all, S for a permute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.planner.devices import Device
+from jaxpar.planner.inspect import ring_traffic
+from jaxpar.planner.layout import (AXES, DTYPE_BYTES, Layout, Workload, local_seq, microbatch_sequences, remat_policy,
+                                   sharded_lookup)
+from jaxpar.planner.memory import Inventory, compute_bytes, inventory, state_bytes_per_param
+from jaxpar.planner.model import Model, capacity
+from jaxpar.planner.ticks import schedule_ticks
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """Calls of one collective kind over one mesh axis per step: `bytes` is the whole buffer of one call
+    (buffers XLA reduces in one go, e.g. all gradients, are counted as one call)."""
+
+    axis: str
+    kind: str
+    bytes: float
+    calls: float
+    why: str
+
+    def traffic(self, n: int) -> float:
+        return self.calls * ring_traffic(self.kind, self.bytes, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Widths:
+    """Bytes of one element as the collectives move it: parameters gathered, gradients summed, activations
+    moved (`values`) and activations summed (`summed`)."""
+
+    params: int
+    grads: int
+    values: int
+    summed: int
+
+
+def widths(layout: Layout, device: Device) -> Widths:
+    """The element widths of `layout`'s collectives on `device`."""
+    p_bytes, g_bytes, _ = state_bytes_per_param(layout.precision, layout.zero if layout.data > 1 else 0)
+    if layout.zero >= 2:  # the layers gather their compute-dtype casts; autodiff reduce-scatters in that dtype
+        p_bytes = g_bytes = compute_bytes(layout.precision)
+    # A backend that widens low-precision collectives (XLA:CPU) sums them in fp32; the ones jaxpar writes
+    # that only move data carry their 16-bit bits (jaxpar.parallel.bits), and those the compiler places are widened.
+    wide = 4 if device.widens_low_precision else None
+    act = DTYPE_BYTES[layout.precision] if layout.precision != "bf16-params" else 2
+    return Widths(p_bytes, wide or g_bytes, act, wide or act)
+
+
+def collectives(model: Model, layout: Layout, work: Workload, device: Device) -> list[Collective]:
+    """Every collective of one step, per device: what the compiled step runs, by jaxpar's own layers."""
+    inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
+    w = widths(layout, device)
+    out: list[Collective] = []
+    if layout.data > 1:
+        out += data_collectives(model, layout, work, inv, w)
+    if layout.tensor > 1:
+        out += tensor_collectives(model, layout, work, device, w)
+    if layout.pipe > 1:
+        out += pipe_collectives(model, layout, work, inv, w)
+    if layout.replica > 1:
+        # HSDP: each gradient leaves the ZeRO group reduced to its data shard, then one all-reduce over replica
+        out.append(Collective("replica", "all-reduce", inv.sharded * w.grads, 1,
+                              "gradient shards summed over replicas"))
+    if layout.context > 1:
+        out += context_collectives(model, layout, work, inv.local * w.grads, w.values, w.summed)
+    if layout.expert > 1 and model.n_experts:
+        out += expert_collectives(model, layout, work, inv, w)
+    return out
+
+
+def data_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
+    """The gradients summed over data, or under ZeRO reduce-scattered into shards and the parameters gathered."""
+    n = layout.data
+    if layout.zero == 0:
+        return [Collective("data", "all-reduce", inv.local * w.grads, 1, "gradients summed over data")]
+    # local = split + whole and sharded = split / n + whole, where `whole` are the parameters ZeRO
+    # cannot split over data (no dimension divides): their gradients keep an all-reduce
+    split = (inv.local - inv.sharded) * n / (n - 1)
+    unsharded = inv.local - split
+    out = zero_collectives(model, layout, inv, split, w)
+    if unsharded > 0.5:
+        out.append(Collective("data", "all-reduce", unsharded * w.grads, 1, "gradients ZeRO leaves whole"))
+    if sharded_lookup(model, layout):
+        out += lookup_collectives(model, layout, work, w)
+    return out
+
+
+def zero_collectives(model: Model, layout: Layout, inv: Inventory, split: float, w: Widths) -> list[Collective]:
+    """ZeRO's reduce-scatter of the gradients and all-gather of the parameters over data.
+
+    ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated
+    parameters once per step. ZeRO-2/3 gather inside the loss: the layers once
+    per stage program run (per microbatch, per pipeline tick) and again for the
+    backward pass under ZeRO-3, the rest once (XLA hoists that gather out of the
+    accumulation loop); autodiff reduce-scatters each gather's gradient.
+    """
+    stacked_split = inv.stacked_local * split / inv.local if inv.local else 0.0
+    rest, layers = split - stacked_split, stacked_split
+    if sharded_lookup(model, layout) and model.separate_head:
+        rest -= model.vocab * model.d_model  # the table is used nowhere else: neither gathered nor reduce-scattered
+    scattered = rest + layers
+    if layout.zero >= 2:
+        layers *= layout.grad_accum * schedule_ticks(layout)
+        scattered = rest * layout.grad_accum + layers
+    gathered = rest + layers * (2 if layout.zero == 3 else 1)
+    return [Collective("data", "reduce-scatter", scattered * w.grads, 1, "gradients into ZeRO shards"),
+            Collective("data", "all-gather", gathered * w.params, 1,
+                       "ZeRO parameters gathered" + (" per layer" if layout.zero >= 2 else " after the update"))]
+
+
+def lookup_collectives(model: Model, layout: Layout, work: Workload, w: Widths) -> list[Collective]:
+    """The embedding looked up in each data rank's shard of the table (`sharded_lookup`): per embedding run,
+    one per microbatch, under a pipeline one per tick."""
+    b, s, d = microbatch_sequences(layout, work), local_seq(layout, work), model.d_model
+    rows = b * layout.data * s * layout.grad_accum * (schedule_ticks(layout) if layout.pipe > 1 else 1)
+    return [Collective("data", "all-gather", rows * (4 + d * w.values), 1,
+                       "the data group's tokens, and its embedding rows' cotangents"),
+            Collective("data", "reduce-scatter", rows * d * w.summed, 1,
+                       "embedding rows looked up in each rank's shard, summed back to their ranks")]
+
+
+def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Device, w: Widths) -> list[Collective]:
+    """Megatron's f/g: each block half ends in one all-reduce (SP: a reduce-scatter, and starts with an
+    all-gather) forward, and one more in the backward pass. Full remat re-runs the forward in the backward
+    pass, but only the attention half's all-reduce feeds anything the gradients need."""
+    p = layout.pipe
+    chunk = model.n_layers / (p * layout.virtual_stages)  # layers one tick runs
+    ticks = schedule_ticks(layout)
+    block = ticks * chunk * (4 + (layout.remat == "full"))
+    one = microbatch_sequences(layout, work) * local_seq(layout, work) * model.d_model  # elements
+    if p == 1:
+        edges = 2 * one  # the vocab-parallel embedding's sum, the head input's gradient
+    elif layout.schedule == "1f1b":
+        edges = ticks * one + layout.microbatches * one / p  # embedding on every forward slot; head per microbatch
+    else:
+        edges = layout.microbatches * one * (1 + 1 / p)  # all microbatches embedded at once; one head
+    kinds = ("all-reduce",)
+    if layout.sequence_parallel:
+        annotated = layout.tensor_form == "annotation" and device.scatter_as_all_reduce
+        kinds = ("all-gather", "all-reduce" if annotated else "reduce-scatter")
+    out = []
+    for k in kinds:
+        width = w.values if k == "all-gather" and layout.tensor_form == "explicit" else w.summed
+        out.append(Collective("tensor", k, one * width, block * layout.grad_accum, "Megatron f/g, per block half"))
+        out.append(Collective("tensor", k, edges * width, layout.grad_accum, "vocab-parallel embedding and head"))
+    return out
+
+
+def pipe_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
+    """The pipeline's permutes between stages, the loss head's exchange of positions, and the gradients of
+    the parameters every stage holds."""
+    ticks = schedule_ticks(layout)
+    b, s = microbatch_sequences(layout, work), local_seq(layout, work)
+    one = b * s * model.d_model * w.values / (layout.tensor if layout.sequence_parallel else 1)
+    m = layout.microbatches
+    if layout.schedule == "1f1b":
+        # warm-up, steady and cool-down ticks; the cool-down's last send has no receiver and is dropped
+        out = [Collective("pipe", "collective-permute", one, (2 * ticks - 1) * layout.grad_accum,
+                          "activations forward and cotangents backward, one per tick"),
+               Collective("pipe", "all-to-all", one, m * layout.grad_accum, "the loss head's positions"),
+               Collective("pipe", "all-gather", one, m * layout.grad_accum, "the head's input gradients")]
+    else:
+        out = [Collective("pipe", "collective-permute", one, 2 * ticks * layout.grad_accum,
+                          "activations forward and cotangents backward, one per tick"),
+               Collective("pipe", "all-to-all", one * m, 2 * layout.grad_accum,
+                          "the loss head's positions and their gradients")]
+    out.append(Collective("pipe", "all-reduce", inv.replicated_over_pipe * max(w.grads, 4), 1,
+                          "embedding and head gradients summed over stages (fp32)"))
+    return out
+
+
+def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes: float, value_bytes: int,
+                        summed_value_bytes: int) -> list[Collective]:
+    """Context parallelism's collectives: K/V of every layer's attention, and the gradients summed over context.
+
+    The all-gather form gathers K and V (one call each) in the forward and
+    again where the backward recomputes it, then reduce-scatters their
+    gradients; the ring form passes each K and V block C - 1 hops in the
+    forward, the recomputation and the backward (the gradients travel with
+    the blocks): 3 (C - 1) blocks per array either way. The parameters are
+    whole on every context rank, so their gradients are all-reduced over it.
+    An element of K or V takes `value_bytes` where it is moved and
+    `summed_value_bytes` where its gradients are summed.
+    """
+    c, kv = layout.context, model.n_kv_heads / layout.tensor
+    b, s = microbatch_sequences(layout, work), work.seq_len
+    runs = model.n_layers * layout.grad_accum * layout.microbatches / layout.pipe  # layer runs per device
+    elements = b * s * kv * model.head_dim  # one of K, V over the whole sequence
+    whole = elements * value_bytes
+    out = [Collective("context", "all-reduce", grad_bytes, 1, "gradients summed over context")]
+    if layout.context_form == "ring":
+        out.append(Collective("context", "collective-permute", whole / c, 2 * 3 * (c - 1) * runs,
+                              "K and V blocks around the ring: forward, recomputation, gradients"))
+    else:
+        out.append(Collective("context", "all-gather", whole, 2 * 2 * runs, "K and V gathered: forward, recomputation"))
+        out.append(Collective("context", "reduce-scatter", elements * summed_value_bytes, 2 * runs,
+                              "K and V gradients back to their ranks"))
+    return out
+
+
+def expert_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
+    """The tokens' all-to-alls to their experts and back, and the gradients of what every expert rank holds."""
+    b, s, d, t = microbatch_sequences(layout, work), local_seq(layout, work), model.d_model, layout.tensor
+    group = model.group_size or s
+    groups = b * s // group
+    slots = model.n_experts * capacity(model, group) * groups  # per device per MoE layer
+    buffer = slots * d * w.values / t
+    # to the experts and back, forward and backward; a remat policy re-runs the forward pair (an
+    # all-to-all is no matmul, so no policy saves its output)
+    calls = (4 + 2 * (remat_policy(layout) != "none")) * model.moe_layers / layout.pipe * layout.grad_accum
+    out = [Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back")]
+    # Parameters every expert rank holds sum their gradients over expert, except the embedding table
+    # when gathering its cotangents and token ids over expert is cheaper than summing the table.
+    rows = layout.expert * b * s * layout.grad_accum
+    table = model.vocab * d / t if rows <= model.vocab / t else 0.0
+    out.append(Collective("expert", "all-reduce", (inv.dense_replicated_over_expert - table) * w.grads, 1,
+                          "gradients of parameters every expert rank holds"))
+    if table:
+        out.append(Collective("expert", "all-gather", rows * (d * w.summed + 4), 1,  # placed by the compiler
+                              "the embedding's cotangents and token ids"))
+    return out
+
+
+def traffic_per_axis(colls: list[Collective], layout: Layout) -> dict[str, float]:
+    out = {a: 0.0 for a in AXES}
+    for c in colls:
+        out[c.axis] += c.traffic(layout.shape[c.axis])
+    return out
