@@ -26,10 +26,10 @@ def write_random_hf(directory: Path, cfg, seed: int = 0) -> int:
     import jax
     import numpy as np
 
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, hf_config
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
-    (directory / hf.HF_CONFIG).write_text(json.dumps(hf.config_to_hf(cfg, "bfloat16"), indent=2))
+    (directory / hf_config.HF_CONFIG).write_text(json.dumps(hf_config.config_to_hf(cfg, "bfloat16"), indent=2))
     shapes = hf._expected_hf_shapes(cfg)
     groups: dict[str, list[str]] = {}
     for name in shapes:

@@ -43,14 +43,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from vs_maxtext import CONFIG, LAYOUTS  # noqa: E402
 
-from jaxpar import cli, tensor  # noqa: E402
-
-from jaxpar.parallel import bits
-
-from jaxpar.planner import inspect
-
-from jaxpar.parallel import matmul
+from jaxpar import cli  # noqa: E402
 from jaxpar.core.plan import Plan  # noqa: E402
+from jaxpar.parallel import bits, matmul, tensor, tensor_explicit, vocab  # noqa: E402
+from jaxpar.planner import inspect  # noqa: E402
 from jaxpar.run.training import prepare  # noqa: E402
 
 
@@ -59,15 +55,15 @@ def _narrow_logits(equation, x, w, out_dtype=None):
     return y if out_dtype is None else y.astype(out_dtype)
 
 
-def _one_hot_sum(vocab, logits, targets):
-    return jnp.sum(jnp.where(tensor._is_target(targets, vocab), logits, 0.0), axis=-1)
+def _one_hot_sum(size, logits, targets):
+    return jnp.sum(jnp.where(vocab.is_target(targets, size), logits, 0.0), axis=-1)
 
 
-BEFORE = {  # change: (module, attribute, what it was before the change)
-    "weight_gradient": (matmul, "_copies_x", lambda x, w, cotangent: x.size < w.size),
-    "wide_logits": (tensor, "weight_einsum", _narrow_logits),
-    "target_logit": (tensor, "_target_logit", _one_hot_sum),
-    "bits": (bits, "_widened", lambda tree: False),
+BEFORE = {  # change: (the modules that look the attribute up, attribute, what it was before the change)
+    "weight_gradient": ((matmul,), "_copies_x", lambda x, w, cotangent: x.size < w.size),
+    "wide_logits": ((tensor, tensor_explicit), "weight_einsum", _narrow_logits),
+    "target_logit": ((vocab,), "target_logit", _one_hot_sum),
+    "bits": ((bits,), "_widened", lambda tree: False),
 }
 
 
@@ -76,13 +72,15 @@ def undone(change: str | None):
     if change is None:
         yield
         return
-    module, attribute, before = BEFORE[change]
-    now = getattr(module, attribute)
-    setattr(module, attribute, before)
+    modules, attribute, before = BEFORE[change]
+    now = [getattr(module, attribute) for module in modules]
+    for module in modules:
+        setattr(module, attribute, before)
     try:
         yield
     finally:
-        setattr(module, attribute, now)
+        for module, was in zip(modules, now):
+            setattr(module, attribute, was)
 
 
 def compiled(config_path: Path, layout: str, extra: list[str], change: str | None):

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.interop import hf
 from jaxpar.cli import main
-from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.core.plan import Plan
+from jaxpar.interop import hf, hf_config
+from jaxpar.models.llama import Llama, LlamaConfig
 
 try:  # only the tests against transformers need torch (absent on the Python >= 3.12 CI leg)
     import torch
@@ -181,7 +181,7 @@ def test_refuses_what_the_model_cannot_represent(field, value, message):
     config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 8, "intermediate_size": 96, field: value}
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        hf.config_from_hf(config)
+        hf_config.config_from_hf(config)
 
 
 def test_config_of_transformers_4_and_5():
@@ -194,18 +194,18 @@ def test_config_of_transformers_4_and_5():
     v5 = {k: v for k, v in v4.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {**v4["rope_scaling"], "rope_theta": 500000.0}
     for config in (v4, v5, {**v5, "rope_scaling": None}, {**v4, "rope_parameters": {"rope_type": "default"}}):
-        cfg = hf.config_from_hf(config)
+        cfg = hf_config.config_from_hf(config)
         assert (cfg.rope_type, cfg.rope_factor, cfg.rope_theta, cfg.norm_eps) == ("llama3", 32.0, 500000.0, 1e-5)
         assert (cfg.n_kv_heads, cfg.head_dim, cfg.tie_embeddings, cfg.padded_vocab) == (8, 64, True, 128256)
-        assert hf.config_from_hf(hf.config_to_hf(cfg)) == dataclasses.replace(cfg, seq_len=2048)
+        assert hf_config.config_from_hf(hf_config.config_to_hf(cfg)) == dataclasses.replace(cfg, seq_len=2048)
 
 
 @needs_torch
 def test_import_train_export_round_trip(tmp_path, capsys):
     """import-hf -> train 20 steps from it -> export --format hf -> transformers strict load, same logits."""
+    from jaxpar.run.evaluate import split_tokens
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.data import Batches, default_corpus
-    from jaxpar.run.evaluate import split_tokens
 
     reference = hf_model(vocab_size=300, num_key_value_heads=2)
     reference.save_pretrained(tmp_path / "hf")
@@ -232,7 +232,7 @@ def test_import_train_export_round_trip(tmp_path, capsys):
     exported.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
     with Checkpoints(tmp_path / "run", read_only=True) as checkpoints:
         trained = checkpoints.read_params(20)
-    cfg = hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text()))
+    cfg = hf_config.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text()))
     ours = np.asarray(jaxpar_model(cfg, trained).logits(jnp.asarray(TOKENS)))
     assert relative(torch_logits(exported, TOKENS), ours) <= 1e-5
     assert relative(torch_logits(reference, TOKENS), ours) > 1e-3  # the 20 steps changed the weights

@@ -14,7 +14,7 @@ from flax import nnx
 
 from helpers import copy_state, max_relative_error, single_device_plan
 from jaxpar.planner import inspect
-from jaxpar.parallel import tensor
+from jaxpar.parallel import tensor, vocab
 from jaxpar.models.llama import Llama, LlamaConfig, rms_norm, run_layers
 from jaxpar.core.plan import Plan
 from jaxpar.train.state import abstract_state, describe, init_state, place_state
@@ -220,7 +220,7 @@ def test_the_target_logit_is_read_where_it_lies_with_the_one_hot_sums_gradient()
     logits = jax.random.normal(jax.random.key(4), (4, 16, 512))
     targets = jax.random.randint(jax.random.key(5), (4, 16), 0, 512)
     one_hot_sum = lambda x: jnp.sum(jnp.where(targets[..., None] == jnp.arange(512), x, 0.0), axis=-1)  # noqa: E731
-    picked = lambda x: tensor._target_logit(512, x, targets)  # noqa: E731
+    picked = lambda x: vocab.target_logit(512, x, targets)  # noqa: E731
     cotangent = jax.random.normal(jax.random.key(6), (4, 16))
     for got, want in zip(jax.vjp(picked, logits), jax.vjp(one_hot_sum, logits)):
         got, want = (got, want) if isinstance(got, jax.Array) else (got(cotangent)[0], want(cotangent)[0])

@@ -24,7 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxpar.train.checkpoint import Checkpoints, listing, mismatches
+from jaxpar.train.checkpoint import Checkpoints
+from jaxpar.train.checksums import listing, mismatches
 
 CONFIG_FILE = "config.json"
 CONFIG_KEY = "__config__"

@@ -13,8 +13,16 @@ import dataclasses
 
 from jaxpar.planner.devices import Device
 from jaxpar.planner.inspect import ring_traffic
-from jaxpar.planner.layout import (AXES, DTYPE_BYTES, Layout, Workload, local_seq, microbatch_sequences, remat_policy,
-                                   sharded_lookup)
+from jaxpar.planner.layout import (
+    AXES,
+    DTYPE_BYTES,
+    Layout,
+    Workload,
+    local_seq,
+    microbatch_sequences,
+    remat_policy,
+    sharded_lookup,
+)
 from jaxpar.planner.memory import Inventory, compute_bytes, inventory, state_bytes_per_param
 from jaxpar.planner.model import Model, capacity
 from jaxpar.planner.ticks import schedule_ticks

@@ -25,14 +25,9 @@ from jaxpar.parallel import offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train import data as data_lib
-from jaxpar.train.checkpoint import (
-    Checkpoints,
-    CorruptCheckpoint,
-    Preemption,
-    differences,
-    run_config,
-)
+from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, differences, run_config
 from jaxpar.train.distributed import is_leader
+from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state
 from jaxpar.train.step import Step, make_train_step
 
@@ -246,20 +241,10 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     and `--tensorboard`.
     """
     config = run.config
-    tokens = config.batch_size * config.seq_len
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
         lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
-    metrics_file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
-    board = None
-    if config.tensorboard and is_leader():
-        from jaxpar.run.tensorboard import TensorBoard
-
-        board = TensorBoard(config.tensorboard)
-    if config.eval_every:
-        from jaxpar.run.evaluate import Evaluator, eval_windows
-
-        windows = eval_windows(run.heldout, config.seq_len, config.batch_size)
-        evaluator = Evaluator(run.model, run.plan, windows, config.batch_size)
+    outputs = _Outputs(config)
+    evaluator = _evaluator(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
     try:
         with Preemption() as preemption:
@@ -271,42 +256,84 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 elapsed = time.perf_counter() - began
                 done = step + 1
                 nonfinite_steps += int(row.get("nonfinite", 0))
-                row = {"step": done, **row, "lr": float(lrs[step]), "nonfinite_steps": nonfinite_steps,
-                       "step_time_s": elapsed, "tokens_per_s": tokens / elapsed, **device_memory()}
-                mfu = run.mfu(elapsed)
-                if mfu is not None:
-                    row["mfu"] = mfu
-                if row.get("nonfinite") and config.on_nonfinite == "stop":
-                    raise FloatingPointError(
-                        f"step {done}: loss {row['loss']}, gradient norm {row.get('grad_norm')}; stopping "
-                        f"(on_nonfinite='stop'), parameters left as after step {step}"
-                    )
+                row = _step_row(run, row, done, elapsed, float(lrs[step]), nonfinite_steps)
                 preempted = preemption.reached(done)
                 if checkpoints is not None:
-                    position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": config.seed},
-                                "rng": {"seed": config.seed, "batches": "numpy default_rng([seed, step]) per step"}}
-                    row["saved"] = checkpoints.save(done, state, force=preempted or done == config.steps,
-                                                    metadata=position, model=run.model, optimizer=run.optimizer,
-                                                    plan=run.plan)
+                    row["saved"] = _save(run, checkpoints, state, done, nonfinite_steps,
+                                         force=preempted or done == config.steps)
                 if preempted:
                     row["preempted"] = True
-                if config.eval_every and (done % config.eval_every == 0 or done == config.steps):
+                if evaluator is not None and (done % config.eval_every == 0 or done == config.steps):
                     row.update(evaluator(to_natural_order(offload.fetched(state.params), run.model.logical, run.plan)))
-                if metrics_file:
-                    metrics_file.write(json.dumps(row) + "\n")
-                    metrics_file.flush()
-                if board:
-                    board.write(row)
+                outputs.write(row)
                 yield state, row
                 if preempted:
                     break
     finally:
         if checkpoints is not None:
             checkpoints.wait()
-        if metrics_file:
-            metrics_file.close()
-        if board:
-            board.close()
+        outputs.close()
+
+
+def _step_row(run: Run, row: dict, done: int, elapsed: float, lr: float, nonfinite_steps: int) -> dict:
+    """The progress row of step `done` from its scalar metrics; FloatingPointError for a non-finite step under
+    `on_nonfinite="stop"`."""
+    config = run.config
+    row = {"step": done, **row, "lr": lr, "nonfinite_steps": nonfinite_steps,
+           "step_time_s": elapsed, "tokens_per_s": config.batch_size * config.seq_len / elapsed, **device_memory()}
+    mfu = run.mfu(elapsed)
+    if mfu is not None:
+        row["mfu"] = mfu
+    if row.get("nonfinite") and config.on_nonfinite == "stop":
+        raise FloatingPointError(
+            f"step {done}: loss {row['loss']}, gradient norm {row.get('grad_norm')}; stopping "
+            f"(on_nonfinite='stop'), parameters left as after step {done - 1}"
+        )
+    return row
+
+
+def _save(run: Run, checkpoints: Checkpoints, state: TrainState, done: int, nonfinite_steps: int, force: bool):
+    """Save after step `done` if it is due (or `force`), with the data and RNG position a resume needs."""
+    seed = run.config.seed
+    position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": seed},
+                "rng": {"seed": seed, "batches": "numpy default_rng([seed, step]) per step"}}
+    return checkpoints.save(done, state, force=force, metadata=position, model=run.model, optimizer=run.optimizer,
+                            plan=run.plan)
+
+
+def _evaluator(run: Run):
+    """The held-out evaluation `--eval-every` asks for, or None."""
+    if not run.config.eval_every:
+        return None
+    from jaxpar.run.evaluate import Evaluator, eval_windows
+
+    windows = eval_windows(run.heldout, run.config.seq_len, run.config.batch_size)
+    return Evaluator(run.model, run.plan, windows, run.config.batch_size)
+
+
+class _Outputs:
+    """Where process 0 writes every row: `--metrics` (JSON lines) and `--tensorboard`."""
+
+    def __init__(self, config: TrainConfig):
+        self.file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
+        self.board = None
+        if config.tensorboard and is_leader():
+            from jaxpar.run.tensorboard import TensorBoard
+
+            self.board = TensorBoard(config.tensorboard)
+
+    def write(self, row: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        if self.board:
+            self.board.write(row)
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.board:
+            self.board.close()
 
 
 def param_table(run: Run) -> list[dict]:

@@ -26,14 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
-import logging
 import shutil
-import signal
-import sys
-import threading
-import types
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax import lax
 
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import offload
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
+from jaxpar.train.checksums import checksums, listing, mismatches
+from jaxpar.train.orbax_noise import quiet_orbax
 from jaxpar.train.state import ModelDef, TrainState, abstract_state
 
 FORMAT = "jaxpar-checkpoint/1"
@@ -104,93 +99,6 @@ def differences(saved: dict, current: dict) -> list[str]:
             for k in keys if saved.get(k) != current.get(k)]
 
 
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _leaves(tree) -> dict[str, Any]:
-    """path -> array leaf, paths as `opt_state/0/mu/blocks/wq` for saved and live trees alike."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
-    return {"/".join(_key_name(k) for k in path): leaf for path, leaf in flat}
-
-
-def _leaf_table(tree) -> dict[str, tuple[tuple[int, ...], str]]:
-    """path -> (shape, dtype) of every array leaf."""
-    return {path: (tuple(leaf.shape), str(np.dtype(leaf.dtype))) for path, leaf in _leaves(tree).items()}
-
-
-def _mix(h: jax.Array) -> jax.Array:
-    """MurmurHash3's 32-bit finaliser: each input bit flips about half of the output bits."""
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = h * jnp.uint32(0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _array_checksum(x: jax.Array) -> jax.Array:
-    """32 bits from an array's values and positions, equal under every sharding of it.
-
-    Each element's bits are mixed with its flat index and the results summed
-    modulo 2**32, an exactly associative reduction: the shards' partial sums
-    combine to the same value whatever plan holds the array, so a checkpoint
-    saved under one plan is verified under another without gathering anything.
-    """
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    else:
-        bits = lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
-    index, stride = jnp.zeros(x.shape, jnp.uint32), 1
-    for axis in reversed(range(x.ndim)):
-        index = index + lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride % 2**32)
-        stride *= x.shape[axis]
-    return jnp.sum(_mix(bits ^ _mix(index + jnp.uint32(0x9E3779B9))), dtype=jnp.uint32)
-
-
-_checksum_tree = jax.jit(lambda tree: jax.tree.map(_array_checksum, tree))
-
-
-def checksums(arrays: dict) -> dict[str, int]:
-    """`item/path` -> checksum of every array in `{item: tree}` (what `save` writes and restores verify).
-
-    Arrays kept in host memory (jaxpar.parallel.offload) visit the device one at a time,
-    so a checksum never needs the whole offloaded state in device memory.
-    """
-    leaves = _leaves(arrays)
-    on_host = {path for path, x in leaves.items() if offload.in_host_memory(x)}
-    sums = _leaves(jax.device_get(_checksum_tree({p: x for p, x in leaves.items() if p not in on_host})))
-    sums.update({path: jax.device_get(_checksum_tree(offload.fetched(leaves[path]))) for path in on_host})
-    return {path: int(sums[path]) for path in leaves}
-
-
-def mismatches(saved, target, dtypes: bool = True) -> list[str]:
-    """Every leaf whose shape (or dtype) differs between a saved tree and the target, and leaves only one has."""
-    saved, target = _leaf_table(saved), _leaf_table(target)
-    lines = []
-    for path in [*target, *(p for p in saved if p not in target)]:
-        if path not in target:
-            lines.append(f"{path}: saved {_show(saved[path])}, not in the model")
-        elif path not in saved:
-            lines.append(f"{path}: not in the checkpoint, model {_show(target[path])}")
-        elif saved[path][0] != target[path][0] or (dtypes and saved[path][1] != target[path][1]):
-            lines.append(f"{path}: saved {_show(saved[path])}, model {_show(target[path])}")
-    return lines
-
-
-def listing(lines: list[str], limit: int = 24) -> str:
-    """Indented lines for an error message, the middle elided beyond `limit`."""
-    if len(lines) > limit:
-        lines = lines[: limit - 4] + [f"... {len(lines) - limit + 1} more ..."] + lines[-3:]
-    return "\n  " + "\n  ".join(lines)
-
-
-def _show(entry: tuple[tuple[int, ...], str]) -> str:
-    return f"{entry[1]}{list(entry[0])}"
-
-
 def _where_they_lie(convert, state: TrainState, compiled: dict) -> TrainState:
     """`convert(state)` computed where its arrays are, each result sharded (and in the memory) as its input.
 
@@ -222,7 +130,7 @@ class Checkpoints:
 
     def __init__(self, directory, *, save_every: int = 1, keep: int | None = None, config: dict | None = None,
                  async_save: bool = True, read_only: bool = False):
-        _quiet_orbax()
+        quiet_orbax()
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(f"checkpoint directory {str(self.directory)!r} is a file")
@@ -544,70 +452,3 @@ class Checkpoints:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _orbax_echo(error: BaseException | None, origin: object = None) -> bool:
-    """Whether an error reported after the fact is the echo of a failed Orbax read (see `_quiet_orbax`)."""
-    if isinstance(origin, types.CoroutineType):
-        return "orbax" in origin.cr_code.co_filename
-    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
-        return True
-    frames = error.__traceback__ if error is not None else None
-    while frames is not None:
-        if "orbax" in frames.tb_frame.f_code.co_filename:
-            return True
-        frames = frames.tb_next
-    return False
-
-
-@functools.cache
-def _quiet_orbax() -> None:
-    """Keep Orbax's echoes of what jaxpar already reports off the screen (installed once per process).
-
-    When one array of a damaged checkpoint fails to read, Orbax closes its event
-    loop while TensorStore still finishes the other reads. Those then report
-    "Event loop is closed", a never-awaited coroutine or a never-retrieved task
-    error, from other threads and as late as interpreter exit, after the failure
-    was raised as one CorruptCheckpoint. And every read-only open warns that the
-    directory is read-only, which is what the caller asked for.
-    """
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not _orbax_echo(unraisable.exc_value, unraisable.object):
-            previous(unraisable)
-
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(lambda record: not (record.exc_info and _orbax_echo(record.exc_info[1])))
-    logging.getLogger("absl").addFilter(lambda record: not str(record.msg).startswith("Given directory is read only"))
-
-
-class Preemption:
-    """SIGTERM, a scheduler's preemption notice, as a request to save and stop after the current step.
-
-    In one process a signal handler sets a flag. With several processes jax's
-    preemption sync point decides, so that every process stops after the same step.
-    """
-
-    def __init__(self):
-        self.noticed = False
-        self._previous = None
-
-    def __enter__(self) -> "Preemption":
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._notice)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _notice(self, signum, frame) -> None:
-        self.noticed = True
-
-    def reached(self, step: int) -> bool:
-        """True once a preemption notice came (and, across processes, all agree to stop after `step`)."""
-        if jax.process_count() > 1:
-            return ocp.multihost.reached_preemption(step)
-        return self.noticed

@@ -1,0 +1,112 @@
+"""A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
+other activations, `pretraining_tp`, rope scaling other than Llama 3's) is refused with the config field named.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxpar.models.llama import LlamaConfig
+
+HF_CONFIG = "config.json"
+
+
+def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face Llama `config.json`; ValueError naming any field the model cannot represent."""
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported; only 'llama' is")
+    for field in ("attention_bias", "mlp_bias"):
+        if hf.get(field):
+            raise ValueError(f"config.json: {field}=true is not supported: jaxpar's Llama has no bias terms")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported: jaxpar's Llama MLP uses SiLU (SwiGLU)")
+    if hf.get("pretraining_tp", 1) not in (None, 1):
+        raise ValueError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if field not in hf:
+            raise ValueError(f"config.json: {field} is missing")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    rope = _rope_from_hf(hf)
+    return LlamaConfig(
+        vocab=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, d_ff=hf["intermediate_size"],
+        seq_len=min(hf.get("max_position_embeddings", 2048), 2048), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
+    )
+
+
+def _rope_from_hf(hf: dict) -> dict:
+    """rope_theta and scaling fields; transformers 5 keeps them in `rope_parameters`, 4 in `rope_theta`/`rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    kinds = {field: table.get("rope_type", table.get("type", "default"))
+             for field, table in (("rope_parameters", params), ("rope_scaling", scaling)) if table}
+    field, kind = next(((f, k) for f, k in kinds.items() if k != "default"), ("rope_scaling", "default"))
+    merged = {**params, **scaling} if field == "rope_scaling" else {**scaling, **params}
+    theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if kind == "default":
+        return {"rope_theta": float(theta)}
+    if kind != "llama3":
+        raise ValueError(f"config.json: {field}.rope_type={kind!r} is not supported; only 'default' and 'llama3' are")
+    return {
+        "rope_theta": float(theta), "rope_type": "llama3", "rope_factor": float(merged["factor"]),
+        "rope_low_freq_factor": float(merged["low_freq_factor"]),
+        "rope_high_freq_factor": float(merged["high_freq_factor"]),
+        "rope_original_max_position": int(merged["original_max_position_embeddings"]),
+    }
+
+
+def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
+    """A Hugging Face `config.json` for `cfg` (LlamaForCausalLM), readable by transformers 4 and 5."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab,
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.d_ff,
+        "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None if cfg.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "rope_parameters": rope, "max_position_embeddings": max(cfg.seq_len, cfg.rope_original_max_position
+                                                                 if cfg.rope_type == "llama3" else cfg.seq_len),
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
+    }
+
+
+def read_hf_config(directory) -> dict:
+    path = Path(directory) / HF_CONFIG
+    if not path.is_file():
+        raise ValueError(f"{directory}: no {HF_CONFIG}; expected a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def is_hf_dir(path) -> bool:
+    """A Hugging Face model directory: config.json with a model_type, and safetensors files."""
+    path = Path(path)
+    if not (path / HF_CONFIG).is_file():
+        return False
+    return "model_type" in json.loads((path / HF_CONFIG).read_text())
+
+
+def resolve_source(source: str) -> Path:
+    """A local directory as is; otherwise a Hub repo id, downloaded with huggingface_hub (config and safetensors)."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if source.startswith(("/", ".", "~")) or source.count("/") != 1:
+        raise ValueError(f"{source!r}: no such directory (and not a Hub repo id like 'meta-llama/Llama-3.2-1B')")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as error:
+        raise ValueError(f"{source!r} is not a directory, and huggingface_hub is not installed to download it") from error
+    try:
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as error:  # network, authentication or missing repo: say which
+        raise ValueError(f"{source!r} is not a directory and could not be downloaded: {error}") from error
