@@ -55,15 +55,9 @@ from jaxpar.pipeline import layer_order
 from jaxpar.pipeline.forward_scan import autodiff_body, forward_loss
 from jaxpar.pipeline.layer_order import stack_in_plan_order
 from jaxpar.pipeline.pipe_axis import AXIS
-from jaxpar.pipeline.residual_ring import RING_SCOPE
 from jaxpar.pipeline.schedule import Schedule
 from jaxpar.pipeline.stages import Stages
 from jaxpar.pipeline.table_executor import table_body
-from jaxpar.pipeline.tick import PLACE_SCOPE
-
-# What other modules take from here: the entry points, and the names the compiled step's ops carry
-# (`jaxpar.planner.inspect` finds the ring's buffers and the slots' places by them).
-__all__ = ["AXIS", "PLACE_SCOPE", "RING_SCOPE", "Stages", "bubble_fill", "check_shapes", "loss", "to_chunks"]
 
 
 def bubble_fill(value: float):

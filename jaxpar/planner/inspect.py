@@ -90,10 +90,10 @@ def _execution_counts(computations: dict[str, list[str]]) -> dict[str, int]:
 
     Every branch of a conditional counts as running (an upper bound), except
     that of the pipeline's conditionals of one slot kind at its places in a
-    tick (`jaxpar.pipeline.executor.PLACE_SCOPE`) only the first counts: a stage runs
+    tick (`jaxpar.pipeline.tick.PLACE_SCOPE`) only the first counts: a stage runs
     the slot at one of them.
     """
-    from jaxpar.pipeline.executor import PLACE_SCOPE
+    from jaxpar.pipeline.tick import PLACE_SCOPE
 
     place = re.compile(r'op_name="[^"]*/' + PLACE_SCOPE.format(kind=r"(\w+)") + '/cond"')
     entry = computations["__entry__"][0]
@@ -285,7 +285,7 @@ def residual_ring_bytes(compiled, rows: int) -> int:
     other arrays', so those do not name them all); they are counted as the
     tick loops carry them: each array of a ring buffer's shape in the loop state.
     """
-    from jaxpar.pipeline.executor import RING_SCOPE
+    from jaxpar.pipeline.residual_ring import RING_SCOPE
 
     lines = _hlo_text(compiled).splitlines()
     writes = [line.split("=", 1)[1].split(" dynamic-update-slice(", 1)[0]
