@@ -106,9 +106,14 @@ class ResidualMLP(nnx.Module):
         return x + self.down(jax.nn.gelu(self.up(x)))
 
 
-def sharded_lookup_bytes(config, group_rows: int) -> dict[str, int]:
+def sharded_lookup_bytes(config, group_rows: int, accum: int = 1) -> dict[str, int]:
     """The collective bytes a ZeRO-2/3 embedding lookup trades (jaxpar.parallel.tensor.embedding_lookup) for a data group
     of `group_rows` sequences: the fp32 table is neither all-gathered nor its gradient reduce-scattered; the
-    group's int32 tokens are all-gathered, and its fp32 rows reduce-scattered forward and all-gathered backward."""
+    group's int32 tokens are all-gathered, and its fp32 rows reduce-scattered forward and all-gathered backward.
+    All zero where the lookup gathers the table instead: when the table and its gradient (2 V d fp32) are fewer
+    bytes than one accumulation run's tokens and rows both ways (group tokens x (4 + 2 d fp32))."""
+    tokens_per_run = group_rows * config.seq_len // accum
+    if 2 * config.vocab * config.d_model * 4 < tokens_per_run * (4 + 2 * config.d_model * 4):
+        return {"table": 0, "tokens": 0, "rows": 0}
     return {"table": config.vocab * config.d_model * 4, "tokens": group_rows * config.seq_len * 4,
             "rows": group_rows * config.seq_len * config.d_model * 4}

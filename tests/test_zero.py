@@ -71,8 +71,8 @@ def test_zero_matches_single_device_with_its_collectives(reference, mesh, option
     # ZeRO-3 again for the backward pass; the other parameters' gathers do not
     # depend on the microbatch and XLA hoists them out of the loop. The
     # all-reduces left over data carry scalars only (loss, norms).
-    # ZeRO-2/3 look the tokens up in each rank's rows of the table (when no other axis splits it) and trade
-    # its gather and reduce-scatter for the tokens' and the rows' (`sharded_lookup_bytes`).
+    # ZeRO-2/3 look the tokens up in each rank's rows of the table (when no other axis splits it and that moves
+    # fewer bytes) and trade its gather and reduce-scatter for the tokens' and the rows' (`sharded_lookup_bytes`).
     stage, k = plan.zero, plan.grad_accum
     psi, layers = local_param_bytes(model, plan), local_param_bytes(model, plan, only_layers=True)
     rows = rows_by_kind(compiled, plan)
@@ -80,7 +80,10 @@ def test_zero_matches_single_device_with_its_collectives(reference, mesh, option
     assert rows["all-reduce"]["bytes"] < 64
     lookup = {"table": 0, "tokens": 0, "rows": 0}
     if stage >= 2 and plan.shape["tensor"] == 1:
-        lookup = sharded_lookup_bytes(CONFIG, 16)
+        lookup = sharded_lookup_bytes(CONFIG, 16, k)
+        # The two sides of the size rule: one run's 256 tokens move more than the table (the table is gathered),
+        # each accumulation run's 128 fewer (the lookup in the shards).
+        assert (lookup["table"] == 0) == (k == 1)
     assert rows["reduce-scatter"]["bytes"] == ((psi - lookup["table"]) * k + lookup["rows"] if stage >= 2 else psi)
     gathers = {1: psi, 2: psi + (k - 1) * layers, 3: psi + (2 * k - 1) * layers}[stage]
     assert rows["all-gather"]["bytes"] == gathers - lookup["table"] + lookup["tokens"] + lookup["rows"]

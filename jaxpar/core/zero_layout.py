@@ -141,3 +141,19 @@ def no_effect_message(plan) -> str | None:
             f"optimizer state stay whole on every device"
         )
     return None
+
+
+def table_gather_is_cheaper(vocab: int, d_model: int, data: int, rows_per_rank: int, width: int,
+                            token_width: int = 4) -> bool:
+    """Whether a ZeRO-2/3 embedding lookup should gather its table rather than look up in each rank's rows.
+
+    Gathering moves the table and reduce-scatters its whole gradient; looking up
+    in the shards all-gathers the data group's tokens, reduce-scatters the
+    looked-up rows and all-gathers their cotangents. Both sides move (n-1)/n of
+    their buffers, so the factor cancels. Decided per lookup run: under
+    accumulation the table's gradient is reduce-scattered once per run too, so
+    the rule only picks the gather where it is cheaper in total.
+    """
+    table = 2 * vocab * d_model * width
+    lookup = data * rows_per_rank * (token_width + 2 * d_model * width)
+    return table < lookup

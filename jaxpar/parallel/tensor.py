@@ -27,7 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core import options, usage
+from jaxpar.core import options, usage, zero_layout
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel import bits, tensor_explicit, vocab, zero
 from jaxpar.parallel.attention import context_order
@@ -110,11 +110,11 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
 def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logical=RESIDUAL):
     """Rows of `table` for `tokens`; a table split along the vocabulary is looked up shard by shard and summed.
 
-    Under ZeRO-2/3 the table is not gathered for this: each data rank looks up the
-    whole data group's tokens in the rows it holds and the rows are summed back
-    to each rank's batch (a token gather and a reduce-scatter of activations,
-    against gathering the table and reduce-scattering its whole gradient), as
-    MaxText does. Under context parallelism the tokens are first put in the
+    Under ZeRO-2/3, when that moves fewer bytes than gathering the table and
+    reduce-scattering its whole gradient (`zero_layout.table_gather_is_cheaper`),
+    each data rank looks up the whole data group's tokens in the rows it holds
+    and the rows are summed back to each rank's batch (a token gather and a
+    reduce-scatter of activations), as MaxText does. Under context parallelism the tokens are first put in the
     load-balanced sequence order the rest of the model runs in (jaxpar.parallel.attention).
     """
     tokens = context_order(tokens, usage.CONTEXT_TOKENS)
@@ -122,6 +122,8 @@ def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logica
     if axes:
         usage.mark(usage.TENSOR)
     held = None if axes else zero.held_rows(table)
+    if held is not None and _gather_is_cheaper(tokens, held):
+        held = None  # the whole table is used as gathered (autodiff reduce-scatters its gradient)
     if held is not None:
         shard, data_axes = held
         everyone = jax.lax.all_gather(tokens, data_axes, axis=0, tiled=True)
@@ -133,6 +135,13 @@ def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logica
     else:
         rows = constrain(jnp.take(table, tokens, axis=0), replicated_over(out_logical, axes))
     return constrain(rows, out_logical)
+
+
+def _gather_is_cheaper(tokens, held) -> bool:
+    shard, data_axes = held
+    n = math.prod(jax.lax.axis_size(a) for a in data_axes)
+    return zero_layout.table_gather_is_cheaper(shard.shape[0] * n, shard.shape[1], n, tokens.size,
+                                               shard.dtype.itemsize, tokens.dtype.itemsize)
 
 
 def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, in_logical=RESIDUAL):

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from jaxpar.core import mesh as mesh_lib
+from jaxpar.core import zero_layout
 from jaxpar.planner.model import Model
 
 AXES = mesh_lib.AXES  # `Layout` has a size field for each, outermost (across hosts) first, as jaxpar.core.mesh nests them
@@ -159,9 +160,14 @@ def remat_policy(layout: Layout) -> str:
     return layout.remat
 
 
-def sharded_lookup(model: Model, layout: Layout) -> bool:
+def sharded_lookup(model: Model, layout: Layout, work: Workload) -> bool:
     """Whether ZeRO-2/3 look the tokens up in each data rank's rows of the embedding table
     (jaxpar.parallel.tensor.embedding_lookup) instead of gathering it: ZeRO splits the table along the vocabulary
-    (its larger dimension, dividing by data) and no tensor axis splits it."""
+    (its larger dimension, dividing by data), no tensor axis splits it, and that moves fewer bytes than the
+    gather (`zero_layout.table_gather_is_cheaper`, the rule the lookup itself applies)."""
     v, d, n = model.vocab, model.d_model, layout.data
-    return layout.zero >= 2 and n > 1 and layout.tensor == 1 and v % n == 0 and (v >= d or d % n)
+    if not (layout.zero >= 2 and n > 1 and layout.tensor == 1 and v % n == 0 and (v >= d or d % n)):
+        return False
+    rows = microbatch_sequences(layout, work) * local_seq(layout, work)
+    width = 4 if layout.precision == "fp32" else 2
+    return not zero_layout.table_gather_is_cheaper(v, d, n, rows, width)

@@ -110,7 +110,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     grads = G * (inv.sharded if z >= 2 else inv.local)
     per_layer = inv.stacked_local / max(model.scan_depth / layout.pipe, 1)
     outside = inv.local - inv.stacked_local  # gathered and differentiated whole under ZeRO-2/3
-    if sharded_lookup(model, layout) and model.separate_head:
+    if sharded_lookup(model, layout, work) and model.separate_head:
         outside -= model.vocab * model.d_model  # except a table looked up in its shards (its gradient stays one)
     transient = G * (per_layer + outside) if z >= 2 else 0.0  # one layer's whole gradient
     if (layout.grad_accum > 1 or layout.pipe > 1) and G < 4:

@@ -97,15 +97,15 @@ def data_collectives(model: Model, layout: Layout, work: Workload, inv: Inventor
     # cannot split over data (no dimension divides): their gradients keep an all-reduce
     split = (inv.local - inv.sharded) * n / (n - 1)
     unsharded = inv.local - split
-    out = zero_collectives(model, layout, inv, split, w)
+    out = zero_collectives(model, layout, work, inv, split, w)
     if unsharded > 0.5:
         out.append(Collective("data", "all-reduce", unsharded * w.grads, 1, "gradients ZeRO leaves whole"))
-    if sharded_lookup(model, layout):
+    if sharded_lookup(model, layout, work):
         out += lookup_collectives(model, layout, work, w)
     return out
 
 
-def zero_collectives(model: Model, layout: Layout, inv: Inventory, split: float, w: Widths) -> list[Collective]:
+def zero_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, split: float, w: Widths) -> list[Collective]:
     """ZeRO's reduce-scatter of the gradients and all-gather of the parameters over data.
 
     ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated
@@ -116,7 +116,7 @@ def zero_collectives(model: Model, layout: Layout, inv: Inventory, split: float,
     """
     stacked_split = inv.stacked_local * split / inv.local if inv.local else 0.0
     rest, layers = split - stacked_split, stacked_split
-    if sharded_lookup(model, layout) and model.separate_head:
+    if sharded_lookup(model, layout, work) and model.separate_head:
         rest -= model.vocab * model.d_model  # the table is used nowhere else: neither gathered nor reduce-scattered
     scattered = rest + layers
     if layout.zero >= 2:
