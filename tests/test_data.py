@@ -135,8 +135,8 @@ def test_batches_check_token_ids_per_batch():
     tokens[50] = 300
     batches = Batches(tokens, 8, 16, seed=0, vocab=256, source="t.npy")
     bad = next(s for s in range(100) if any(st <= 50 <= st + 16 for st in batches.starts(s)))
-    with pytest.raises(BadBatch, match=rf"--data 't.npy' holds token ids outside the model's vocabulary \[0, 256\) "
-                                       rf"in the batch of step {bad}: 300 \(smallest \d+, largest 300\)"):
+    with pytest.raises(BadBatch, match=rf"--data 't.npy' holds token ids outside the model's vocabulary \[0, 256\): "
+                                       rf"300 \(smallest \d+, largest 300\) in the batch of step {bad};"):
         batches[bad]
     clean = next(s for s in range(100) if not any(st <= 50 <= st + 16 for st in batches.starts(s)))
     assert batches[clean]["inputs"].max() < 256  # only the batches holding the bad id are refused

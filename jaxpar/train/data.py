@@ -109,8 +109,8 @@ def _refuse_outside(tokens: np.ndarray, vocab: int, source: str | Path | None, w
     shown = ", ".join(map(str, bad[:5])) + (f", ... ({bad.size} distinct values)" if bad.size > 5 else "")
     name = "the built-in corpus" if source is None else f"--data {str(source)!r}"
     raise BadBatch(
-        f"{name} holds token ids outside the model's vocabulary [0, {vocab}){where}: {shown} "
-        f"(smallest {low}, largest {high}); re-tokenize for this vocabulary or choose a model whose vocab covers them"
+        f"{name} holds token ids outside the model's vocabulary [0, {vocab}): {shown} "
+        f"(smallest {low}, largest {high}){where}; re-tokenize for this vocabulary or choose a model whose vocab covers them"
     )
 
 
