@@ -128,6 +128,10 @@ def test_mixture_is_deterministic_and_weighted():
     share = (rows[:, 0] == 0).mean()
     assert 0.65 < share < 0.75, share  # 1000 rows, 0.7 expected (sd 0.014)
     assert np.array_equal(mix.rows(2, 100, 300)["targets"], mix[2]["targets"][100:300])
+    small = MixtureBatches((np.arange(300) % 256, default_corpus()), (1.0, 2.0), ("a", None), 8, 16, seed=1, vocab=256)
+    plan = Plan.create("data=2,tensor=4")
+    arrays = global_batch(small, 4, plan.sharding(plan.batch_spec(2)))
+    assert np.array_equal(jax.device_get(arrays["inputs"]), small[4]["inputs"])
 
 
 def test_batches_check_token_ids_per_batch():
