@@ -34,7 +34,8 @@ from jaxpar.train.step import Step, make_train_step
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
-TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer")
+TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer",
+              "text_field")
 
 
 @dataclasses.dataclass(frozen=True)
