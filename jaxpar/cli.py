@@ -21,7 +21,9 @@ TRAIN_FLAGS = {
     "lr": (float, "peak learning rate (AdamW, warm-up then cosine decay)"),
     "warmup": (int, "warm-up steps"),
     "seed": (int, "seed of the initial parameters and of the batch sequence"),
-    "data": (str, "text file, folder of text files, or .npy/.bin token file (default: built-in corpus)"),
+    "data": (str, "text file or folder, .npy/.bin token file, .jsonl, .parquet, a datasets save_to_disk folder, "
+                  "or a weighted mixture a.jsonl:0.7,b.bin:0.3 (default: built-in corpus)"),
+    "text_field": (str, "the field of each .jsonl / .parquet / datasets record that holds its text (default: text)"),
     "metrics": (str, "append one JSON object per step to this file"),
     "checkpoint_dir": (str, "save sharded checkpoints here and resume from the newest one on start"),
     "save_every": (int, "save a checkpoint every N steps (async; also at the end and on SIGTERM)"),

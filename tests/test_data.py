@@ -1,11 +1,17 @@
 """Batches are a pure function of (seed, step), assembled from process-local rows; bad data is named."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
-from jaxpar.train.data import Batches, check_vocab, default_corpus, global_batch, load_tokens
+from jaxpar.cli import main
 from jaxpar.core.plan import Plan
+from jaxpar.interop.tokenize import training_streams
+from jaxpar.train.data import BadBatch, Batches, check_vocab, default_corpus, global_batch, load_tokens
+from jaxpar.train.mixture import MixtureBatches
+from jaxpar.train.sources import read_documents
 
 
 def test_default_corpus_is_real_text():
@@ -51,3 +57,129 @@ def test_bad_data_is_named(tmp_path):
         load_tokens(tmp_path / "empty_dir")
     with pytest.raises(ValueError, match=r"'t.npy' holds token ids outside the model's vocabulary \[0, 256\): 256,"):
         check_vocab(np.arange(1000), 256, "t.npy")
+
+
+# -- document sources, mixtures, the per-batch vocabulary check ---------------------------------------
+
+DOCS = ["first document", "the second one", "a third"]
+
+
+def write_sources(folder):
+    """The same three documents as JSON lines, Parquet and a `datasets` save_to_disk folder."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (folder / "d.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS)))
+    pq.write_table(pa.table({"text": DOCS}), folder / "d.parquet")
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(folder / "saved"))
+    return [folder / "d.jsonl", folder / "d.parquet", folder / "saved"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return write_sources(tmp_path_factory.mktemp("sources"))
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory):
+    """A tiny Hugging Face tokenizer.json with <s> and </s>, whose post-processor already adds <s> (as Llama's does)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = sorted({w for t in DOCS for w in t.split()})
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path, vocab
+
+
+def test_document_sources_read_the_same_documents(sources):
+    for path in sources:
+        assert read_documents(path) == DOCS, path
+        stream = training_streams(str(path), None, 256)[0][1]
+        assert stream.tobytes() == "\n\n".join(DOCS).encode()  # bytes: documents separated by a blank line
+
+
+def test_documents_get_bos_and_eos_once(sources, word_tokenizer):
+    path, vocab = word_tokenizer
+    ids = training_streams(str(sources[0]), str(path), 64)[0][1].tolist()
+    expected = []
+    for text in DOCS:
+        expected += [1, *[vocab[w] for w in text.split()], 2]
+    assert ids == expected
+
+
+def test_text_field(tmp_path):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
+    assert training_streams(str(tmp_path / "c.jsonl"), None, 256, text_field="body")[0][1].tobytes() == b"hello"
+    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(it has 'body'\); choose the field with --text-field"):
+        training_streams(str(tmp_path / "c.jsonl"), None, 256)
+
+
+def test_mixture_is_deterministic_and_weighted():
+    a, b = np.zeros(1000, np.uint16), np.ones(1000, np.uint16)
+    mix = MixtureBatches((a, b), (0.7, 0.3), ("a", "b"), 1000, 8, seed=3, vocab=256)
+    again = MixtureBatches((a, b), (0.7, 0.3), ("a", "b"), 1000, 8, seed=3, vocab=256)
+    rows = mix[2]["inputs"]
+    assert np.array_equal(rows, again[2]["inputs"]) and not np.array_equal(rows, mix[3]["inputs"])
+    share = (rows[:, 0] == 0).mean()
+    assert 0.65 < share < 0.75, share  # 1000 rows, 0.7 expected (sd 0.014)
+    assert np.array_equal(mix.rows(2, 100, 300)["targets"], mix[2]["targets"][100:300])
+    small = MixtureBatches((np.arange(300) % 256, default_corpus()), (1.0, 2.0), ("a", None), 8, 16, seed=1, vocab=256)
+    plan = Plan.create("data=2,tensor=4")
+    arrays = global_batch(small, 4, plan.sharding(plan.batch_spec(2)))
+    assert np.array_equal(jax.device_get(arrays["inputs"]), small[4]["inputs"])
+
+
+def test_batches_check_token_ids_per_batch():
+    tokens = np.arange(100, dtype=np.int32)
+    tokens[50] = 300
+    batches = Batches(tokens, 8, 16, seed=0, vocab=256, source="t.npy")
+    bad = next(s for s in range(100) if any(st <= 50 <= st + 16 for st in batches.starts(s)))
+    with pytest.raises(BadBatch, match=rf"--data 't.npy' holds token ids outside the model's vocabulary \[0, 256\): "
+                                       rf"300 \(smallest \d+, largest 300\) in the batch of step {bad};"):
+        batches[bad]
+    clean = next(s for s in range(100) if not any(st <= 50 <= st + 16 for st in batches.starts(s)))
+    assert batches[clean]["inputs"].max() < 256  # only the batches holding the bad id are refused
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("{d}/missing.jsonl", "does not exist"),
+    ("{d}/d.jsonl:0", "the weight of '{d}/d.jsonl' is 0; weights must be positive and finite"),
+    ("{d}/d.jsonl:-1,{d}/d.parquet:1", "is -1; weights must be positive"),
+    ("{d}/d.jsonl:x", "the weight of '{d}/d.jsonl' is 'x', not a number"),
+    ("{d}/d.xyz", "unknown kind of file '.xyz'"),
+    ("{d}/nofield.jsonl", "has no field 'text' (it has 'body')"),
+    ("{d}/d.parquet", "has no field 'text' (it has 'body')"),
+])
+def test_bad_sources_are_refused_by_name(tmp_path, capsys, spec, message):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "d.xyz").write_text("x")
+    (tmp_path / "nofield.jsonl").write_text('{"body": "x"}\n')
+    if "parquet" in spec and ":" not in spec:
+        pq.write_table(pa.table({"body": ["x"]}), tmp_path / "d.parquet")
+    else:
+        pq.write_table(pa.table({"text": ["x" * 100]}), tmp_path / "d.parquet")
+    code = main(["train", "--mesh", "data=8", "--batch-size", "8", "--seq-len", "16", "--steps", "1",
+                 "--data", spec.format(d=tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and message.format(d=tmp_path) in " ".join(err.split()) and "Traceback" not in err, err
+
+
+def test_train_on_jsonl(tmp_path, capsys):
+    lines = [json.dumps({"text": f"document number {i} says something about jax."}) for i in range(40)]
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    metrics = tmp_path / "m.jsonl"
+    code = main(["train", "--mesh", "data=8", "--batch-size", "8", "--seq-len", "16", "--steps", "2",
+                 "--data", f"{tmp_path / 't.jsonl'}:0.5,{tmp_path / 't.jsonl'}", "--metrics", str(metrics)])
+    assert code == 2  # one source twice is refused
+    code = main(["train", "--mesh", "data=8", "--batch-size", "8", "--seq-len", "16", "--steps", "2",
+                 "--data", str(tmp_path / "t.jsonl"), "--metrics", str(metrics)])
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert code == 0 and len(losses) == 2 and all(np.isfinite(losses)), capsys.readouterr().err

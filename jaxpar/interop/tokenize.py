@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxpar.train import data as data_lib
 from jaxpar.train.data import TEXT_SUFFIXES
+from jaxpar.train.sources import Source, is_document_source, parse_sources, read_documents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,8 @@ class Tokenizer:
     sha256: str | None
     encode: Callable[[list[str]], list[np.ndarray]]
     decode: Callable[[list[int]], str]
+    bos: int | None = None  # put before each document of a document source (.jsonl, .parquet, datasets folder)
+    eos: int | None = None  # and after it
 
 
 BYTES = Tokenizer("bytes", 256, None, lambda texts: [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts],
@@ -58,9 +61,32 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         loaded = HFTokenizer.from_file(str(path))
     except Exception as error:  # noqa: BLE001 - the Rust side raises a bare Exception on a bad file
         raise ValueError(f"--tokenizer {str(path)!r} is not a readable Hugging Face tokenizer.json: {error}") from None
+    bos, eos = _special_ids(path, loaded)
     return Tokenizer("tokenizer.json", loaded.get_vocab_size(), digest,
                      lambda texts: [np.asarray(e.ids, np.int64) for e in loaded.encode_batch(texts)],
-                     lambda ids: loaded.decode(list(ids)))
+                     lambda ids: loaded.decode(list(ids)), bos, eos)
+
+
+SPECIAL_NAMES = {"bos": ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>"),
+                 "eos": ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")}
+
+
+def _special_ids(path: Path, loaded) -> tuple[int | None, int | None]:
+    """BOS and EOS ids: `bos_token`/`eos_token` of a tokenizer_config.json beside the file, else the usual names."""
+    config_path = path.with_name("tokenizer_config.json")
+    config = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as error:
+            raise ValueError(f"{config_path} is not JSON ({error}); fix or remove it") from None
+    found = []
+    for kind in ("bos", "eos"):
+        named = config.get(f"{kind}_token")
+        named = named.get("content") if isinstance(named, dict) else named
+        candidates = (named,) if isinstance(named, str) else SPECIAL_NAMES[kind]
+        found.append(next((i for i in map(loaded.token_to_id, candidates) if i is not None), None))
+    return found[0], found[1]
 
 
 def _sentencepiece(path: Path, digest: str) -> Tokenizer:
@@ -74,9 +100,11 @@ def _sentencepiece(path: Path, digest: str) -> Tokenizer:
         processor.Load(str(path))
     except (OSError, RuntimeError) as error:
         raise ValueError(f"--tokenizer {str(path)!r} is not a readable SentencePiece model: {error}") from None
+    bos, eos = processor.bos_id(), processor.eos_id()  # -1 where the model has none
     return Tokenizer("sentencepiece", processor.GetPieceSize(), digest,
                      lambda texts: [np.asarray(ids, np.int64) for ids in processor.EncodeAsIds(texts)],
-                     lambda ids: processor.DecodeIds([int(i) for i in ids]))
+                     lambda ids: processor.DecodeIds([int(i) for i in ids]),
+                     bos if bos >= 0 else None, eos if eos >= 0 else None)
 
 
 def text_files(source: Path) -> list[Path]:
@@ -94,7 +122,29 @@ def text_files(source: Path) -> list[Path]:
 def encode_texts(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
     """All documents' ids, concatenated, in the smallest unsigned dtype that holds the vocabulary."""
     ids = np.concatenate(tokenizer.encode(texts)) if texts else np.zeros(0, np.int64)
-    vocab = tokenizer.vocab
+    return _smallest(ids, tokenizer.vocab)
+
+
+def encode_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
+    """Documents as one token stream, each between the tokenizer's BOS and EOS (bytes: separated by a blank line).
+
+    A tokenizer whose post-processor already adds BOS/EOS gets them once, not twice.
+    """
+    if tokenizer is BYTES:
+        return np.frombuffer("\n\n".join(texts).encode("utf-8"), np.uint8)
+    bos = [] if tokenizer.bos is None else [tokenizer.bos]
+    eos = [] if tokenizer.eos is None else [tokenizer.eos]
+    pieces = []
+    for ids in tokenizer.encode(texts):
+        if bos and ids[:1].tolist() == bos:
+            ids = ids[1:]
+        if eos and ids[-1:].tolist() == eos:
+            ids = ids[:-1]
+        pieces += [np.asarray(bos, np.int64), ids, np.asarray(eos, np.int64)]
+    return _smallest(np.concatenate(pieces), tokenizer.vocab)
+
+
+def _smallest(ids: np.ndarray, vocab: int) -> np.ndarray:
     return ids.astype(np.uint8 if vocab <= 2**8 else np.uint16 if vocab <= 2**16 else np.uint32)
 
 
@@ -172,16 +222,24 @@ def check_header(path: Path, tokens: np.ndarray, vocab: int, tokenizer: Tokenize
                              "re-tokenize with this one, or give the one it was made with")
 
 
-def training_tokens(data: str | None, tokenizer_path: str | None, vocab: int) -> np.ndarray:
-    """The token stream of `jaxpar train --data [--tokenizer]`, checked against the model's `vocab`.
+def training_streams(data: str | None, tokenizer_path: str | None, vocab: int,
+                     text_field: str = "text") -> list[tuple[str | None, np.ndarray, float]]:
+    """(name, token stream, weight) of each source of `jaxpar train --data [--tokenizer] [--text-field]`.
 
     Text (a file, a folder, or the built-in corpus) goes through the tokenizer; a
-    `.npy` from `jaxpar tokenize` is checked against its header; a `.bin` has no
-    header, so `--tokenizer` cannot be checked against it and is refused there.
+    document source (.jsonl, .parquet, a `datasets` folder) too, with BOS/EOS
+    around each document; a `.npy` from `jaxpar tokenize` is checked against its
+    header; a `.bin` has no header, so `--tokenizer` is refused there. Token ids
+    are not scanned here: the batches check them against `vocab` as they are read.
     """
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     if tokenizer is not None:
         check_covers(tokenizer, vocab, f"--tokenizer {tokenizer_path!r}")
+    sources = parse_sources(data) if data is not None else [Source(None)]
+    return [(s.path, _stream(s.path, tokenizer, vocab, text_field), s.weight) for s in sources]
+
+
+def _stream(data: str | None, tokenizer: Tokenizer | None, vocab: int, text_field: str) -> np.ndarray:
     path = Path(data) if data is not None else None
     if path is not None and path.suffix in (".npy", ".bin"):
         if path.suffix == ".bin" and tokenizer is not None:
@@ -191,15 +249,24 @@ def training_tokens(data: str | None, tokenizer_path: str | None, vocab: int) ->
         tokens = data_lib.load_tokens(path)
         if path.suffix == ".npy":
             check_header(path, tokens, vocab, tokenizer)
+        return tokens
+    if path is not None and is_document_source(path):
+        tokens = encode_documents(read_documents(path, text_field), tokenizer or BYTES)
     elif tokenizer is None:
-        tokens = data_lib.load_tokens(path)
+        return data_lib.load_tokens(path)
+    elif path is None:
+        tokens = encode_texts([data_lib.default_corpus().tobytes().decode("utf-8")], tokenizer)
     else:
-        if path is None:
-            texts = [data_lib.default_corpus().tobytes().decode("utf-8")]
-        else:
-            texts = _read_texts(text_files(path))
-        tokens = encode_texts(texts, tokenizer)
-        if tokens.size == 0:
-            raise ValueError(f"--data {data!r} gave no tokens through --tokenizer {tokenizer_path!r}")
-    data_lib.check_vocab(tokens, vocab, data)
+        tokens = encode_texts(_read_texts(text_files(path)), tokenizer)
+    if tokens.size == 0:
+        raise ValueError(f"--data {data!r} gave no tokens through {tokenizer.kind if tokenizer else 'bytes'}")
     return tokens
+
+
+def training_tokens(data: str | None, tokenizer_path: str | None, vocab: int, text_field: str = "text") -> np.ndarray:
+    """The one token stream of `--data` (`jaxpar eval`), every id checked against the model's `vocab`."""
+    streams = training_streams(data, tokenizer_path, vocab, text_field)
+    if len(streams) > 1:
+        raise ValueError(f"--data {data!r} is a mixture; give one source here")
+    data_lib.check_vocab(streams[0][1], vocab, data)
+    return streams[0][1]

@@ -20,6 +20,7 @@ from jaxpar.run.training import (
     param_table,
     resume,
 )
+from jaxpar.train.data import BadBatch
 from jaxpar.train.state import abstract_state
 
 
@@ -107,6 +108,9 @@ def train_with_progress(run: Run, console: Console) -> int:
         except FloatingPointError as error:
             Console(stderr=True).print(f"[bold red]stopped:[/] {error}")
             return 1
+        except BadBatch as error:  # token ids outside the vocabulary, found in a later batch
+            Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+            return 2
         finally:
             if checkpoints is not None:
                 checkpoints.close()

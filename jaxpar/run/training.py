@@ -19,12 +19,13 @@ import numpy as np
 import optax
 
 from jaxpar.core.plan import Plan
-from jaxpar.interop.tokenize import training_tokens
+from jaxpar.interop.tokenize import training_streams
 from jaxpar.models import model_config, model_factory
 from jaxpar.parallel import offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train import data as data_lib
+from jaxpar.train.mixture import MixtureBatches
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, differences, run_config
 from jaxpar.train.distributed import is_leader
 from jaxpar.train.preemption import Preemption
@@ -33,7 +34,8 @@ from jaxpar.train.step import Step, make_train_step
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
-TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer")
+TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer",
+              "text_field")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,7 @@ class TrainConfig:
     init_from: str | None = None  # initial parameters: import-hf output, an export or a Hugging Face directory
     eval_every: int = 0  # held-out loss every N steps (0: never); the held-out tail is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
+    text_field: str = "text"  # the field of a .jsonl / .parquet / datasets record that holds its text
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
     peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
 
@@ -96,7 +99,7 @@ class Run:
     model_config: Any
     model: ModelDef
     optimizer: optax.GradientTransformation
-    batches: data_lib.Batches
+    batches: data_lib.Batches | MixtureBatches
     make_model: Callable
     step_fn: Step
     mfu: mfu_lib.Mfu
@@ -117,6 +120,32 @@ class Run:
         return data_lib.global_batch(self.batches, step, self.batch_sharding)
 
 
+def _batches(config: TrainConfig, vocab: int, name: str, streams):
+    """The run's batches (one source: windows of its stream; several: a weighted mixture) and held-out tokens.
+
+    Token ids are checked per batch as they are read; batch 0 is read here, so a
+    bad token file is refused before anything compiles.
+    """
+    heldout = None
+    if len(streams) > 1:
+        if config.eval_every:
+            raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
+                             "give one source or drop --eval-every")
+        names, tokens, weights = zip(*streams)
+        batches = MixtureBatches(tokens, weights, names, config.batch_size, config.seq_len, config.seed, vocab)
+    else:
+        tokens = streams[0][1]
+        if config.eval_every:
+            from jaxpar.run.evaluate import check_evaluable, split_tokens
+
+            check_evaluable(name)
+            tokens, heldout = split_tokens(tokens)
+            data_lib.check_vocab(heldout, vocab, config.data)
+        batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
+    batches.rows(0)
+    return batches, heldout
+
+
 def prepare(config: TrainConfig, plan: Plan) -> Run:
     """Build and check everything a run needs; raises ValueError on any bad input."""
     name, saved = config.model, {}
@@ -134,14 +163,8 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     model = describe(make_model)
     optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
-    tokens = training_tokens(config.data, config.tokenizer, mcfg.vocab)
-    heldout = None
-    if config.eval_every:
-        from jaxpar.run.evaluate import check_evaluable, split_tokens
-
-        check_evaluable(name)
-        tokens, heldout = split_tokens(tokens)
-    batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed)
+    streams = training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
+    batches, heldout = _batches(config, mcfg.vocab, name, streams)
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)

@@ -87,16 +87,30 @@ def _load_bin(path: Path) -> np.ndarray:
 
 
 def check_vocab(tokens: np.ndarray, vocab: int, source: str | Path | None) -> None:
-    """Refuse token ids outside [0, vocab): an embedding lookup would silently wrap or clip them."""
+    """Refuse token ids outside [0, vocab) anywhere in `tokens` (a full scan: `jaxpar eval`'s held-out tail)."""
+    _refuse_outside(tokens, vocab, source, "")
+
+
+def check_batch_vocab(windows: np.ndarray, vocab: int, source: str | Path | None, step: int) -> None:
+    """Refuse token ids outside [0, vocab) in one batch: a start-up check that reads no more than the batch."""
+    _refuse_outside(windows, vocab, source, f" in the batch of step {step}")
+
+
+class BadBatch(ValueError):
+    """A batch the model cannot take (token ids outside its vocabulary), found when the batch is read."""
+
+
+def _refuse_outside(tokens: np.ndarray, vocab: int, source: str | Path | None, where: str) -> None:
+    """Token ids outside [0, vocab) are refused by name: an embedding lookup would silently wrap or clip them."""
     low, high = int(tokens.min()), int(tokens.max())
     if low >= 0 and high < vocab:
         return
     bad = np.unique(np.asarray(tokens[(tokens < 0) | (tokens >= vocab)]))
     shown = ", ".join(map(str, bad[:5])) + (f", ... ({bad.size} distinct values)" if bad.size > 5 else "")
     name = "the built-in corpus" if source is None else f"--data {str(source)!r}"
-    raise ValueError(
+    raise BadBatch(
         f"{name} holds token ids outside the model's vocabulary [0, {vocab}): {shown} "
-        f"(smallest {low}, largest {high}); re-tokenize for this vocabulary or choose a model whose vocab covers them"
+        f"(smallest {low}, largest {high}){where}; re-tokenize for this vocabulary or choose a model whose vocab covers them"
     )
 
 
@@ -108,6 +122,8 @@ class Batches:
     batch_size: int
     seq_len: int
     seed: int = 0
+    vocab: int | None = None  # token ids are checked against it per batch when given
+    source: str | None = None  # the --data the tokens came from, for the check's message
 
     def __post_init__(self):
         if self.tokens.size < self.seq_len + 2:
@@ -120,7 +136,10 @@ class Batches:
     def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
         """Rows lo:hi of the global batch of `step`: {"inputs", "targets"} int32 [rows, seq_len]."""
         starts = self.starts(step)[lo:hi]
-        windows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1]) for s in starts]).astype(np.int32)
+        windows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1]) for s in starts])
+        if self.vocab is not None:
+            check_batch_vocab(windows, self.vocab, self.source, step)
+        windows = windows.astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
     def __getitem__(self, step: int) -> dict[str, np.ndarray]:
