@@ -315,7 +315,8 @@ def kv_run(mesh: str, form: str):
     model, state, _, _ = kv_reference()
     plan = make_plan(mesh, tensor_form=form)
     placed = place_state(copy_state(state), model, OPTIMIZER, plan)
-    compiled = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan).lower(placed, token_batches(KV_CONFIG)[0]).compile()
+    step = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan)
+    compiled = step.lower(placed, token_batches(KV_CONFIG)[0]).compile()
     losses, grads = [], []
     for batch in token_batches(KV_CONFIG):
         placed, metrics = compiled(placed, batch)
@@ -340,7 +341,8 @@ def test_replicated_kv_heads_train_like_the_reference(mesh, form):
 def kv_gradient_ops(compiled, plan):
     """The tensor collectives that carry K's and V's gradients: [embed, heads, head_dim] per layer or the stack."""
     c = KV_CONFIG
-    shapes = {(c.d_model, h, c.head_dim) for h in (1, c.n_kv_heads)} | {(c.n_layers, c.d_model, c.n_kv_heads, c.head_dim)}
+    per_layer = {(c.d_model, h, c.head_dim) for h in (1, c.n_kv_heads)}
+    shapes = per_layer | {(c.n_layers, c.d_model, c.n_kv_heads, c.head_dim)}
     return [op for op in inspect.collective_ops(compiled, plan.mesh)
             if op.axes == ("tensor",) and shapes & set(op.shapes)]
 

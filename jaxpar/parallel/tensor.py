@@ -101,8 +101,7 @@ def kv_heads_for_ranks(w, n_kv_heads: int, logical):
     gradient of a head is summed over the ranks that use it (the transpose of
     the repeat or of the pick). Otherwise `w` as it is.
     """
-    axes = region_axes([logical[i] for i, name in enumerate(logical) if name == "kv_heads"])
-    dim = logical.index("kv_heads")
+    axes, dim = region_axes(("kv_heads",)), logical.index("kv_heads")
     if not axes or ways(axes) <= n_kv_heads:
         return w
     usage.mark(usage.TENSOR)
