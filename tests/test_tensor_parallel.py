@@ -374,7 +374,9 @@ def test_replicated_kv_heads_gradients_are_summed_over_their_replicas(mesh, form
         assert [(p.kind, p.bytes, p.calls, p.group) for p in predicted] == [
             ("all-reduce", one_head, c.n_layers, t // c.n_kv_heads),
             ("all-gather", one_head * c.n_kv_heads * c.n_layers, 1, c.n_kv_heads)]
-        assert len(gathered) >= 2  # K's and V's stacks
+        # K's and V's stacks, for the update; at tensor=4 alone XLA gathers them once more for the gradients
+        # this test's optimizer keeps in its state (keep_gradients), a second pair a plain optimizer does not have.
+        assert len(gathered) in (2, 4)
 
 
 def test_planner_counts_replicated_kv_heads_whole_on_every_rank():
