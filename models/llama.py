@@ -145,9 +145,8 @@ RESIDUAL = ("batch", "seq_residual", "embed")
 def attention(p, x, cfg: LlamaConfig):
     """Causal grouped-query attention (jaxpar.parallel.attention: split over `context` too); heads over the `heads` axes."""
     q_names, kv_names = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-    q, k, v = tensor.column_parallel(
-        x, (p["wq"], p["wk"], p["wv"]), "bsd,dhk->bshk", (q_names, kv_names, kv_names)
-    )
+    wk, wv = (tensor.kv_heads_for_ranks(p[w], cfg.n_kv_heads, ("embed", "kv_heads", "head_dim")) for w in ("wk", "wv"))
+    q, k, v = tensor.column_parallel(x, (p["wq"], wk, wv), "bsd,dhk->bshk", (q_names, kv_names, kv_names))
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
     # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
     positions, inv_freq = attention_lib.positions(q.shape[1]), rope_frequencies(cfg, q.shape[-1])

@@ -110,10 +110,10 @@ def test_resolution_drops_trivial_axes_and_never_reuses_one():
 def test_resolution_error_names_path_dimension_size_and_axes():
     shape = {"replica": 1, "data": 2, "pipe": 1, "expert": 1, "context": 1, "tensor": 4}
     with pytest.raises(ValueError) as error:
-        resolve_spec(("layers", "embed", "kv_heads", "head_dim"), (4, 64, 2, 16), shape, DEFAULT_RULES, path="blocks.wk")
+        resolve_spec(("layers", "embed", "kv_heads", "head_dim"), (4, 64, 3, 16), shape, DEFAULT_RULES, path="blocks.wk")
     text = str(error.value)
     assert "blocks.wk" in text and "dimension 2" in text and "'kv_heads'" in text
-    assert "size 2" in text and "tensor=4" in text
+    assert "size 3" in text and "tensor=4" in text and "nor is it a divisor of 4" in text
 
 
 def test_batch_that_does_not_divide():

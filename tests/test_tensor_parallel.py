@@ -12,8 +12,12 @@ import optax
 import pytest
 from flax import nnx
 
+import reference as reference_lib
 from helpers import copy_state, max_relative_error, single_device_plan
-from jaxpar.planner import inspect
+from jaxpar.planner import inspect, memory, traffic
+from jaxpar.planner.devices import load_device
+from jaxpar.planner.layout import Layout, Workload
+from jaxpar.planner.model import Model as PlannerModel, llama_leaves
 from jaxpar.parallel import tensor, vocab
 from jaxpar.models.llama import Llama, LlamaConfig, rms_norm, run_layers
 from jaxpar.core.plan import Plan
@@ -237,7 +241,8 @@ def test_the_target_logit_is_read_where_it_lies_with_the_one_hot_sums_gradient()
 @pytest.mark.parametrize(
     "overrides, mesh, message",
     [
-        ({"n_heads": 8, "n_kv_heads": 2}, "data=2,tensor=4", r"\('kv_heads'\) of size 2 does not divide by mesh axes tensor=4"),
+        ({"n_heads": 12, "n_kv_heads": 3}, "data=2,tensor=4",
+         r"\('kv_heads'\) of size 3 does not divide by mesh axes tensor=4 \(product 4\), nor is it a divisor of 4"),
         ({"d_ff": 100}, "tensor=8", r"\('mlp'\) of size 100 does not divide by mesh axes tensor=8"),
     ],
 )
@@ -283,3 +288,107 @@ def test_a_second_plan_traces_the_model_afresh():
         plan = make_plan("data=2,tensor=2,pipe=2", tensor_form="explicit", sequence_parallel=sequence_parallel)
         losses = run(model, state, plan)[1]
         assert np.max(np.abs(losses / ref_losses - 1)) <= 1e-5, sequence_parallel
+
+
+# -- fewer key/value heads than tensor ranks: each head replicated over tensor / n_kv_heads ranks ------------------
+
+KV_CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16)
+KV_CASES = [(mesh, form) for mesh in ("tensor=4", "data=2,tensor=4") for form in tensor.FORMS]
+
+
+@functools.cache
+def kv_reference():
+    """Plain JAX + optax (tests/reference.py) on one device: losses and final parameters, and each step's gradients."""
+    model, state = init_state(lambda: Llama(KV_CONFIG, nnx.Rngs(0)), OPTIMIZER, single_device_plan())
+    state, batches, loss = copy_state(state), token_batches(KV_CONFIG), reference_lib.loss_fn(KV_CONFIG)
+    result = reference_lib.train(loss, state.params, batches, optax.sgd(0.5))
+    grad = jax.jit(jax.grad(lambda p, batch: loss(p, batch)[0]))
+    params, grads = state.params, []
+    for batch in batches:  # the SGD path reference.train takes, to read each step's gradients
+        grads.append(jax.device_get(grad(params, batch)))
+        params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads[-1])
+    return model, state, result, grads
+
+
+@functools.cache
+def kv_run(mesh: str, form: str):
+    model, state, _, _ = kv_reference()
+    plan = make_plan(mesh, tensor_form=form)
+    placed = place_state(copy_state(state), model, OPTIMIZER, plan)
+    step = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan)
+    compiled = step.lower(placed, token_batches(KV_CONFIG)[0]).compile()
+    losses, grads = [], []
+    for batch in token_batches(KV_CONFIG):
+        placed, metrics = compiled(placed, batch)
+        losses.append(float(metrics["loss"]))
+        grads.append(jax.device_get(placed.opt_state[0]))
+    return plan, compiled, placed, np.array(losses), grads
+
+
+@pytest.mark.parametrize("mesh, form", KV_CASES)
+def test_replicated_kv_heads_train_like_the_reference(mesh, form):
+    _, _, result, ref_grads = kv_reference()
+    _, _, placed, losses, grads = kv_run(mesh, form)
+    assert np.max(np.abs(losses / result.losses - 1)) <= 1e-5
+    for got, want in zip(grads, ref_grads):
+        assert max_relative_error(got, want) <= 1e-5
+    assert max_relative_error(jax.device_get(placed.params), result.params) <= 1e-5
+    assert max_relative_error(kv_reference()[1].params, result.params) > 1e-3  # the steps moved the parameters
+    assert placed.params["blocks"]["wk"].shape == (2, 32, 2, 8)  # the parameter keeps its 2 heads, replicated
+    assert placed.params["blocks"]["wk"].sharding.spec == jax.sharding.PartitionSpec()
+
+
+def kv_gradient_ops(compiled, plan):
+    """The tensor collectives that carry K's and V's gradients: [embed, heads, head_dim] per layer or the stack."""
+    c = KV_CONFIG
+    per_layer = {(c.d_model, h, c.head_dim) for h in (1, c.n_kv_heads)}
+    shapes = per_layer | {(c.n_layers, c.d_model, c.n_kv_heads, c.head_dim)}
+    return [op for op in inspect.collective_ops(compiled, plan.mesh)
+            if op.axes == ("tensor",) and shapes & set(op.shapes)]
+
+
+@pytest.mark.parametrize("mesh, form", KV_CASES)
+def test_replicated_kv_heads_gradients_are_summed_over_their_replicas(mesh, form):
+    """explicit: each rank picks its head, the pick's transpose sums K's and V's whole gradients over every
+    tensor rank. annotation: the repeat's transpose sums each rank's head over its tensor/kv replicas, then the
+    heads are gathered over the other ranks. The planner predicts what each form compiles."""
+    plan, compiled, _, _, _ = kv_run(mesh, form)
+    c, t = KV_CONFIG, plan.shape["tensor"]
+    one_head = 2 * c.d_model * c.head_dim * 4  # K and V, fp32
+    ops = kv_gradient_ops(compiled, plan)
+    layout, cpu = Layout(data=plan.shape["data"], tensor=t, precision="fp32", tensor_form=form), load_device("cpu")
+    model = PlannerModel.from_config("kv", c, llama_leaves(c))
+    predicted = [x for x in traffic.tensor_collectives(model, layout, Workload(BATCH, c.seq_len), cpu,
+                                                       traffic.widths(layout, cpu)) if "K/V" in x.why]
+    if form == "explicit":
+        (op,) = ops  # fused with the attention half's all-reduce of the input gradient
+        kv_shapes = [s for s in op.shapes if s == (c.d_model, c.n_kv_heads, c.head_dim)]
+        assert (op.kind, op.group_size, op.count, len(kv_shapes)) == ("all-reduce", t, c.n_layers, 2)
+        assert [(p.kind, p.bytes, p.calls, p.group) for p in predicted] == [("all-reduce", one_head * 2, 2, None)]
+    else:
+        summed = [op for op in ops if op.kind == "all-reduce"]
+        gathered = [op for op in ops if op.kind == "all-gather"]
+        assert [(op.shapes, op.bytes, op.group_size, op.count) for op in summed] == \
+            [(((c.d_model, 1, c.head_dim),) * 2, one_head, t // c.n_kv_heads, c.n_layers)]
+        assert {(op.bytes, op.group_size) for op in gathered} == {(one_head * c.n_kv_heads * c.n_layers // 2, 2)}
+        assert [(p.kind, p.bytes, p.calls, p.group) for p in predicted] == [
+            ("all-reduce", one_head, c.n_layers, t // c.n_kv_heads),
+            ("all-gather", one_head * c.n_kv_heads * c.n_layers, 1, c.n_kv_heads)]
+        # K's and V's stacks, for the update; at tensor=4 alone XLA gathers them once more for the gradients
+        # this test's optimizer keeps in its state (keep_gradients), a second pair a plain optimizer does not have.
+        assert len(gathered) in (2, 4)
+
+
+def test_planner_counts_replicated_kv_heads_whole_on_every_rank():
+    """Parameters, gradients and optimizer state per device: K and V whole on each tensor rank, as placed."""
+    plan, _, placed, _, _ = kv_run("tensor=4", "annotation")
+    c = KV_CONFIG
+    model = PlannerModel.from_config("kv", c, llama_leaves(c))
+    shard = {k: v.addressable_shards[0].data.size for k, v in jax.tree_util.tree_leaves_with_path(placed.params)}
+    held = sum(shard.values())
+    kv = [n for k, n in shard.items() if "'wk'" in jax.tree_util.keystr(k) or "'wv'" in jax.tree_util.keystr(k)]
+    assert kv == [c.n_layers * c.d_model * c.n_kv_heads * c.head_dim] * 2  # whole on this rank
+    assert memory.inventory(model, 1, 4, 1, 1).local == held
+    breakdown = memory.memory_breakdown(model, Layout(tensor=4, precision="fp32"), Workload(BATCH, c.seq_len),
+                                        load_device("cpu"))
+    assert breakdown["params"] == breakdown["grads"] == 4 * held

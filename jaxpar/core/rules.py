@@ -43,6 +43,10 @@ DEFAULT_RULES: dict[str, Rule] = {
     "norm": None,
 }
 
+# Logical axes whose dimension, when smaller than its mesh axes and a divisor of them, is replicated instead of
+# refused: a model with fewer key/value heads than tensor ranks keeps each head on tensor/kv_heads ranks
+# (Megatron, MaxText); jaxpar.parallel.tensor.kv_heads_for_ranks hands each rank the head its queries read.
+REPLICATED_WHEN_FEWER = frozenset({"kv_heads"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,10 +125,15 @@ def resolve_spec(
                 raise ValueError(f"rule {name!r} -> {rules[name]!r} names unknown mesh axis {axis!r}")
         ways = math.prod(mesh_shape[a] for a in axes)
         if check and size % ways:
+            if name in REPLICATED_WHEN_FEWER and ways % size == 0:
+                entries.append(None)
+                continue
             sizes = ", ".join(f"{a}={mesh_shape[a]}" for a in axes)
+            fewer = (f", nor is it a divisor of {ways} (then each of the {size} is replicated over "
+                     f"{ways}/{size} ranks)") if name in REPLICATED_WHEN_FEWER else ""
             raise ValueError(
                 f"{path}: dimension {dim} ({name!r}) of size {size} does not divide by mesh axes "
-                f"{sizes} (product {ways})"
+                f"{sizes} (product {ways}){fewer}"
             )
         used.update(axes)
         entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)

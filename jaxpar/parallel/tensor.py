@@ -89,6 +89,29 @@ def column_parallel(x, weights, equation: str, out_logical, in_logical=RESIDUAL)
     return outs[0] if single else tuple(outs)
 
 
+def kv_heads_for_ranks(w, n_kv_heads: int, logical):
+    """Key/value weights with fewer heads than tensor ranks, cut so that each rank holds the head its queries read.
+
+    The parameter keeps its `n_kv_heads` heads, replicated over the tensor ranks
+    (jaxpar.core.rules.REPLICATED_WHEN_FEWER), so checkpoints and Hugging Face
+    weights are unchanged. Each head is repeated tensor/n_kv_heads times in place,
+    which keeps query head h reading its key/value head h // (heads / kv_heads),
+    and the repeats are split over the ranks (annotation: a local slice of the
+    replicated weight; explicit: this rank's head picked by its index). The
+    gradient of a head is summed over the ranks that use it (the transpose of
+    the repeat or of the pick). Otherwise `w` as it is.
+    """
+    axes, dim = region_axes(("kv_heads",)), logical.index("kv_heads")
+    if not axes or ways(axes) <= n_kv_heads:
+        return w
+    usage.mark(usage.TENSOR)
+    copies = ways(axes) // n_kv_heads
+    if tensor_explicit.direct(axes):  # the step is manual over tensor: this rank holds every head
+        rank = jax.lax.axis_index(axes)
+        return jax.lax.dynamic_slice_in_dim(w, rank // copies, 1, axis=dim)
+    return constrain(jnp.repeat(w, copies, axis=dim), logical)
+
+
 def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
     """einsum(equation, x, w) for w split along its input features: the partial sums are combined.
 

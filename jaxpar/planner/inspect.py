@@ -166,6 +166,20 @@ def _axes_by_groups(mesh: Mesh) -> dict[frozenset, tuple[str, ...]]:
     return table
 
 
+def _within_one_axis(groups, mesh: Mesh) -> tuple[str, ...]:
+    """The one mesh axis whose device groups each of `groups` lies inside (a sub-group of it: e.g. the tensor
+    ranks sharing a replicated key/value head, jaxpar.parallel.tensor.kv_heads_for_ranks), else ('?',)."""
+    if len(groups[0]) < 2:
+        return ("?",)
+    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+    for i, axis in enumerate(mesh.axis_names):
+        if mesh.devices.shape[i] > 1:
+            rows = [set(row) for row in np.moveaxis(ids, i, -1).reshape(-1, mesh.devices.shape[i]).tolist()]
+            if all(any(set(g) <= row for row in rows) for g in groups):
+                return (axis,)
+    return ("?",)
+
+
 def _permute_axes(line: str, mesh: Mesh) -> tuple[tuple[str, ...], int]:
     pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1].split("}}")[0] + "}")
     shape = mesh.devices.shape
@@ -202,7 +216,7 @@ def collective_ops(compiled, mesh: Mesh) -> list[CollectiveOp]:
             else:
                 groups = _parse_groups(line) or [tuple(range(mesh.devices.size))]
                 group = len(groups[0])
-                axes = by_groups.get(frozenset(frozenset(g) for g in groups), ("?",))
+                axes = by_groups.get(frozenset(frozenset(g) for g in groups)) or _within_one_axis(groups, mesh)
             size = sum(math.prod(s) * _DTYPE_BYTES[d] for d, s in results)
             if kind == "reduce-scatter":
                 size *= group

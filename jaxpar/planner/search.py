@@ -24,7 +24,9 @@ def layouts(model: Model, devices: int, work: Workload, device: Device, precisio
     with each context size of `contexts` that splits the sequence (both attention forms), offloading or not."""
     max_tensor = max_tensor or device.devices_per_node
     out = []
-    tensors = [t for t in _divisors(devices) if t <= max_tensor and model.n_kv_heads % t == 0 or t == 1]
+    kv = model.n_kv_heads  # fewer key/value heads than tensor ranks are replicated (jaxpar.parallel.tensor)
+    tensors = [t for t in _divisors(devices)
+               if t <= max_tensor and model.n_heads % t == 0 and (kv % t == 0 or t % kv == 0) or t == 1]
     experts = [e for e in _divisors(devices) if model.n_experts and model.n_experts % e == 0] or [1]
     for t, e, c in itertools.product(tensors, experts, contexts):
         if c > 1 and (devices % (t * e * c) or work.seq_len % (2 * c)):

@@ -38,9 +38,10 @@ class Collective:
     bytes: float
     calls: float
     why: str
+    group: int | None = None  # devices per call when fewer than the axis's (a sub-group of it)
 
     def traffic(self, n: int) -> float:
-        return self.calls * ring_traffic(self.kind, self.bytes, n)
+        return self.calls * ring_traffic(self.kind, self.bytes, self.group or n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,25 @@ def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Dev
         width = w.values if k == "all-gather" and layout.tensor_form == "explicit" else w.summed
         out.append(Collective("tensor", k, one * width, block * layout.grad_accum, "Megatron f/g, per block half"))
         out.append(Collective("tensor", k, edges * width, layout.grad_accum, "vocab-parallel embedding and head"))
+    if layout.tensor > model.n_kv_heads:
+        out += replicated_kv_collectives(model, layout, w, ticks * chunk * layout.grad_accum)
     return out
+
+
+def replicated_kv_collectives(model: Model, layout: Layout, w: Widths, layer_runs: float) -> list[Collective]:
+    """The gradients of key/value heads replicated over tensor/n_kv_heads ranks (jaxpar.parallel.tensor.
+    kv_heads_for_ranks), per layer run backward, as each form compiles.
+
+    explicit: a rank's pick of its head transposes to a sum over every tensor rank of K's and V's whole
+    [embed, kv_heads, head_dim] gradients. annotation: the repeat's transpose sums each rank's one head
+    over its replicas, and the heads are gathered over the other ranks once, for the whole layer stack."""
+    t, kv = layout.tensor, model.n_kv_heads
+    one_head = 2 * model.d_model * model.head_dim * w.grads  # K and V
+    if layout.tensor_form == "explicit":
+        return [Collective("tensor", "all-reduce", one_head * kv, layer_runs, "replicated K/V heads' gradients")]
+    stack = model.n_layers / layout.pipe
+    return [Collective("tensor", "all-reduce", one_head, layer_runs, "replicated K/V heads' gradients", t // kv),
+            Collective("tensor", "all-gather", one_head * kv * stack, 1, "replicated K/V heads' gradients", kv)]
 
 
 def pipe_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
