@@ -183,3 +183,39 @@ def test_train_on_jsonl(tmp_path, capsys):
                  "--data", str(tmp_path / "t.jsonl"), "--metrics", str(metrics)])
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert code == 0 and len(losses) == 2 and all(np.isfinite(losses)), capsys.readouterr().err
+
+
+def _documents_jsonl(tmp_path, count=40):
+    docs = [f"document {i:02d} " + "x" * (20 + 7 * (i % 5)) for i in range(count)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path, docs
+
+
+def test_held_out_split_is_whole_documents(tmp_path, sources, word_tokenizer):
+    """A document source is cut at a document start: the held-out split is the last documents, whole."""
+    from jaxpar.run.evaluate import HOLDOUT, split_tokens
+
+    path, docs = _documents_jsonl(tmp_path)
+    _, tokens, _, starts = training_streams(str(path), None, 256)[0]
+    assert np.array_equal(starts, np.cumsum([0] + [len(d) + 2 for d in docs[:-1]]))
+    train, heldout = split_tokens(tokens, document_starts=starts)
+    held_docs = heldout.tobytes().decode().split("\n\n")
+    assert held_docs == docs[-len(held_docs):] and 1 <= len(held_docs) < len(docs)
+    assert train.tobytes().decode() == "\n\n".join(docs[:-len(held_docs)]) + "\n\n"
+    assert abs(heldout.size / tokens.size - HOLDOUT) < 0.05
+    tok_path, vocab = word_tokenizer  # with BOS/EOS: the held-out document is the last one, both kept
+    _, tokens, _, starts = training_streams(str(sources[0]), str(tok_path), 64)[0]
+    assert split_tokens(tokens, document_starts=starts)[1].tolist() == [1, vocab["a"], vocab["third"], 2]
+
+
+def test_held_out_split_of_a_token_file_is_unchanged_and_one_document_is_refused(tmp_path):
+    from jaxpar.run.evaluate import split_tokens
+
+    tokens = np.arange(1000, dtype=np.uint16)
+    train, heldout = split_tokens(tokens)
+    assert train.size == 950 and np.array_equal(heldout, tokens[950:])
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": "only " * 200}) + "\n")
+    _, tokens, _, starts = training_streams(str(tmp_path / "one.jsonl"), None, 256)[0]
+    with pytest.raises(ValueError, match=r"--data 'one.jsonl' holds one document; evaluation holds out whole documents"):
+        split_tokens(tokens, document_starts=starts, source="one.jsonl")

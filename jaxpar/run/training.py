@@ -59,7 +59,7 @@ class TrainConfig:
     keep: int = 3
     on_nonfinite: str = "skip"
     init_from: str | None = None  # initial parameters: import-hf output, an export or a Hugging Face directory
-    eval_every: int = 0  # held-out loss every N steps (0: never); the held-out tail is then not trained on
+    eval_every: int = 0  # held-out loss every N steps (0: never); the held-out split is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
     text_field: str = "text"  # the field of a .jsonl / .parquet / datasets record that holds its text
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
@@ -131,15 +131,15 @@ def _batches(config: TrainConfig, vocab: int, name: str, streams):
         if config.eval_every:
             raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
                              "give one source or drop --eval-every")
-        names, tokens, weights = zip(*streams)
+        names, tokens, weights, _ = zip(*streams)
         batches = MixtureBatches(tokens, weights, names, config.batch_size, config.seq_len, config.seed, vocab)
     else:
-        tokens = streams[0][1]
+        tokens, document_starts = streams[0][1], streams[0][3]
         if config.eval_every:
             from jaxpar.run.evaluate import check_evaluable, split_tokens
 
             check_evaluable(name)
-            tokens, heldout = split_tokens(tokens)
+            tokens, heldout = split_tokens(tokens, document_starts=document_starts, source=config.data)
             data_lib.check_vocab(heldout, vocab, config.data)
         batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     batches.rows(0)
