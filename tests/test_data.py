@@ -219,3 +219,24 @@ def test_held_out_split_of_a_token_file_is_unchanged_and_one_document_is_refused
     _, tokens, _, starts = training_streams(str(tmp_path / "one.jsonl"), None, 256)[0]
     with pytest.raises(ValueError, match=r"--data 'one.jsonl' holds one document; evaluation holds out whole documents"):
         split_tokens(tokens, document_starts=starts, source="one.jsonl")
+
+
+def test_prefetched_batches_come_in_step_order_and_raise_at_their_step():
+    from jaxpar.train.prefetch import prefetched
+
+    def read(step):
+        if step == 7:
+            raise BadBatch(f"bad batch of step {step}")
+        return step * 10
+
+    for workers in (0, 1, 2):
+        got = []
+        with pytest.raises(BadBatch, match="step 7"):
+            for value in prefetched(read, range(3, 12), workers):
+                got.append(value)
+        assert got == [30, 40, 50, 60], workers
+    batches = prefetched(lambda s: s, range(100), 2)
+    assert [next(batches) for _ in range(3)] == [0, 1, 2]
+    batches.close()  # an early stop drops the read-ahead
+    with pytest.raises(ValueError, match="data workers must be 0 or more, got -1"):
+        next(prefetched(read, range(3), -1))
