@@ -208,7 +208,8 @@ def _add_hf_commands(sub) -> None:
     imp = sub.add_parser("import-hf", help="convert a Hugging Face Llama (config.json + safetensors) to a jaxpar checkpoint")
     imp.add_argument("source", help="a local Hugging Face model directory, or a Hub repo id")
     imp.add_argument("--out", required=True, help="the directory to write (what --init-from, eval and generate read)")
-    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out 5%% tail of the data")
+    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out 5%% of the data "
+                              "(the tail; whole documents of a document source)")
     generate = sub.add_parser("generate", help="continue prompts: greedy or temperature/top-p sampling, KV cache")
     for command in (evaluate, generate):
         command.add_argument("--checkpoint-dir", required=True,

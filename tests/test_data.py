@@ -183,3 +183,60 @@ def test_train_on_jsonl(tmp_path, capsys):
                  "--data", str(tmp_path / "t.jsonl"), "--metrics", str(metrics)])
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
     assert code == 0 and len(losses) == 2 and all(np.isfinite(losses)), capsys.readouterr().err
+
+
+def _documents_jsonl(tmp_path, count=40):
+    docs = [f"document {i:02d} " + "x" * (20 + 7 * (i % 5)) for i in range(count)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path, docs
+
+
+def test_held_out_split_is_whole_documents(tmp_path, sources, word_tokenizer):
+    """A document source is cut at a document start: the held-out split is the last documents, whole."""
+    from jaxpar.run.evaluate import HOLDOUT, split_tokens
+
+    path, docs = _documents_jsonl(tmp_path)
+    _, tokens, _, starts = training_streams(str(path), None, 256)[0]
+    assert np.array_equal(starts, np.cumsum([0] + [len(d) + 2 for d in docs[:-1]]))
+    train, heldout = split_tokens(tokens, document_starts=starts)
+    held_docs = heldout.tobytes().decode().split("\n\n")
+    assert held_docs == docs[-len(held_docs):] and 1 <= len(held_docs) < len(docs)
+    assert train.tobytes().decode() == "\n\n".join(docs[:-len(held_docs)]) + "\n\n"
+    assert abs(heldout.size / tokens.size - HOLDOUT) < 0.05
+    tok_path, vocab = word_tokenizer  # with BOS/EOS: the held-out document is the last one, both kept
+    _, tokens, _, starts = training_streams(str(sources[0]), str(tok_path), 64)[0]
+    assert split_tokens(tokens, document_starts=starts)[1].tolist() == [1, vocab["a"], vocab["third"], 2]
+
+
+def test_held_out_split_of_a_token_file_is_unchanged_and_one_document_is_refused(tmp_path):
+    from jaxpar.run.evaluate import split_tokens
+
+    tokens = np.arange(1000, dtype=np.uint16)
+    train, heldout = split_tokens(tokens)
+    assert train.size == 950 and np.array_equal(heldout, tokens[950:])
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": "only " * 200}) + "\n")
+    _, tokens, _, starts = training_streams(str(tmp_path / "one.jsonl"), None, 256)[0]
+    with pytest.raises(ValueError, match=r"--data 'one.jsonl' holds one document; evaluation holds out whole documents"):
+        split_tokens(tokens, document_starts=starts, source="one.jsonl")
+
+
+def test_prefetched_batches_come_in_step_order_and_raise_at_their_step():
+    from jaxpar.train.prefetch import prefetched
+
+    def read(step):
+        if step == 7:
+            raise BadBatch(f"bad batch of step {step}")
+        return step * 10
+
+    for workers in (0, 1, 2):
+        got = []
+        with pytest.raises(BadBatch, match="step 7"):
+            for value in prefetched(read, range(3, 12), workers):
+                got.append(value)
+        assert got == [30, 40, 50, 60], workers
+    batches = prefetched(lambda s: s, range(100), 2)
+    assert [next(batches) for _ in range(3)] == [0, 1, 2]
+    batches.close()  # an early stop drops the read-ahead
+    with pytest.raises(ValueError, match="data workers must be 0 or more, got -1"):
+        next(prefetched(read, range(3), -1))

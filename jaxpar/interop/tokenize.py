@@ -125,23 +125,27 @@ def encode_texts(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
     return _smallest(ids, tokenizer.vocab)
 
 
-def encode_documents(texts: list[str], tokenizer: Tokenizer) -> np.ndarray:
-    """Documents as one token stream, each between the tokenizer's BOS and EOS (bytes: separated by a blank line).
+def encode_documents(texts: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(token stream, offset of each document's first token): the offsets let evaluation hold out whole documents.
 
     A tokenizer whose post-processor already adds BOS/EOS gets them once, not twice.
     """
     if tokenizer is BYTES:
-        return np.frombuffer("\n\n".join(texts).encode("utf-8"), np.uint8)
+        sizes = np.asarray([len(t.encode("utf-8")) + 2 for t in texts], np.int64)  # each but the last has "\n\n" after
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        return np.frombuffer("\n\n".join(texts).encode("utf-8"), np.uint8), starts
     bos = [] if tokenizer.bos is None else [tokenizer.bos]
     eos = [] if tokenizer.eos is None else [tokenizer.eos]
-    pieces = []
+    pieces, sizes = [], []
     for ids in tokenizer.encode(texts):
         if bos and ids[:1].tolist() == bos:
             ids = ids[1:]
         if eos and ids[-1:].tolist() == eos:
             ids = ids[:-1]
         pieces += [np.asarray(bos, np.int64), ids, np.asarray(eos, np.int64)]
-    return _smallest(np.concatenate(pieces), tokenizer.vocab)
+        sizes.append(len(bos) + len(ids) + len(eos))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return _smallest(np.concatenate(pieces), tokenizer.vocab), starts
 
 
 def _smallest(ids: np.ndarray, vocab: int) -> np.ndarray:
@@ -223,23 +227,30 @@ def check_header(path: Path, tokens: np.ndarray, vocab: int, tokenizer: Tokenize
 
 
 def training_streams(data: str | None, tokenizer_path: str | None, vocab: int,
-                     text_field: str = "text") -> list[tuple[str | None, np.ndarray, float]]:
-    """(name, token stream, weight) of each source of `jaxpar train --data [--tokenizer] [--text-field]`.
+                     text_field: str = "text") -> list[tuple[str | None, np.ndarray, float, np.ndarray | None]]:
+    """(name, token stream, weight, document starts) of each source of `jaxpar train --data [--tokenizer] [--text-field]`.
 
     Text (a file, a folder, or the built-in corpus) goes through the tokenizer; a
     document source (.jsonl, .parquet, a `datasets` folder) too, with BOS/EOS
     around each document; a `.npy` from `jaxpar tokenize` is checked against its
     header; a `.bin` has no header, so `--tokenizer` is refused there. Token ids
     are not scanned here: the batches check them against `vocab` as they are read.
+    Document starts (each document's first offset) are given for document sources
+    only, None otherwise: evaluation holds out whole documents where it knows them.
     """
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     if tokenizer is not None:
         check_covers(tokenizer, vocab, f"--tokenizer {tokenizer_path!r}")
     sources = parse_sources(data) if data is not None else [Source(None)]
-    return [(s.path, _stream(s.path, tokenizer, vocab, text_field), s.weight) for s in sources]
+    streams = []
+    for source in sources:
+        tokens, starts = _stream(source.path, tokenizer, vocab, text_field)
+        streams.append((source.path, tokens, source.weight, starts))
+    return streams
 
 
-def _stream(data: str | None, tokenizer: Tokenizer | None, vocab: int, text_field: str) -> np.ndarray:
+def _stream(data: str | None, tokenizer: Tokenizer | None, vocab: int, text_field: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """One source's token stream, and its document starts where it is a document source."""
     path = Path(data) if data is not None else None
     if path is not None and path.suffix in (".npy", ".bin"):
         if path.suffix == ".bin" and tokenizer is not None:
@@ -249,24 +260,31 @@ def _stream(data: str | None, tokenizer: Tokenizer | None, vocab: int, text_fiel
         tokens = data_lib.load_tokens(path)
         if path.suffix == ".npy":
             check_header(path, tokens, vocab, tokenizer)
-        return tokens
+        return tokens, None
+    starts = None
     if path is not None and is_document_source(path):
-        tokens = encode_documents(read_documents(path, text_field), tokenizer or BYTES)
+        tokens, starts = encode_documents(read_documents(path, text_field), tokenizer or BYTES)
     elif tokenizer is None:
-        return data_lib.load_tokens(path)
+        return data_lib.load_tokens(path), None
     elif path is None:
         tokens = encode_texts([data_lib.default_corpus().tobytes().decode("utf-8")], tokenizer)
     else:
         tokens = encode_texts(_read_texts(text_files(path)), tokenizer)
     if tokens.size == 0:
         raise ValueError(f"--data {data!r} gave no tokens through {tokenizer.kind if tokenizer else 'bytes'}")
-    return tokens
+    return tokens, starts
 
 
 def training_tokens(data: str | None, tokenizer_path: str | None, vocab: int, text_field: str = "text") -> np.ndarray:
-    """The one token stream of `--data` (`jaxpar eval`), every id checked against the model's `vocab`."""
+    """The one token stream of `--data`, every id checked against the model's `vocab`."""
+    return training_source(data, tokenizer_path, vocab, text_field)[0]
+
+
+def training_source(data: str | None, tokenizer_path: str | None, vocab: int,
+                    text_field: str = "text") -> tuple[np.ndarray, np.ndarray | None]:
+    """(token stream, document starts or None) of the one source of `--data` (`jaxpar eval`), ids checked."""
     streams = training_streams(data, tokenizer_path, vocab, text_field)
     if len(streams) > 1:
         raise ValueError(f"--data {data!r} is a mixture; give one source here")
     data_lib.check_vocab(streams[0][1], vocab, data)
-    return streams[0][1]
+    return streams[0][1], streams[0][3]

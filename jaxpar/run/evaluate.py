@@ -2,7 +2,9 @@
 
 With evaluation on (`--eval-every N`, or `jaxpar eval` on a run that had it),
 training samples its windows from the first (1 - HOLDOUT) of the tokens only, so
-the evaluated tail is never trained on. The forward is the model's `logits`
+the evaluated tail is never trained on. For a document source the cut falls on a
+document boundary: the last documents are held out whole, never a document's tail
+(which would leak its head into training). The forward is the model's `logits`
 (positions, padding mask; no pipeline), jitted under the plan, its batch split
 over the plan's batch axes like a training batch.
 """
@@ -29,9 +31,23 @@ def check_evaluable(model_name: str) -> None:
         raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the dense Llama models, not {model_name!r}")
 
 
-def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT) -> tuple[np.ndarray, np.ndarray]:
-    """(training tokens, held-out tokens): the last `holdout` of the stream is held out."""
+def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT, document_starts: np.ndarray | None = None,
+                 source: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the last `holdout` of the stream is held out.
+
+    With `document_starts` (a document source) the cut moves to the first document
+    start at or after that mark, or to the last document's start if it spans the
+    mark, so the held-out split is whole documents, the same ones on every run.
+    """
     cut = tokens.size - max(1, int(tokens.size * holdout))
+    if document_starts is not None:
+        if len(document_starts) < 2:
+            name = "the data" if source is None else f"--data {source!r}"
+            raise ValueError(f"{name} holds one document; evaluation holds out whole documents, so it needs at least "
+                             "two (split the text into several records) or drop --eval-every")
+        later = document_starts[document_starts >= cut]
+        cut = int(later[0]) if later.size else int(document_starts[-1])
+        cut = max(cut, int(document_starts[1]))  # at least one document is trained on
     return tokens[:cut], tokens[cut:]
 
 
@@ -89,19 +105,20 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
                         ) -> dict[str, Any]:
     """`jaxpar eval`: held-out loss and perplexity of a training checkpoint, export or HF directory.
 
-    The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers), so the held-out tail is the same.
+    The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers), so the held-out split is the same
+    (whole documents for a document source).
     """
     from jaxpar.interop import hf
-    from jaxpar.interop.tokenize import training_tokens
+    from jaxpar.interop.tokenize import training_source
     from jaxpar.models import model_factory
     from jaxpar.train.state import describe
 
     name, cfg = hf.saved_model_config(path)
     seq_len = seq_len or min(cfg.seq_len, 256)
-    tokens = training_tokens(data, tokenizer, cfg.vocab)
+    tokens, document_starts = training_source(data, tokenizer, cfg.vocab)
     plan.check_batch(batch_size)
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
-    _, heldout = split_tokens(tokens)
+    _, heldout = split_tokens(tokens, document_starts=document_starts, source=data)
     windows = eval_windows(heldout, seq_len, batch_size, max_batches)
     return {"path": str(path), **Evaluator(model, plan, windows, batch_size)(params)}

@@ -28,10 +28,12 @@ from jaxpar.train import data as data_lib
 from jaxpar.train.mixture import MixtureBatches
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, differences, run_config
 from jaxpar.train.distributed import is_leader
+from jaxpar.train.prefetch import prefetched
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state
 from jaxpar.train.step import Step, make_train_step
 
+DATA_WORKERS = 1  # threads reading the next batches while the step runs (benchmarks/data.py measures 0, 1, 2)
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
 TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer",
@@ -59,7 +61,7 @@ class TrainConfig:
     keep: int = 3
     on_nonfinite: str = "skip"
     init_from: str | None = None  # initial parameters: import-hf output, an export or a Hugging Face directory
-    eval_every: int = 0  # held-out loss every N steps (0: never); the held-out tail is then not trained on
+    eval_every: int = 0  # held-out loss every N steps (0: never); the held-out split is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
     text_field: str = "text"  # the field of a .jsonl / .parquet / datasets record that holds its text
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
@@ -131,15 +133,15 @@ def _batches(config: TrainConfig, vocab: int, name: str, streams):
         if config.eval_every:
             raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
                              "give one source or drop --eval-every")
-        names, tokens, weights = zip(*streams)
+        names, tokens, weights, _ = zip(*streams)
         batches = MixtureBatches(tokens, weights, names, config.batch_size, config.seq_len, config.seed, vocab)
     else:
-        tokens = streams[0][1]
+        tokens, document_starts = streams[0][1], streams[0][3]
         if config.eval_every:
             from jaxpar.run.evaluate import check_evaluable, split_tokens
 
             check_evaluable(name)
-            tokens, heldout = split_tokens(tokens)
+            tokens, heldout = split_tokens(tokens, document_starts=document_starts, source=config.data)
             data_lib.check_vocab(heldout, vocab, config.data)
         batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     batches.rows(0)
@@ -269,10 +271,10 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     outputs = _Outputs(config)
     evaluator = _evaluator(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
+    batches = prefetched(run.batch, range(start, config.steps), DATA_WORKERS)
     try:
         with Preemption() as preemption:
-            for step in range(start, config.steps):
-                batch = run.batch(step)
+            for step, batch in zip(range(start, config.steps), batches):
                 began = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 row = scalar_metrics(metrics)
@@ -293,6 +295,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 if preempted:
                     break
     finally:
+        batches.close()  # stops the read-ahead of a run that ended early
         if checkpoints is not None:
             checkpoints.wait()
         outputs.close()
