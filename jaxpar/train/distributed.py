@@ -72,15 +72,28 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) 
     return _wait_all(children)
 
 
+def describe_exit(rank: int, code: int) -> str:
+    """One line naming the rank and how it ended, so a user sees which process took the job down."""
+    if code < 0:
+        import signal
+
+        return f"rank {rank} was killed by {signal.Signals(-code).name}"
+    return f"rank {rank} exited with code {code}"
+
+
 def _wait_all(children: list[subprocess.Popen]) -> int:
-    """Wait for every process; when one fails, stop the others (they would wait for it forever)."""
+    """Wait for every process; when one fails, say which and stop the others (they would wait for it forever)."""
     while True:
         codes = [child.poll() for child in children]
-        failed = next((code for code in codes if code), 0)
-        if failed or all(code is not None for code in codes):
+        failed_rank = next((rank for rank, code in enumerate(codes) if code), None)
+        if failed_rank is not None or all(code is not None for code in codes):
             for child in children:
                 if child.poll() is None:
                     child.kill()
                     child.wait()
-            return failed
+            if failed_rank is None:
+                return 0
+            code = codes[failed_rank]
+            print(f"jaxpar launch: {describe_exit(failed_rank, code)}; stopped the other ranks", file=sys.stderr)
+            return code if code > 0 else 128 - code
         time.sleep(0.2)
