@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
-import time
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
@@ -50,50 +48,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) -> int:
-    """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine.
+def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
+                 log_dir: str | None = None, resume: list[str] = ()) -> int:
+    """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
 
-    Only process 0's output is shown; the exit code is the first non-zero one.
+    Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
+    (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
+    `resume` is the command line printed as the way to resume after a death.
     """
+    from pathlib import Path
+
+    from jaxpar.train import launcher
+
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {num_processes}, {devices_per_process}")
+    if grace_s < 0:
+        raise ValueError(f"--grace-s must be >= 0, got {grace_s}")
+    checkpoint_dir = launcher.checkpoint_dir_of(argv)
+    if log_dir is None and checkpoint_dir is not None:
+        log_dir = str(Path(checkpoint_dir) / "logs")
     address = f"localhost:{_free_port()}"
-    children = []
-    for rank in range(num_processes):
-        env = {
-            **os.environ,
-            "JAX_COORDINATOR_ADDRESS": address,
-            "JAX_NUM_PROCESSES": str(num_processes),
-            "JAX_PROCESS_ID": str(rank),
-        }
-        command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
-        quiet = subprocess.DEVNULL if rank else None
-        children.append(subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet))
-    return _wait_all(children)
-
-
-def describe_exit(rank: int, code: int) -> str:
-    """One line naming the rank and how it ended, so a user sees which process took the job down."""
-    if code < 0:
-        import signal
-
-        return f"rank {rank} was killed by {signal.Signals(-code).name}"
-    return f"rank {rank} exited with code {code}"
-
-
-def _wait_all(children: list[subprocess.Popen]) -> int:
-    """Wait for every process; when one fails, say which and stop the others (they would wait for it forever)."""
-    while True:
-        codes = [child.poll() for child in children]
-        failed_rank = next((rank for rank, code in enumerate(codes) if code), None)
-        if failed_rank is not None or all(code is not None for code in codes):
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()
-            if failed_rank is None:
-                return 0
-            code = codes[failed_rank]
-            print(f"jaxpar launch: {describe_exit(failed_rank, code)}; stopped the other ranks", file=sys.stderr)
-            return code if code > 0 else 128 - code
-        time.sleep(0.2)
+    command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
+    envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
+             "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
+    ranks = launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir))
+    return launcher.supervise(ranks, grace_s=grace_s, checkpoint_dir=checkpoint_dir, resume=resume)
