@@ -4,6 +4,7 @@ The children here are tiny scripts (no jax), so each test takes about a second;
 they stand in for ranks that log steps, save on SIGTERM, or hang.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -150,3 +151,38 @@ def _state(pid):
 def test_no_checkpoint_directory_reads_as_none(tmp_path):
     assert last_complete_checkpoint(None) is None
     assert last_complete_checkpoint(str(tmp_path / "missing")) is None
+
+
+def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_path):
+    """2 processes x 4 CPU devices: SIGTERM to the launcher -> both ranks save the same step, exit 0; the same
+    command resumes, and steps before and after the stop give the losses of one uninterrupted process."""
+    from conftest import FAST_COMPILE
+    from jaxpar.cli import main
+
+    flags = ["--mesh", "data=8", "--steps", "12", "--batch-size", "8", "--seq-len", "32", "--save-every", "1000"]
+    metrics = tmp_path / "multi.jsonl"
+    command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "4", "--grace-s", "60",
+               "train", *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics)]
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-2000:]
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-2000:]
+    saved = sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit())
+    stopped_at = len(metrics.read_text().splitlines())
+    assert saved == [stopped_at] and stopped_at < 12  # one checkpoint, of the step the run stopped after
+    for rank in (0, 1):  # every rank saved that step (jax's preemption sync point agreed on it)
+        assert f"step {stopped_at} saved" in (tmp_path / "ck" / "logs" / f"rank{rank}.out").read_text()
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    single = tmp_path / "single.jsonl"
+    assert main(["train", *flags, "--metrics", str(single)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 13))
+    for a, b in zip((row["loss"] for row in rows), (json.loads(line)["loss"] for line in single.read_text().splitlines()),
+                    strict=True):
+        assert abs(a / b - 1) <= 1e-5
