@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after a death or a SIGTERM/SIGINT, seconds the ranks get to stop before SIGKILL (default 30)")
     launch.add_argument("--log-dir", default=None,
                         help="every rank's stdout/stderr as rankN.out/.err (default <checkpoint-dir>/logs when given)")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="after a death, start the job again (it resumes from --checkpoint-dir) up to N times")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
     _add_plan_command(sub)
     return parser
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         resume = ["jaxpar", *(sys.argv[1:] if argv is None else argv)]  # the same command resumes from --checkpoint-dir
         try:
             return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
-                                log_dir=args.log_dir, resume=resume)
+                                log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from jaxpar.train.launcher import describe_exit, last_complete_checkpoint, last_logged_step, start, supervise
+from jaxpar.train.launcher import describe_exit, last_complete_checkpoint, last_logged_step, run, start, supervise
 
 # A rank: logs a step, says it is ready (its SIGTERM handler is in place), then waits; on SIGTERM it "saves".
 RANK = """
@@ -75,7 +75,6 @@ def test_death_is_contained_and_reported(tmp_path, capfd):
     assert f"last complete checkpoint: none in {tmp_path / 'ck'}" in report
     assert "SIGKILLed after the grace period: [0]" in report
     assert "resume with:              jaxpar launch -n 2 train --checkpoint-dir ck" in report
-    print(f"death -> report {death_to_report_s:.2f} s (grace 1 s)", file=sys.__stderr__)
 
 
 def test_every_rank_has_its_logs_and_rank0_its_console(tmp_path, capfd):
@@ -151,6 +150,37 @@ def _state(pid):
 def test_no_checkpoint_directory_reads_as_none(tmp_path):
     assert last_complete_checkpoint(None) is None
     assert last_complete_checkpoint(str(tmp_path / "missing")) is None
+
+
+# A rank that SIGKILLs itself the first `deaths` times it is started (counted in a file), then finishes.
+FLAKY = """
+import os, signal, sys
+from pathlib import Path
+count = Path(sys.argv[1]); started = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(started))
+if started <= int(sys.argv[2]):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def flaky_job(tmp_path, deaths):
+    commands = [[sys.executable, "-c", FLAKY, str(tmp_path / f"count{rank}"), str(deaths if rank else 0)]
+                for rank in (0, 1)]
+    return lambda: start(commands, [dict(os.environ)] * 2, tmp_path / "logs")
+
+
+def test_max_restarts_starts_the_job_again_after_a_death(tmp_path, capfd):
+    assert run(flaky_job(tmp_path, deaths=2), max_restarts=2, grace_s=1) == 0
+    assert (tmp_path / "count0").read_text() == "3"  # the whole job restarted, not just the dead rank
+    err = capfd.readouterr().err
+    assert err.count("rank 1 was killed by SIGKILL") == 2
+    assert "restart 1 of 2, from the start (no complete checkpoint)" in err and "restart 2 of 2" in err
+
+
+def test_restarts_run_out(tmp_path, capfd):
+    assert run(flaky_job(tmp_path, deaths=5), max_restarts=1, grace_s=1) == 128 + signal.SIGKILL
+    assert (tmp_path / "count1").read_text() == "2"
+    assert "restart 2" not in capfd.readouterr().err
 
 
 def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_path):

@@ -49,12 +49,13 @@ def _free_port() -> int:
 
 
 def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
-                 log_dir: str | None = None, resume: list[str] = ()) -> int:
+                 log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = ()) -> int:
     """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
 
     Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
     (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
-    `resume` is the command line printed as the way to resume after a death.
+    `resume` is the command line printed as the way to resume after a death;
+    `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
     """
     from pathlib import Path
 
@@ -65,11 +66,19 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     if grace_s < 0:
         raise ValueError(f"--grace-s must be >= 0, got {grace_s}")
     checkpoint_dir = launcher.checkpoint_dir_of(argv)
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if max_restarts and checkpoint_dir is None:
+        raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
     if log_dir is None and checkpoint_dir is not None:
         log_dir = str(Path(checkpoint_dir) / "logs")
-    address = f"localhost:{_free_port()}"
     command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
-    envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
-             "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
-    ranks = launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir))
-    return launcher.supervise(ranks, grace_s=grace_s, checkpoint_dir=checkpoint_dir, resume=resume)
+
+    def start_ranks() -> list:
+        address = f"localhost:{_free_port()}"  # a fresh coordinator for every (re)start
+        envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
+                 "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
+        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir))
+
+    return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
+                        resume=resume)

@@ -7,6 +7,7 @@ remains, and prints one block saying who died, how, where the run stands and
 the command that resumes it. SIGTERM or SIGINT to the launcher (a scheduler's
 preemption notice, a Ctrl-C) is forwarded to every rank as SIGTERM, on which
 `jaxpar train` saves and stops; a second Ctrl-C kills everything at once.
+With `max_restarts`, a death starts the job again (it resumes from its checkpoints).
 
 Exit codes: 0 when every rank exited 0 (also after a forwarded SIGTERM whose
 save completed); otherwise the first failing rank's code, or 128 + the signal
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 LOGGED_STEP = re.compile(r"^(?:step\s+(\d+)\s+loss|.*preempted.*: step (\d+) saved)", re.MULTILINE)
 RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
@@ -217,28 +219,51 @@ def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str |
               resume: list[str] = ()) -> int:
     """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code."""
     with _Signals() as signals:
-        try:
-            while True:
-                dead = next((r for r in ranks if r.process.poll() not in (None, 0)), None)
-                if dead is not None:
-                    killed = _end(ranks, grace_s, signals)
-                    print(_report(ranks, dead, killed, checkpoint_dir, list(resume)), file=sys.stderr, flush=True)
-                    return _exit_code(dead.process.returncode)
-                if all(r.process.poll() is not None for r in ranks):
-                    if signals.stop_requested:
-                        print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
-                              file=sys.stderr, flush=True)
-                    return 0
+        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals)
+
+
+def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s: float = 30.0,
+        checkpoint_dir: str | None = None, resume: list[str] = ()) -> int:
+    """Start the job and supervise it; after a death start it again, up to `max_restarts` times.
+
+    A restart is the same command: `jaxpar train` resumes from the newest complete
+    checkpoint. A stop the launcher was asked for (SIGTERM/SIGINT) is never restarted.
+    """
+    with _Signals() as signals:
+        for attempt in range(max_restarts + 1):
+            code = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals)
+            if code == 0 or signals.stop_requested or attempt == max_restarts:
+                return code
+            step = last_complete_checkpoint(checkpoint_dir)
+            where = "the start (no complete checkpoint)" if step is None else f"step {step}"
+            print(f"jaxpar launch: restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr, flush=True)
+
+
+def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, resume: list[str],
+               signals: _Signals) -> int:
+    """One start of the job, from its ranks' start to the last one's end (see the module docstring)."""
+    try:
+        while True:
+            dead = next((r for r in ranks if r.process.poll() not in (None, 0)), None)
+            if dead is not None:
+                killed = _end(ranks, grace_s, signals)
+                print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
+                return _exit_code(dead.process.returncode)
+            if all(r.process.poll() is not None for r in ranks):
                 if signals.stop_requested:
-                    print(f"jaxpar launch: {signals.stop_requested}: asked every rank to save and stop "
-                          f"(up to {grace_s:g} s; Ctrl-C again to kill now)", file=sys.stderr, flush=True)
-                    killed = _end(ranks, grace_s, signals)
-                    if killed or any(r.process.returncode for r in ranks):
-                        dead = next((r for r in ranks if r.rank in killed or r.process.returncode), ranks[0])
-                        print(_report(ranks, dead, killed, checkpoint_dir, list(resume)), file=sys.stderr, flush=True)
-                        return _exit_code(dead.process.returncode)
-                    continue
-                time.sleep(0.1)
-        finally:
-            _signal_all(ranks, signal.SIGKILL)
-            _reap(ranks)
+                    print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
+                          file=sys.stderr, flush=True)
+                return 0
+            if signals.stop_requested:
+                print(f"jaxpar launch: {signals.stop_requested}: asked every rank to save and stop "
+                      f"(up to {grace_s:g} s; Ctrl-C again to kill now)", file=sys.stderr, flush=True)
+                killed = _end(ranks, grace_s, signals)
+                if killed or any(r.process.returncode for r in ranks):
+                    dead = next((r for r in ranks if r.rank in killed or r.process.returncode), ranks[0])
+                    print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
+                    return _exit_code(dead.process.returncode)
+                continue
+            time.sleep(0.1)
+    finally:
+        _signal_all(ranks, signal.SIGKILL)
+        _reap(ranks)
