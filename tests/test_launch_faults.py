@@ -77,6 +77,17 @@ def test_death_is_contained_and_reported(tmp_path, capfd):
     assert "resume with:              jaxpar launch -n 2 train --checkpoint-dir ck" in report
 
 
+def test_the_first_death_is_named_not_a_peer_that_failed_after_it(tmp_path, capfd):
+    """A peer whose collective lost its partner aborts a moment later; the report names the rank that died first."""
+    ranks = launch(tmp_path, ["saves", "saves"])
+    os.kill(ranks[1].process.pid, signal.SIGKILL)
+    time.sleep(0.05)
+    os.kill(ranks[0].process.pid, signal.SIGABRT)
+    time.sleep(0.2)  # both are dead before the supervisor first looks
+    assert supervise(ranks, grace_s=1) == 128 + signal.SIGKILL
+    assert "jaxpar launch: rank 1 was killed by SIGKILL" in capfd.readouterr().err
+
+
 def test_every_rank_has_its_logs_and_rank0_its_console(tmp_path, capfd):
     ranks = launch(tmp_path, ["saves", "saves"])
     signal_self_later(signal.SIGTERM)

@@ -38,6 +38,17 @@ class Rank:
     process: subprocess.Popen
     logs: tuple[Path, ...] = ()
     copiers: tuple[threading.Thread, ...] = ()  # rank 0's output to the console and its logs
+    ended_at: float | None = None  # when the process ended, by a thread waiting on it: deaths are told apart by order
+
+    def __post_init__(self):
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self.process.wait()
+        self.ended_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.ended_at is None
 
 
 def checkpoint_dir_of(argv: list[str]) -> str | None:
@@ -163,7 +174,7 @@ class _Signals:
 
 def _signal_all(ranks: list[Rank], signum: int) -> None:
     for rank in ranks:
-        if rank.process.poll() is None:
+        if rank.alive():
             try:
                 rank.process.send_signal(signum)
             except ProcessLookupError:
@@ -174,11 +185,11 @@ def _end(ranks: list[Rank], grace_s: float, signals: _Signals) -> list[int]:
     """SIGTERM every live rank, SIGKILL what remains after `grace_s` (or at a second Ctrl-C); ranks SIGKILLed."""
     _signal_all(ranks, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while any(rank.process.poll() is None for rank in ranks):
+    while any(rank.alive() for rank in ranks):
         if time.monotonic() >= deadline or signals.kill_now:
             break
         time.sleep(0.05)
-    killed = [rank.rank for rank in ranks if rank.process.poll() is None]
+    killed = [rank.rank for rank in ranks if rank.alive()]
     _signal_all(ranks, signal.SIGKILL)
     _reap(ranks)
     return killed
@@ -244,12 +255,13 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
     """One start of the job, from its ranks' start to the last one's end (see the module docstring)."""
     try:
         while True:
-            dead = next((r for r in ranks if r.process.poll() not in (None, 0)), None)
+            dead = min((r for r in ranks if not r.alive() and r.process.returncode), key=lambda r: r.ended_at,
+                       default=None)  # the first to die: its peers may fail after it (a lost collective)
             if dead is not None:
                 killed = _end(ranks, grace_s, signals)
                 print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
                 return _exit_code(dead.process.returncode)
-            if all(r.process.poll() is not None for r in ranks):
+            if not any(r.alive() for r in ranks):
                 if signals.stop_requested:
                     print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
                           file=sys.stderr, flush=True)
