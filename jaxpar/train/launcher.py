@@ -17,7 +17,6 @@ number when a signal killed it (the shell's convention: 137 for SIGKILL).
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import shlex
 import signal
@@ -34,6 +33,8 @@ RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a f
 
 @dataclasses.dataclass
 class Rank:
+    """One started process of the job, with where its output goes and when it ended."""
+
     rank: int
     process: subprocess.Popen
     logs: tuple[Path, ...] = ()
