@@ -86,9 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="jaxpar (.npz or Orbax, default) or hf: a Hugging Face Llama directory (safetensors)")
     export.add_argument("--dtype", default="float32", help="--format hf: float32, bfloat16 or float16")
     _add_hf_commands(sub)
-    launch = sub.add_parser("launch", help="run a jaxpar command as several cooperating processes on this machine")
+    launch = sub.add_parser("launch", help="run a jaxpar command as several cooperating processes on this machine",
+                            epilog="exit code: 0 when every rank exited 0 (also after a forwarded SIGTERM/SIGINT whose "
+                                   "save completed), else the failing rank's code, or 128+N when signal N killed it")
     launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
+    launch.add_argument("--grace-s", type=float, default=30.0,
+                        help="after a death or a SIGTERM/SIGINT, seconds the ranks get to stop before SIGKILL (default 30)")
+    launch.add_argument("--log-dir", default=None,
+                        help="every rank's stdout/stderr as rankN.out/.err (default <checkpoint-dir>/logs when given)")
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="after a death, start the job again (it resumes from --checkpoint-dir) up to N times")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
     _add_plan_command(sub)
     return parser
@@ -307,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "launch":
         from jaxpar.train.distributed import launch_local
 
-        return launch_local(args.processes, args.devices_per_process, args.rest)
+        resume = ["jaxpar", *(sys.argv[1:] if argv is None else argv)]  # the same command resumes from --checkpoint-dir
+        try:
+            return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
+                                log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if args.command == "plan":
         from jaxpar.planner.command import main as plan_main
 
@@ -324,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=args.command == "inspect" and args.json)
     try:
         from jaxpar.train import distributed
+        from jaxpar.train.launcher import RANK_OUTPUT_ENV
         if distributed.initialize() and not distributed.is_leader():
-            console.quiet = True
+            console.quiet = RANK_OUTPUT_ENV not in os.environ  # the launcher keeps this rank's output in a log file
         from jaxpar.core.plan import Plan
         from jaxpar.run.training import prepare
 

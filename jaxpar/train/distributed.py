@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
-import time
 
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
@@ -50,37 +48,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(num_processes: int, devices_per_process: int, argv: list[str]) -> int:
-    """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine.
+def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
+                 log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = ()) -> int:
+    """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
 
-    Only process 0's output is shown; the exit code is the first non-zero one.
+    Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
+    (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
+    `resume` is the command line printed as the way to resume after a death;
+    `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
     """
+    from pathlib import Path
+
+    from jaxpar.train import launcher
+
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {num_processes}, {devices_per_process}")
-    address = f"localhost:{_free_port()}"
-    children = []
-    for rank in range(num_processes):
-        env = {
-            **os.environ,
-            "JAX_COORDINATOR_ADDRESS": address,
-            "JAX_NUM_PROCESSES": str(num_processes),
-            "JAX_PROCESS_ID": str(rank),
-        }
-        command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
-        quiet = subprocess.DEVNULL if rank else None
-        children.append(subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet))
-    return _wait_all(children)
+    if grace_s < 0:
+        raise ValueError(f"--grace-s must be >= 0, got {grace_s}")
+    checkpoint_dir = launcher.checkpoint_dir_of(argv)
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if max_restarts and checkpoint_dir is None:
+        raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
+    if log_dir is None and checkpoint_dir is not None:
+        log_dir = str(Path(checkpoint_dir) / "logs")
+    command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
 
+    def start_ranks() -> list:
+        address = f"localhost:{_free_port()}"  # a fresh coordinator for every (re)start
+        envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
+                 "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
+        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir))
 
-def _wait_all(children: list[subprocess.Popen]) -> int:
-    """Wait for every process; when one fails, stop the others (they would wait for it forever)."""
-    while True:
-        codes = [child.poll() for child in children]
-        failed = next((code for code in codes if code), 0)
-        if failed or all(code is not None for code in codes):
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()
-            return failed
-        time.sleep(0.2)
+    return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
+                        resume=resume)

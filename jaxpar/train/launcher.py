@@ -1,0 +1,282 @@
+"""The supervisor of `jaxpar launch`: starts the ranks, keeps their output, contains a death, passes signals on.
+
+A job of N cooperating processes is only as alive as its weakest rank: when
+one dies the others block in a collective forever. So on a death the launcher
+ends the rest (SIGTERM, then SIGKILL after the grace period), checks that none
+remains, and prints one block saying who died, how, where the run stands and
+the command that resumes it. SIGTERM or SIGINT to the launcher (a scheduler's
+preemption notice, a Ctrl-C) is forwarded to every rank as SIGTERM, on which
+`jaxpar train` saves and stops; a second Ctrl-C kills everything at once.
+With `max_restarts`, a death starts the job again (it resumes from its checkpoints).
+
+Exit codes: 0 when every rank exited 0 (also after a forwarded SIGTERM whose
+save completed); otherwise the first failing rank's code, or 128 + the signal
+number when a signal killed it (the shell's convention: 137 for SIGKILL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+LOGGED_STEP = re.compile(r"^(?:step\s+(\d+)\s+loss|.*preempted.*: step (\d+) saved)", re.MULTILINE)
+RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
+
+
+@dataclasses.dataclass
+class Rank:
+    """One started process of the job, with where its output goes and when it ended."""
+
+    rank: int
+    process: subprocess.Popen
+    logs: tuple[Path, ...] = ()
+    copiers: tuple[threading.Thread, ...] = ()  # rank 0's output to the console and its logs
+    ended_at: float | None = None  # when the process ended, by a thread waiting on it: deaths are told apart by order
+
+    def __post_init__(self):
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self.process.wait()
+        self.ended_at = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.ended_at is None
+
+
+def checkpoint_dir_of(argv: list[str]) -> str | None:
+    """The `--checkpoint-dir` of a `jaxpar train ...` command line, if it gives one."""
+    for index, arg in enumerate(argv):
+        if arg == "--checkpoint-dir" and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith("--checkpoint-dir="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _parent_death_signal():
+    """Linux's prctl(PR_SET_PDEATHSIG, SIGKILL), looked up before any fork (dlopen is not safe in a forked child)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG: the kernel kills the rank if the launcher dies
+
+
+def _tee(source, console, log) -> None:
+    for line in iter(source.readline, b""):
+        console.buffer.write(line)
+        console.flush()
+        log.write(line)
+        log.flush()
+    source.close()
+    log.close()
+
+
+def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None) -> list[Rank]:
+    """Start one process per command. Rank 0 prints to the console (and its logs); the others to their logs only.
+
+    Each rank runs in its own session, so a terminal's Ctrl-C reaches the launcher
+    alone, and the launcher decides what the ranks get.
+    """
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    _die_with_parent = _parent_death_signal()  # so even a SIGKILLed launcher leaves no orphan
+    ranks = []
+    for rank, (command, env) in enumerate(zip(commands, envs, strict=True)):
+        if log_dir is None:
+            quiet = subprocess.DEVNULL if rank else None
+            process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet, start_new_session=True,
+                                       preexec_fn=_die_with_parent)
+            ranks.append(Rank(rank, process))
+            continue
+        logs = (log_dir / f"rank{rank}.out", log_dir / f"rank{rank}.err")
+        files = [path.open("ab") for path in logs]
+        if rank:
+            env = {**env, RANK_OUTPUT_ENV: "1"}
+            process = subprocess.Popen(command, env=env, stdout=files[0], stderr=files[1], start_new_session=True,
+                                       preexec_fn=_die_with_parent)
+            for file in files:
+                file.close()  # the child holds its own copies
+        else:
+            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       start_new_session=True, preexec_fn=_die_with_parent)
+            copiers = tuple(threading.Thread(target=_tee, args=streams, daemon=True) for streams in
+                            ((process.stdout, sys.stdout, files[0]), (process.stderr, sys.stderr, files[1])))
+            for copier in copiers:
+                copier.start()
+            ranks.append(Rank(rank, process, logs, copiers))
+            continue
+        ranks.append(Rank(rank, process, logs))
+    return ranks
+
+
+def describe_exit(rank: int, code: int) -> str:
+    """One line naming the rank and how it ended, so a user sees which process took the job down."""
+    if code < 0:
+        return f"rank {rank} was killed by {signal.Signals(-code).name}"
+    return f"rank {rank} exited with code {code}"
+
+
+def last_logged_step(logs: tuple[Path, ...]) -> int | None:
+    """The last step a rank printed (a `step N  loss ...` line or its preemption save), read from its logs."""
+    steps = []
+    for path in logs:
+        if path.is_file():
+            steps += [int(a or b) for a, b in LOGGED_STEP.findall(path.read_text(errors="replace"))]
+    return max(steps, default=None)
+
+
+def last_complete_checkpoint(directory: str | None) -> int | None:
+    """The newest complete step in `directory`, by the checkpoint module's own reading (None when there is none)."""
+    if directory is None or not Path(directory).is_dir():
+        return None
+    from jaxpar.train.checkpoint import Checkpoints
+
+    try:
+        with Checkpoints(directory, read_only=True) as checkpoints:
+            return checkpoints.latest_step()
+    except ValueError:
+        return None
+
+
+class _Signals:
+    """The launcher's SIGTERM/SIGINT: the first asks for a stop (forwarded), a second SIGINT for a kill now."""
+
+    def __init__(self):
+        self.stop_requested = None
+        self.kill_now = False
+        self._previous = {}
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._notice)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _notice(self, signum, frame) -> None:
+        if self.stop_requested is not None and signum == signal.SIGINT:
+            self.kill_now = True
+        self.stop_requested = self.stop_requested or signal.Signals(signum).name
+
+
+def _signal_all(ranks: list[Rank], signum: int) -> None:
+    for rank in ranks:
+        if rank.alive():
+            try:
+                rank.process.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+
+def _end(ranks: list[Rank], grace_s: float, signals: _Signals) -> list[int]:
+    """SIGTERM every live rank, SIGKILL what remains after `grace_s` (or at a second Ctrl-C); ranks SIGKILLed."""
+    _signal_all(ranks, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(rank.alive() for rank in ranks):
+        if time.monotonic() >= deadline or signals.kill_now:
+            break
+        time.sleep(0.05)
+    killed = [rank.rank for rank in ranks if rank.alive()]
+    _signal_all(ranks, signal.SIGKILL)
+    _reap(ranks)
+    return killed
+
+
+def _reap(ranks: list[Rank]) -> None:
+    """Wait for every rank, and for rank 0's output to reach its logs (the report reads them)."""
+    for rank in ranks:
+        rank.process.wait()
+        for copier in rank.copiers:
+            copier.join(timeout=5)
+
+
+def _report(ranks: list[Rank], dead: Rank, killed: list[int], checkpoint_dir: str | None, resume: list[str]) -> str:
+    code = dead.process.returncode
+    step = last_logged_step(dead.logs)
+    checkpoint = last_complete_checkpoint(checkpoint_dir)
+    logged = "unknown (no --log-dir)" if not dead.logs else ("none" if step is None else str(step))
+    where = (f"step {checkpoint} in {checkpoint_dir}" if checkpoint is not None
+             else f"none in {checkpoint_dir}" if checkpoint_dir else "none (no --checkpoint-dir: the run cannot resume)")
+    ended = ", ".join(describe_exit(r.rank, r.process.returncode) for r in ranks if r is not dead) or "no other ranks"
+    lines = [
+        f"jaxpar launch: {describe_exit(dead.rank, code)} (pid {dead.process.pid})",
+        f"  last step it logged:      {logged}" + (f"  ({dead.logs[0].parent})" if dead.logs else ""),
+        f"  last complete checkpoint: {where}",
+        f"  the other ranks:          {ended}" + (f"; SIGKILLed after the grace period: {killed}" if killed else ""),
+        f"  no process of the job remains",
+        f"  resume with:              {shlex.join(resume)}",
+    ]
+    return "\n".join(lines)
+
+
+def _exit_code(code: int) -> int:
+    return code if code > 0 else 128 - code
+
+
+def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str | None = None,
+              resume: list[str] = ()) -> int:
+    """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code."""
+    with _Signals() as signals:
+        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals)
+
+
+def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s: float = 30.0,
+        checkpoint_dir: str | None = None, resume: list[str] = ()) -> int:
+    """Start the job and supervise it; after a death start it again, up to `max_restarts` times.
+
+    A restart is the same command: `jaxpar train` resumes from the newest complete
+    checkpoint. A stop the launcher was asked for (SIGTERM/SIGINT) is never restarted.
+    """
+    with _Signals() as signals:
+        for attempt in range(max_restarts + 1):
+            code = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals)
+            if code == 0 or signals.stop_requested or attempt == max_restarts:
+                return code
+            step = last_complete_checkpoint(checkpoint_dir)
+            where = "the start (no complete checkpoint)" if step is None else f"step {step}"
+            print(f"jaxpar launch: restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr, flush=True)
+
+
+def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, resume: list[str],
+               signals: _Signals) -> int:
+    """One start of the job, from its ranks' start to the last one's end (see the module docstring)."""
+    try:
+        while True:
+            dead = min((r for r in ranks if not r.alive() and r.process.returncode), key=lambda r: r.ended_at,
+                       default=None)  # the first to die: its peers may fail after it (a lost collective)
+            if dead is not None:
+                killed = _end(ranks, grace_s, signals)
+                print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
+                return _exit_code(dead.process.returncode)
+            if not any(r.alive() for r in ranks):
+                if signals.stop_requested:
+                    print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
+                          file=sys.stderr, flush=True)
+                return 0
+            if signals.stop_requested:
+                print(f"jaxpar launch: {signals.stop_requested}: asked every rank to save and stop "
+                      f"(up to {grace_s:g} s; Ctrl-C again to kill now)", file=sys.stderr, flush=True)
+                killed = _end(ranks, grace_s, signals)
+                if killed or any(r.process.returncode for r in ranks):
+                    dead = next((r for r in ranks if r.rank in killed or r.process.returncode), ranks[0])
+                    print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
+                    return _exit_code(dead.process.returncode)
+                continue
+            time.sleep(0.1)
+    finally:
+        _signal_all(ranks, signal.SIGKILL)
+        _reap(ranks)

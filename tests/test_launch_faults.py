@@ -1,0 +1,229 @@
+"""The launcher's supervisor with plain Python children: a death is contained and reported, signals pass on, logs kept.
+
+The children here are tiny scripts (no jax), so each test takes about a second;
+they stand in for ranks that log steps, save on SIGTERM, or hang.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from jaxpar.train.launcher import describe_exit, last_complete_checkpoint, last_logged_step, run, start, supervise
+
+# A rank: logs a step, says it is ready (its SIGTERM handler is in place), then waits; on SIGTERM it "saves".
+RANK = """
+import os, signal, sys, time
+mode = sys.argv[1]
+def save(signum, frame):
+    print("preempted (SIGTERM): step 7 saved in ck", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, {"saves": save, "hangs": signal.SIG_IGN}[mode])
+print("step     7  loss 1.234567", flush=True)
+print("rank error line", file=sys.stderr, flush=True)
+open(sys.argv[2], "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+RESUME = ["jaxpar", "launch", "-n", "2", "train", "--checkpoint-dir", "ck"]
+
+
+def launch(tmp_path, modes):
+    commands = [[sys.executable, "-c", RANK, mode, str(tmp_path / f"ready{rank}")] for rank, mode in enumerate(modes)]
+    ranks = start(commands, [dict(os.environ)] * len(modes), tmp_path / "logs")
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"ready{rank}").exists() for rank in range(len(modes))):
+        assert time.monotonic() < deadline, "the children did not start"
+        time.sleep(0.02)
+    return ranks
+
+
+def gone(ranks):
+    return not any(Path(f"/proc/{rank.process.pid}").exists() for rank in ranks)
+
+
+def signal_self_later(*signums, delay=0.3):
+    def send():
+        for signum in signums:
+            time.sleep(delay)
+            os.kill(os.getpid(), signum)
+    threading.Thread(target=send, daemon=True).start()
+
+
+def test_describe_exit_names_rank_and_signal():
+    assert describe_exit(1, -signal.SIGKILL) == "rank 1 was killed by SIGKILL"
+    assert describe_exit(0, 3) == "rank 0 exited with code 3"
+
+
+def test_death_is_contained_and_reported(tmp_path, capfd):
+    """SIGKILL of rank 1: rank 0 ignores SIGTERM, so it is SIGKILLed after the grace; one block says it all."""
+    ranks = launch(tmp_path, ["hangs", "saves"])
+    start_s = time.monotonic()
+    os.kill(ranks[1].process.pid, signal.SIGKILL)
+    code = supervise(ranks, grace_s=1.0, checkpoint_dir=str(tmp_path / "ck"), resume=RESUME)
+    death_to_report_s = time.monotonic() - start_s
+    assert gone(ranks)
+    assert code == 128 + signal.SIGKILL
+    assert 1.0 <= death_to_report_s < 4, death_to_report_s
+    err = capfd.readouterr().err
+    report = err[err.index("jaxpar launch: rank 1"):]
+    assert f"rank 1 was killed by SIGKILL (pid {ranks[1].process.pid})" in report
+    assert "last step it logged:      7" in report
+    assert f"last complete checkpoint: none in {tmp_path / 'ck'}" in report
+    assert "SIGKILLed after the grace period: [0]" in report
+    assert "resume with:              jaxpar launch -n 2 train --checkpoint-dir ck" in report
+
+
+def test_the_first_death_is_named_not_a_peer_that_failed_after_it(tmp_path, capfd):
+    """A peer whose collective lost its partner aborts a moment later; the report names the rank that died first."""
+    ranks = launch(tmp_path, ["saves", "saves"])
+    os.kill(ranks[1].process.pid, signal.SIGKILL)
+    time.sleep(0.05)
+    os.kill(ranks[0].process.pid, signal.SIGABRT)
+    time.sleep(0.2)  # both are dead before the supervisor first looks
+    assert supervise(ranks, grace_s=1) == 128 + signal.SIGKILL
+    assert "jaxpar launch: rank 1 was killed by SIGKILL" in capfd.readouterr().err
+
+
+def test_every_rank_has_its_logs_and_rank0_its_console(tmp_path, capfd):
+    ranks = launch(tmp_path, ["saves", "saves"])
+    signal_self_later(signal.SIGTERM)
+    assert supervise(ranks, grace_s=10) == 0
+    out, err = capfd.readouterr()
+    assert out.count("step     7  loss") == 1  # rank 0 only on the console
+    assert err.count("rank error line") == 1
+    for rank in (0, 1):
+        assert "step     7  loss" in (tmp_path / "logs" / f"rank{rank}.out").read_text()
+        assert "rank error line" in (tmp_path / "logs" / f"rank{rank}.err").read_text()
+        assert last_logged_step(ranks[rank].logs) == 7
+
+
+def test_sigterm_is_forwarded_and_a_completed_save_exits_0(tmp_path, capfd):
+    ranks = launch(tmp_path, ["saves", "saves"])
+    signal_self_later(signal.SIGTERM)
+    start_s = time.monotonic()
+    assert supervise(ranks, grace_s=10) == 0
+    assert time.monotonic() - start_s < 3
+    assert gone(ranks)
+    assert all(rank.process.returncode == 0 for rank in ranks)
+    assert "every rank saved and exited 0" in capfd.readouterr().err
+
+
+def test_a_rank_that_does_not_stop_is_killed_after_the_grace(tmp_path, capfd):
+    ranks = launch(tmp_path, ["saves", "hangs"])
+    signal_self_later(signal.SIGINT)
+    start_s = time.monotonic()
+    code = supervise(ranks, grace_s=1.0)
+    assert 1.0 <= time.monotonic() - start_s < 4
+    assert gone(ranks)
+    assert code == 128 + signal.SIGKILL
+    assert "SIGKILLed after the grace period: [1]" in capfd.readouterr().err
+
+
+def test_second_ctrl_c_kills_at_once(tmp_path):
+    ranks = launch(tmp_path, ["hangs", "hangs"])
+    signal_self_later(signal.SIGINT, signal.SIGINT)
+    start_s = time.monotonic()
+    assert supervise(ranks, grace_s=60) == 128 + signal.SIGKILL
+    assert time.monotonic() - start_s < 5  # far inside the 60 s grace
+    assert gone(ranks)
+
+
+def test_a_killed_launcher_leaves_no_orphan(tmp_path):
+    """Even SIGKILL of the launcher itself (which no handler sees): the kernel ends the ranks (PR_SET_PDEATHSIG)."""
+    script = (f"import os, sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+              "from test_launch_faults import launch\nfrom jaxpar.train.launcher import supervise\n"
+              f"from pathlib import Path\nsupervise(launch(Path({str(tmp_path)!r}), ['hangs', 'hangs']))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"ready{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    pids = [int((tmp_path / f"ready{rank}").read_text()) for rank in (0, 1)]
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a rank outlived its launcher"
+        time.sleep(0.02)
+
+
+def _state(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
+
+
+def test_no_checkpoint_directory_reads_as_none(tmp_path):
+    assert last_complete_checkpoint(None) is None
+    assert last_complete_checkpoint(str(tmp_path / "missing")) is None
+
+
+# A rank that SIGKILLs itself the first `deaths` times it is started (counted in a file), then finishes.
+FLAKY = """
+import os, signal, sys
+from pathlib import Path
+count = Path(sys.argv[1]); started = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(started))
+if started <= int(sys.argv[2]):
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def flaky_job(tmp_path, deaths):
+    commands = [[sys.executable, "-c", FLAKY, str(tmp_path / f"count{rank}"), str(deaths if rank else 0)]
+                for rank in (0, 1)]
+    return lambda: start(commands, [dict(os.environ)] * 2, tmp_path / "logs")
+
+
+def test_max_restarts_starts_the_job_again_after_a_death(tmp_path, capfd):
+    assert run(flaky_job(tmp_path, deaths=2), max_restarts=2, grace_s=1) == 0
+    assert (tmp_path / "count0").read_text() == "3"  # the whole job restarted, not just the dead rank
+    err = capfd.readouterr().err
+    assert err.count("rank 1 was killed by SIGKILL") == 2
+    assert "restart 1 of 2, from the start (no complete checkpoint)" in err and "restart 2 of 2" in err
+
+
+def test_restarts_run_out(tmp_path, capfd):
+    assert run(flaky_job(tmp_path, deaths=5), max_restarts=1, grace_s=1) == 128 + signal.SIGKILL
+    assert (tmp_path / "count1").read_text() == "2"
+    assert "restart 2" not in capfd.readouterr().err
+
+
+def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_path):
+    """2 processes x 4 CPU devices: SIGTERM to the launcher -> both ranks save the same step, exit 0; the same
+    command resumes, and steps before and after the stop give the losses of one uninterrupted process."""
+    from conftest import FAST_COMPILE
+    from jaxpar.cli import main
+
+    flags = ["--mesh", "data=8", "--steps", "12", "--batch-size", "8", "--seq-len", "32", "--save-every", "1000"]
+    metrics = tmp_path / "multi.jsonl"
+    command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "4", "--grace-s", "60",
+               "train", *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics)]
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-2000:]
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-2000:]
+    saved = sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit())
+    stopped_at = len(metrics.read_text().splitlines())
+    assert saved == [stopped_at] and stopped_at < 12  # one checkpoint, of the step the run stopped after
+    for rank in (0, 1):  # every rank saved that step (jax's preemption sync point agreed on it)
+        assert f"step {stopped_at} saved" in (tmp_path / "ck" / "logs" / f"rank{rank}.out").read_text()
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    single = tmp_path / "single.jsonl"
+    assert main(["train", *flags, "--metrics", str(single)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 13))
+    for a, b in zip((row["loss"] for row in rows), (json.loads(line)["loss"] for line in single.read_text().splitlines()),
+                    strict=True):
+        assert abs(a / b - 1) <= 1e-5
