@@ -201,7 +201,8 @@ class Schedule:
         of runs repeated back to back (interleaved's steady ticks: the head on
         p ticks in every v*p) folds into one loop of `repeats` rounds, so ticks
         without a last-chunk output compute no head, and the number of scans
-        does not grow with m.
+        does not grow with m. A run of one tick folds into the next where that
+        one has its slot kinds and head (`_merge_single_ticks`).
         """
         runs = []
         for start, stop, kinds in self.segments:
