@@ -64,7 +64,23 @@ state holds the layers in its chunks' order (jaxpar.pipeline.layer_order). Befor
 order and their gradients back every step: 18 collective-permutes outside the tick loops, 591872 B
 per device at m = 8 (65% of its 903168 permuted bytes; 311296 now, all activations and cotangents).
 
-    python benchmarks/pipeline.py [--microbatches 8,16,32] [--seq-len 32]
+ZB-H1 against 1F1B (`--zb-h1`: p = 2, 4 and m = 8, 16 on pipe alone), measured 2026-12-04, jax 0.10.2, temp bytes
+1f1b / zb-h1 (ratio), bubble 1f1b / zb-h1:
+
+    p=2 m=8    4597344 / 4592224 (0.9989)   0.111 / 0.077      before: zb-h1 5185696 (1.128)
+    p=2 m=16   4599456 / 4594336 (0.9989)   0.059 / 0.040      before: zb-h1 5187808 (1.128)
+    p=4 m=8    4536480 / 4534304 (0.9995)   0.273 / 0.200      (unchanged)
+    p=4 m=16   4538656 / 4536480 (0.9995)   0.158 / 0.111      (unchanged)
+
+At p = 2 every stage runs the W of the last microbatch in the last tick: XLA folded that W's cond (its
+predicate the same on every stage) and scheduled the replay's zero-filled gradient buffers at the start of
+the step, live through its peak; an optimization barrier on the predicate keeps the cond. A run of one tick
+(zb-h1's F and B tick before the first W) is folded into the next run, its W idle there: XLA unrolled it,
+tracing its conds' operand tables once more. On the issue's shape (4 layers, seq 64, data=4 x pipe=2) zb-h1
+went from 5846048 to 5547936 B (m = 8; 1f1b 5545632): its large buffers peak within 384 B of 1f1b's, and
+2304 B of XLA:CPU's cond and loop pointer tables (B and W are two conds where 1f1b has one) stay above.
+
+    python benchmarks/pipeline.py [--microbatches 8,16,32] [--seq-len 32] [--zb-h1]
 """
 
 import argparse
@@ -123,14 +139,37 @@ def measure(model, optimizer, config, name: str, v: int, m: int, reference_flops
     }
 
 
+def zb_h1_table(model, optimizer, config) -> dict:
+    """ZB-H1 against 1F1B at p = 2, 4 and m = 8, 16 (pipe only): compiled temp bytes and the tables' bubbles."""
+    cells = []
+    for p in (2, 4):
+        for m in (8, 16):
+            cell = {"stages": p, "microbatches": m}
+            for name in ("1f1b", "zb-h1"):
+                plan = Plan.create(f"pipe={p}", devices=jax.devices()[:p], schedule=name, microbatches=m)
+                cell[name] = {"temp": inspect.memory(compile_step(model, optimizer, plan, m, config.seq_len))["temp"],
+                              "bubble": Schedule(name, p, m).bubble}
+            cell["temp_ratio"] = cell["zb-h1"]["temp"] / cell["1f1b"]["temp"]
+            cell["zb_h1_within_1f1b_memory"] = cell["zb-h1"]["temp"] <= cell["1f1b"]["temp"]
+            cell["zb_h1_smaller_bubble"] = cell["zb-h1"]["bubble"] < cell["1f1b"]["bubble"]
+            cells.append(cell)
+    return {"benchmark": "pipeline_zb_h1_vs_1f1b", "layers": config.n_layers, "seq_len": config.seq_len,
+            "cells": cells, "all_within": all(c["zb_h1_within_1f1b_memory"] and c["zb_h1_smaller_bubble"]
+                                              for c in cells)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--microbatches", default="8,16,32", help="comma-separated m values for the series")
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--zb-h1", action="store_true", help="only the ZB-H1 vs 1F1B table (p = 2, 4; m = 8, 16)")
     args = parser.parse_args()
     series = [int(m) for m in args.microbatches.split(",")]
     config = dataclasses.replace(CONFIGS["tiny"], n_layers=8, seq_len=args.seq_len)
     model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
+    if args.zb_h1:
+        print(json.dumps(zb_h1_table(model, optimizer, config), indent=1))
+        return
     single = Plan.create("data=1", devices=jax.devices()[:1])
     results = []
     for m in series:

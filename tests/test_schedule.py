@@ -162,8 +162,9 @@ def test_interleaved_keeps_a_ring_flat_in_m_smaller_than_1f1b(p, v):
 
 @pytest.mark.parametrize("name,p,m,v", EXPLICIT)
 def test_loops_cover_the_ticks_and_run_the_head_only_with_a_last_chunk(name, p, m, v):
-    """Unfolded, the loops are the ticks in order with their slot kinds, and the head runs on exactly the ticks where
-    the last stage's forward slot holds the last chunk; the scans they trace do not multiply with m."""
+    """Unfolded, the loops are the ticks in order with their slot kinds (a one-tick run folded into the next may idle
+    some of them), and the head runs on exactly the ticks where the last stage's forward slot holds the last chunk;
+    the scans they trace do not multiply with m."""
     s = Schedule(name, p, m, v)
     kinds_of = {t: kinds for start, stop, kinds in s.segments for t in range(start, stop)}
     t = 0
@@ -172,7 +173,8 @@ def test_loops_cover_the_ticks_and_run_the_head_only_with_a_last_chunk(name, p, 
         for _ in range(repeats):
             for n, kinds, head in runs:
                 for _ in range(n):
-                    assert kinds_of[t] == kinds and head == bool(s.head[t])
+                    assert set(kinds_of[t]) <= set(kinds) and head == bool(s.head[t])
+                    assert kinds_of[t] == kinds or n > 1 and t == start  # only a run's first tick idles a kind
                     t += 1
     assert t == s.ticks and s.head.sum() == m
     scans = lambda x: sum(len(runs) for _, _, runs in x.loops)  # noqa: E731

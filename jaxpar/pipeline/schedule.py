@@ -201,7 +201,8 @@ class Schedule:
         of runs repeated back to back (interleaved's steady ticks: the head on
         p ticks in every v*p) folds into one loop of `repeats` rounds, so ticks
         without a last-chunk output compute no head, and the number of scans
-        does not grow with m.
+        does not grow with m. A run of one tick folds into the next where that
+        one has its slot kinds and head (`_merge_single_ticks`).
         """
         runs = []
         for start, stop, kinds in self.segments:
@@ -211,6 +212,7 @@ class Schedule:
                     runs[-1] = (runs[-1][0] + 1, *key)
                 else:
                     runs.append((1, *key))
+        runs = _merge_single_ticks(runs)
         out, i, t = [], 0, 0
         while i < len(runs):
             pair, repeats = tuple(runs[i:i + 2]), 1
@@ -448,6 +450,24 @@ class Schedule:
             "bubble_formula": self.bubble_formula, "in_flight": self.in_flight,
             "live_microbatches": self.live_microbatches, "cotangents_in_flight": self.cotangents_in_flight,
         }
+
+
+def _merge_single_ticks(runs: list) -> list:
+    """Runs with a run of one tick folded into the next where that one has all its slot kinds and the same head.
+
+    A one-tick scan is unrolled by XLA, its conds and their operand tables
+    traced once more (zb-h1's tick with F and B before the first W, at p = 2:
+    5.3 KB of XLA:CPU's pointer tables over 1f1b's temp); in the next run the
+    kinds it lacks idle under their conds on that tick.
+    """
+    out = []
+    for run in reversed(runs):
+        n, kinds, head = run
+        if n == 1 and out and out[-1][2] == head and set(kinds) <= set(out[-1][1]):
+            out[-1] = (out[-1][0] + 1, *out[-1][1:])
+        else:
+            out.append(run)
+    return out[::-1]
 
 
 # -- table generators (explicit backward) --------------------------------------------------------------

@@ -142,8 +142,11 @@ def weight_slot(ctx: StageContext, carry: dict, s: dict, handed):
         d_params = ctx.ring.load(buffers, row, q)(ctx.cotangent_of(mask(dy)))[0]
         return add_at(total, mask(d_params), k, ctx.v), read_token(row, True)
 
+    # The barrier keeps XLA from folding the cond where every stage runs this W (zb-h1's last tick): inlined, the
+    # replay's zero-filled gradient buffers were scheduled at the step's start, live through its peak (+296 KB
+    # of temp at p = 2, a stage's parameters' worth).
     carry["d_stage"], token = ctx.per_slot(
-        j != EMPTY, replay, lambda _, __, total, ___: (total, read_token(row, False)),
+        jax.lax.optimization_barrier(j != EMPTY), replay, lambda _, __, total, ___: (total, read_token(row, False)),
         carry["ring"], carry["saved"], carry["d_stage"], handed)
     return token
 
