@@ -227,3 +227,45 @@ def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_p
     for a, b in zip((row["loss"] for row in rows), (json.loads(line)["loss"] for line in single.read_text().splitlines()),
                     strict=True):
         assert abs(a / b - 1) <= 1e-5
+
+
+# A rank that beats (rewrites its heartbeat file) every 0.05 s; "stalls" stops after 5 beats and hangs, SIGTERM ignored.
+BEATING = """
+import os, signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+beat = Path(os.environ["JAXPAR_HEARTBEAT_FILE"])
+for step in range(1, 10**6):
+    if sys.argv[1] == "stalls" and step > 5:
+        time.sleep(60)
+    beat.write_text(str(step))
+    time.sleep(0.05)
+"""
+
+
+def test_a_rank_that_stops_stepping_is_ended_by_the_heartbeat(tmp_path, capfd):
+    """Rank 1 stops beating (hung in a collective, say): reported as silent and killed within heartbeat + grace."""
+    commands = [[sys.executable, "-c", BEATING, mode] for mode in ("beats", "stalls")]
+    start_s = time.monotonic()
+    ranks = start(commands, [dict(os.environ)] * 2, tmp_path / "logs", heartbeat=True)
+    code = supervise(ranks, grace_s=0.5, heartbeat_s=1.0, resume=RESUME)
+    took_s = time.monotonic() - start_s
+    assert gone(ranks)
+    assert code == 128 + signal.SIGKILL
+    assert 1.0 + 0.5 <= took_s < 1.0 + 0.5 + 2, took_s  # 5 beats (0.25 s), 1 s silence, 0.5 s grace, start-up
+    report = capfd.readouterr().err
+    assert "jaxpar launch: rank 1: no step logged for 1 s (heartbeat)" in report
+    assert "SIGKILLed after the grace period: [0, 1]" in report
+
+
+def test_no_heartbeat_before_the_first_step(tmp_path):
+    """Start-up and compilation are not timed: a rank that has not yet stepped is not silent."""
+    ranks = start([[sys.executable, "-c", "import time; time.sleep(60)"]], [dict(os.environ)], tmp_path, heartbeat=True)
+    try:
+        time.sleep(0.3)
+        assert ranks[0].silent_for() is None
+        ranks[0].heartbeat.write_text("1")
+        assert 0 <= ranks[0].silent_for() < 1
+    finally:
+        ranks[0].process.kill()
+        ranks[0].process.wait()
