@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="every rank's stdout/stderr as rankN.out/.err (default <checkpoint-dir>/logs when given)")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="after a death, start the job again (it resumes from --checkpoint-dir) up to N times")
+    launch.add_argument("--heartbeat-s", type=float, default=None,
+                        help="a rank that logs no step for S seconds (counted from its first step; start-up and "
+                             "compilation are not timed) is treated as dead: reported and the job ended (default off)")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
     _add_plan_command(sub)
     return parser
@@ -318,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         resume = ["jaxpar", *(sys.argv[1:] if argv is None else argv)]  # the same command resumes from --checkpoint-dir
         try:
             return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
-                                log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume)
+                                log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume,
+                                heartbeat_s=args.heartbeat_s)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

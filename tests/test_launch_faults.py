@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from jaxpar.train.launcher import describe_exit, last_complete_checkpoint, last_logged_step, run, start, supervise
 
 # A rank: logs a step, says it is ready (its SIGTERM handler is in place), then waits; on SIGTERM it "saves".
@@ -194,17 +196,38 @@ def test_restarts_run_out(tmp_path, capfd):
     assert "restart 2" not in capfd.readouterr().err
 
 
-def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_path):
-    """2 processes x 4 CPU devices: SIGTERM to the launcher -> both ranks save the same step, exit 0; the same
-    command resumes, and steps before and after the stop give the losses of one uninterrupted process."""
-    from conftest import FAST_COMPILE
+REAL_FLAGS = ["--mesh", "data=8", "--steps", "12", "--batch-size", "8", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory):
+    """The 12 losses of one uninterrupted single-process run of REAL_FLAGS: what every interrupted launch must give."""
     from jaxpar.cli import main
 
-    flags = ["--mesh", "data=8", "--steps", "12", "--batch-size", "8", "--seq-len", "32", "--save-every", "1000"]
+    single = tmp_path_factory.mktemp("single") / "single.jsonl"
+    assert main(["train", *REAL_FLAGS, "--metrics", str(single)]) == 0
+    return [json.loads(line)["loss"] for line in single.read_text().splitlines()]
+
+
+def real_launch(tmp_path, *launch_flags, save_every):
+    from conftest import FAST_COMPILE
+
+    command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "4", *launch_flags,
+               "train", *REAL_FLAGS, "--save-every", str(save_every), "--checkpoint-dir", str(tmp_path / "ck"),
+               "--metrics", str(tmp_path / "multi.jsonl")]
+    return command, {**os.environ, "XLA_FLAGS": FAST_COMPILE}
+
+
+def saved_steps(tmp_path):
+    directory = tmp_path / "ck"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_path, uninterrupted_losses):
+    """2 processes x 4 CPU devices: SIGTERM to the launcher -> both ranks save the same step, exit 0; the same
+    command resumes, and steps before and after the stop give the losses of one uninterrupted process."""
+    command, env = real_launch(tmp_path, "--grace-s", "60", save_every=1000)
     metrics = tmp_path / "multi.jsonl"
-    command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "4", "--grace-s", "60",
-               "train", *flags, "--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(metrics)]
-    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
@@ -212,7 +235,7 @@ def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_p
         time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-2000:]
-    saved = sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit())
+    saved = saved_steps(tmp_path)
     stopped_at = len(metrics.read_text().splitlines())
     assert saved == [stopped_at] and stopped_at < 12  # one checkpoint, of the step the run stopped after
     for rank in (0, 1):  # every rank saved that step (jax's preemption sync point agreed on it)
@@ -220,10 +243,84 @@ def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_p
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
-    single = tmp_path / "single.jsonl"
-    assert main(["train", *flags, "--metrics", str(single)]) == 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 13))
-    for a, b in zip((row["loss"] for row in rows), (json.loads(line)["loss"] for line in single.read_text().splitlines()),
-                    strict=True):
+    for a, b in zip((row["loss"] for row in rows), uninterrupted_losses, strict=True):
         assert abs(a / b - 1) <= 1e-5
+
+
+def test_real_launch_sigkill_of_rank1_restarts_and_finishes_with_the_same_losses(tmp_path, uninterrupted_losses):
+    """2 processes x 4 CPU devices, --max-restarts 1: SIGKILL rank 1 after its first checkpoint -> the report names
+    it and the resume command, no process of the first attempt remains, and the restarted job finishes by itself.
+
+    The steps between the checkpoint and the kill run twice, uninterrupted and resumed: their losses must be equal
+    bitwise. (The single-process reference differs from 2 processes x 4 in reduction order, so 1e-5 there.)"""
+    import psutil
+
+    command, env = real_launch(tmp_path, "--grace-s", "5", "--max-restarts", "1", save_every=4)
+    metrics = tmp_path / "multi.jsonl"
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while saved_steps(tmp_path) != [4] or len(metrics.read_text().splitlines()) < 5:  # a step past the checkpoint
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-2000:]
+        time.sleep(0.05)
+    first_attempt = psutil.Process(launcher.pid).children()
+    victim = next(p for p in first_attempt if p.environ().get("JAX_PROCESS_ID") == "1")
+    victim.kill()
+    stderr = launcher.communicate(timeout=240)[1]
+    assert launcher.returncode == 0, stderr[-2000:]
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in first_attempt)
+    report = stderr[stderr.index("jaxpar launch: rank 1"):]
+    assert f"rank 1 was killed by SIGKILL (pid {victim.pid})" in report
+    assert "resume with:              jaxpar launch -n 2" in report
+    assert "restart 1 of 1, from step 4" in report
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    restarted_at = next(index for index, row in enumerate(rows) if index and row["step"] <= rows[index - 1]["step"])
+    first, second = rows[:restarted_at], rows[restarted_at:]
+    assert [row["step"] for row in second] == list(range(5, 13)) and len(first) >= 5
+    for row in first[4:]:  # steps 5.. of the first attempt, bitwise equal to the same steps after the resume
+        assert row["loss"] == second[row["step"] - 5]["loss"], row["step"]
+    for a, b in zip([row["loss"] for row in first[:4] + second], uninterrupted_losses, strict=True):
+        assert abs(a / b - 1) <= 1e-5
+
+# A rank that beats (rewrites its heartbeat file) every 0.05 s; "stalls" stops after 5 beats and hangs, SIGTERM ignored.
+BEATING = """
+import os, signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+beat = Path(os.environ["JAXPAR_HEARTBEAT_FILE"])
+for step in range(1, 10**6):
+    if sys.argv[1] == "stalls" and step > 5:
+        time.sleep(60)
+    beat.write_text(str(step))
+    time.sleep(0.05)
+"""
+
+
+def test_a_rank_that_stops_stepping_is_ended_by_the_heartbeat(tmp_path, capfd):
+    """Rank 1 stops beating (hung in a collective, say): reported as silent and killed within heartbeat + grace."""
+    commands = [[sys.executable, "-c", BEATING, mode] for mode in ("beats", "stalls")]
+    start_s = time.monotonic()
+    ranks = start(commands, [dict(os.environ)] * 2, tmp_path / "logs", heartbeat=True)
+    code = supervise(ranks, grace_s=0.5, heartbeat_s=1.0, resume=RESUME)
+    took_s = time.monotonic() - start_s
+    assert gone(ranks)
+    assert code == 128 + signal.SIGKILL
+    assert 1.0 + 0.5 <= took_s < 1.0 + 0.5 + 2, took_s  # 5 beats (0.25 s), 1 s silence, 0.5 s grace, start-up
+    report = capfd.readouterr().err
+    assert "jaxpar launch: rank 1: no step logged for 1 s (heartbeat)" in report
+    assert "SIGKILLed after the grace period: [0, 1]" in report
+
+
+def test_no_heartbeat_before_the_first_step(tmp_path):
+    """Start-up and compilation are not timed: a rank that has not yet stepped is not silent."""
+    ranks = start([[sys.executable, "-c", "import time; time.sleep(60)"]], [dict(os.environ)], tmp_path, heartbeat=True)
+    try:
+        time.sleep(0.3)
+        assert ranks[0].silent_for() is None
+        ranks[0].heartbeat.write_text("1")
+        assert 0 <= ranks[0].silent_for() < 1
+    finally:
+        ranks[0].process.kill()
+        ranks[0].process.wait()

@@ -49,13 +49,15 @@ def _free_port() -> int:
 
 
 def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
-                 log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = ()) -> int:
+                 log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = (),
+                 heartbeat_s: float | None = None) -> int:
     """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
 
     Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
     (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
     `resume` is the command line printed as the way to resume after a death;
     `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
+    `heartbeat_s`: a rank with no step for that long (after its first) is ended as dead.
     """
     from pathlib import Path
 
@@ -72,13 +74,18 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
         raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
     if log_dir is None and checkpoint_dir is not None:
         log_dir = str(Path(checkpoint_dir) / "logs")
+    if heartbeat_s is not None and heartbeat_s <= 0:
+        raise ValueError(f"--heartbeat-s must be > 0, got {heartbeat_s}")
+    if heartbeat_s is not None and log_dir is None:
+        raise ValueError("--heartbeat-s needs --log-dir or --checkpoint-dir: the ranks' heartbeat files go there")
     command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
 
     def start_ranks() -> list:
         address = f"localhost:{_free_port()}"  # a fresh coordinator for every (re)start
         envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
                  "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
-        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir))
+        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir),
+                              heartbeat=heartbeat_s is not None)
 
     return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
-                        resume=resume)
+                        resume=resume, heartbeat_s=heartbeat_s)

@@ -8,6 +8,8 @@ the command that resumes it. SIGTERM or SIGINT to the launcher (a scheduler's
 preemption notice, a Ctrl-C) is forwarded to every rank as SIGTERM, on which
 `jaxpar train` saves and stops; a second Ctrl-C kills everything at once.
 With `max_restarts`, a death starts the job again (it resumes from its checkpoints).
+With `heartbeat_s`, a rank that has stepped once and then goes that long without a
+step (stuck in a collective whose peer hangs, say) is ended and reported like a death.
 
 Exit codes: 0 when every rank exited 0 (also after a forwarded SIGTERM whose
 save completed); otherwise the first failing rank's code, or 128 + the signal
@@ -29,6 +31,7 @@ from typing import Callable
 
 LOGGED_STEP = re.compile(r"^(?:step\s+(\d+)\s+loss|.*preempted.*: step (\d+) saved)", re.MULTILINE)
 RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
+HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # a file the rank rewrites after every step (run/training.py): its mtime is the beat
 
 
 @dataclasses.dataclass
@@ -40,6 +43,7 @@ class Rank:
     logs: tuple[Path, ...] = ()
     copiers: tuple[threading.Thread, ...] = ()  # rank 0's output to the console and its logs
     ended_at: float | None = None  # when the process ended, by a thread waiting on it: deaths are told apart by order
+    heartbeat: Path | None = None  # the file whose mtime says when this rank last finished a step
 
     def __post_init__(self):
         threading.Thread(target=self._watch, daemon=True).start()
@@ -50,6 +54,13 @@ class Rank:
 
     def alive(self) -> bool:
         return self.ended_at is None
+
+    def silent_for(self) -> float | None:
+        """Seconds since this rank's last step, or None before its first (start-up and compilation are not timed)."""
+        try:
+            return time.time() - self.heartbeat.stat().st_mtime
+        except (AttributeError, FileNotFoundError):
+            return None
 
 
 def checkpoint_dir_of(argv: list[str]) -> str | None:
@@ -82,11 +93,12 @@ def _tee(source, console, log) -> None:
     log.close()
 
 
-def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None) -> list[Rank]:
+def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, heartbeat: bool = False) -> list[Rank]:
     """Start one process per command. Rank 0 prints to the console (and its logs); the others to their logs only.
 
     Each rank runs in its own session, so a terminal's Ctrl-C reaches the launcher
-    alone, and the launcher decides what the ranks get.
+    alone, and the launcher decides what the ranks get. With `heartbeat`, each rank
+    is told (HEARTBEAT_ENV) to touch `log_dir/rankN.beat` after every step.
     """
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -101,6 +113,10 @@ def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None) -> 
             continue
         logs = (log_dir / f"rank{rank}.out", log_dir / f"rank{rank}.err")
         files = [path.open("ab") for path in logs]
+        beat = log_dir / f"rank{rank}.beat" if heartbeat else None
+        if beat is not None:
+            beat.unlink(missing_ok=True)  # a restart's clock starts at its own first step, not the last attempt's
+            env = {**env, HEARTBEAT_ENV: str(beat)}
         if rank:
             env = {**env, RANK_OUTPUT_ENV: "1"}
             process = subprocess.Popen(command, env=env, stdout=files[0], stderr=files[1], start_new_session=True,
@@ -114,9 +130,9 @@ def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None) -> 
                             ((process.stdout, sys.stdout, files[0]), (process.stderr, sys.stderr, files[1])))
             for copier in copiers:
                 copier.start()
-            ranks.append(Rank(rank, process, logs, copiers))
+            ranks.append(Rank(rank, process, logs, copiers, heartbeat=beat))
             continue
-        ranks.append(Rank(rank, process, logs))
+        ranks.append(Rank(rank, process, logs, heartbeat=beat))
     return ranks
 
 
@@ -204,7 +220,8 @@ def _reap(ranks: list[Rank]) -> None:
             copier.join(timeout=5)
 
 
-def _report(ranks: list[Rank], dead: Rank, killed: list[int], checkpoint_dir: str | None, resume: list[str]) -> str:
+def _report(ranks: list[Rank], dead: Rank, killed: list[int], checkpoint_dir: str | None, resume: list[str],
+            reason: str | None = None) -> str:
     code = dead.process.returncode
     step = last_logged_step(dead.logs)
     checkpoint = last_complete_checkpoint(checkpoint_dir)
@@ -213,7 +230,7 @@ def _report(ranks: list[Rank], dead: Rank, killed: list[int], checkpoint_dir: st
              else f"none in {checkpoint_dir}" if checkpoint_dir else "none (no --checkpoint-dir: the run cannot resume)")
     ended = ", ".join(describe_exit(r.rank, r.process.returncode) for r in ranks if r is not dead) or "no other ranks"
     lines = [
-        f"jaxpar launch: {describe_exit(dead.rank, code)} (pid {dead.process.pid})",
+        f"jaxpar launch: {reason or describe_exit(dead.rank, code)} (pid {dead.process.pid})",
         f"  last step it logged:      {logged}" + (f"  ({dead.logs[0].parent})" if dead.logs else ""),
         f"  last complete checkpoint: {where}",
         f"  the other ranks:          {ended}" + (f"; SIGKILLed after the grace period: {killed}" if killed else ""),
@@ -228,14 +245,14 @@ def _exit_code(code: int) -> int:
 
 
 def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str | None = None,
-              resume: list[str] = ()) -> int:
+              resume: list[str] = (), heartbeat_s: float | None = None) -> int:
     """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code."""
     with _Signals() as signals:
-        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals)
+        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
 
 
 def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s: float = 30.0,
-        checkpoint_dir: str | None = None, resume: list[str] = ()) -> int:
+        checkpoint_dir: str | None = None, resume: list[str] = (), heartbeat_s: float | None = None) -> int:
     """Start the job and supervise it; after a death start it again, up to `max_restarts` times.
 
     A restart is the same command: `jaxpar train` resumes from the newest complete
@@ -243,7 +260,7 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
     """
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
-            code = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals)
+            code = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
             if code == 0 or signals.stop_requested or attempt == max_restarts:
                 return code
             step = last_complete_checkpoint(checkpoint_dir)
@@ -251,8 +268,15 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
             print(f"jaxpar launch: restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr, flush=True)
 
 
+def _silent_rank(ranks: list[Rank], heartbeat_s: float | None) -> Rank | None:
+    """The first live rank whose last step is more than `heartbeat_s` ago: hung, so treated as dead."""
+    if heartbeat_s is None:
+        return None
+    return next((r for r in ranks if r.alive() and (r.silent_for() or 0) > heartbeat_s), None)
+
+
 def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, resume: list[str],
-               signals: _Signals) -> int:
+               signals: _Signals, heartbeat_s: float | None = None) -> int:
     """One start of the job, from its ranks' start to the last one's end (see the module docstring)."""
     try:
         while True:
@@ -262,6 +286,12 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
                 killed = _end(ranks, grace_s, signals)
                 print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
                 return _exit_code(dead.process.returncode)
+            silent = _silent_rank(ranks, heartbeat_s)
+            if silent is not None:
+                killed = _end(ranks, grace_s, signals)
+                reason = f"rank {silent.rank}: no step logged for {heartbeat_s:g} s (heartbeat)"
+                print(_report(ranks, silent, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
+                return _exit_code(silent.process.returncode)
             if not any(r.alive() for r in ranks):
                 if signals.stop_requested:
                     print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
