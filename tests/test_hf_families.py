@@ -1,0 +1,123 @@
+"""Hugging Face families beyond Llama: Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm) against transformers.
+
+One small random float32 model per family (module fixture): logits both ways, an import -> train -> export
+round trip reloaded with `load_state_dict(strict=True)`, and step 1's loss equal to transformers' on that batch.
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.cli import main
+from jaxpar.interop import hf, hf_config
+from jaxpar.models.llama import Llama
+from test_hf import TOKENS, jaxpar_model, needs_torch, relative, torch, torch_logits, transformers
+
+FIELDS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+              num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=128)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),  # head_dim != hidden / heads
+}
+
+
+def family_model(family: str):
+    """A random float32 model of `family`; norms and biases perturbed (transformers starts them at 1 and 0)."""
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**FIELDS, **extra)
+    model = getattr(transformers, model_class)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, transformers model, its save_pretrained directory), shared by the tests of one family."""
+    directory = tmp_path_factory.mktemp(request.param) / "hf"
+    model = family_model(request.param)
+    model.save_pretrained(directory)
+    return request.param, model, directory
+
+
+@needs_torch
+def test_logits_match_transformers_both_ways(saved, tmp_path):
+    family, reference, directory = saved
+    cfg, params = hf.load_hf_params(directory)
+    assert (cfg.qkv_bias, cfg.qk_norm) == (family == "qwen2", family == "qwen3")
+    imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), torch_logits(reference, TOKENS))
+    assert imported <= 1e-5, imported
+    without = cfg.__class__(**{**cfg.__dict__, "qkv_bias": False, "qk_norm": False})
+    stripped = {**params, "blocks": {k: v for k, v in params["blocks"].items() if k in hf.LAYER_PARAMS}}
+    plain = relative(np.asarray(jaxpar_model(without, stripped).logits(jnp.asarray(TOKENS))), torch_logits(reference, TOKENS))
+    assert plain > 1e-3, plain  # the family's block option matters to these logits
+
+    with nnx.use_eager_sharding(False):
+        ours = Llama(cfg, nnx.Rngs(7))
+    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == (family, [FAMILIES[family][1]])
+    exported = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "out").float().eval()
+    back = relative(torch_logits(exported, TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))
+    assert back <= 1e-5, back
+    print(f"{family}: import {imported:.2e}, export {back:.2e}")
+
+
+@needs_torch
+def test_import_train_export_round_trip(saved, tmp_path):
+    """import-hf -> train on data=2,tensor=2 (2 KV heads) -> export: strict load in the family's class, same logits."""
+    from safetensors.torch import load_file
+
+    from jaxpar.run.evaluate import split_tokens
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.data import Batches, default_corpus
+
+    family, reference, directory = saved
+    assert main(["import-hf", str(directory), "--out", str(tmp_path / "imported")]) == 0
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", "--init-from", str(tmp_path / "imported"), "--mesh", "data=2,tensor=4", "--steps", "4",
+                 "--batch-size", "4", "--seq-len", "16", "--checkpoint-dir", str(tmp_path / "run"),
+                 "--save-every", "4", "--metrics", str(metrics)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    batch = Batches(split_tokens(default_corpus())[0], 4, 16, 0)[0]
+    logits = torch.tensor(torch_logits(reference, batch["inputs"]))
+    first = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), torch.tensor(batch["targets"]).long().reshape(-1))
+    loss_diff = abs(rows[0]["loss"] / float(first) - 1)
+    assert loss_diff <= 1e-5, loss_diff
+
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                 "--format", "hf"]) == 0
+    model_class = getattr(transformers, FAMILIES[family][1])
+    exported = model_class(model_class.config_class.from_pretrained(tmp_path / "out")).float().eval()
+    exported.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    with Checkpoints(tmp_path / "run", read_only=True) as checkpoints:
+        trained = checkpoints.read_params(4)
+    cfg = hf_config.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text()))
+    ours = np.asarray(jaxpar_model(cfg, trained).logits(jnp.asarray(TOKENS)))
+    round_trip = relative(torch_logits(exported, TOKENS), ours)
+    assert round_trip <= 1e-5, round_trip
+    assert relative(torch_logits(reference, TOKENS), ours) > 1e-4  # the steps changed the weights
+    print(f"{family}: step-1 loss {loss_diff:.2e}, round trip {round_trip:.2e}")
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true"),
+        ({"model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
+        ({"model_type": "gemma"}, "model_type='gemma'"),
+    ],
+)
+def test_refuses_what_the_family_cannot_represent(fields, message):
+    config = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "intermediate_size": 96, **fields}
+    with pytest.raises(ValueError, match=message):
+        hf_config.config_from_hf(config)
