@@ -71,10 +71,9 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
 @needs_torch
 def test_import_train_export_round_trip(saved, tmp_path):
-    """import-hf -> train on data=2,tensor=2 (2 KV heads) -> export: strict load in the family's class, same logits."""
+    """import-hf -> train on data=2,tensor=4 (2 KV heads, each on 2 ranks) -> export: strict load in the family's class, same logits."""
     from safetensors.torch import load_file
 
-    from jaxpar.run.evaluate import split_tokens
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.data import Batches, default_corpus
 
@@ -86,7 +85,7 @@ def test_import_train_export_round_trip(saved, tmp_path):
                  "--save-every", "4", "--metrics", str(metrics)]) == 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
 
-    batch = Batches(split_tokens(default_corpus())[0], 4, 16, 0)[0]
+    batch = Batches(default_corpus(), 4, 16, 0)[0]  # batch 0 of the run (no --eval-every: no held-out split)
     logits = torch.tensor(torch_logits(reference, batch["inputs"]))
     first = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), torch.tensor(batch["targets"]).long().reshape(-1))
     loss_diff = abs(rows[0]["loss"] / float(first) - 1)
