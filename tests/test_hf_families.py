@@ -161,3 +161,16 @@ def test_training_matches_the_single_device_reference(family, mesh, form):
     extra = {"qwen2": ("bq", "bk", "bv"), "qwen3": ("q_norm", "k_norm")}[family]
     moved = [max_relative_error(params["blocks"][k], np.asarray(state.params["blocks"][k])) for k in extra]
     assert min(moved) > 1e-4, moved  # the family's own parameters were trained
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_planner_counts_the_family_parameters(family):
+    """The planner's inventory and param_count include the biases / per-head norms the model builds."""
+    from jaxpar.planner.model import leaves_of, llama_leaves
+    from jaxpar.train.state import describe
+
+    cfg = dataclasses.replace(EQUIVALENCE_CONFIG, **hf_config.FAMILIES[family])
+    counted = llama_leaves(cfg)
+    traced = leaves_of(describe(lambda: Llama(cfg, nnx.Rngs(0))).logical)
+    assert sorted((a.shape, a.names) for a in counted) == sorted((a.shape, a.names) for a in traced)
+    assert sum(a.size for a in counted) == cfg.param_count() > EQUIVALENCE_CONFIG.param_count()
