@@ -174,3 +174,21 @@ def test_planner_counts_the_family_parameters(family):
     traced = leaves_of(describe(lambda: Llama(cfg, nnx.Rngs(0))).logical)
     assert sorted((a.shape, a.names) for a in counted) == sorted((a.shape, a.names) for a in traced)
     assert sum(a.size for a in counted) == cfg.param_count() > EQUIVALENCE_CONFIG.param_count()
+
+
+@needs_torch
+def test_greedy_generation_equals_transformers_generate(saved):
+    """The KV-cache decode with the family's biases / per-head norms, token for token against `generate`."""
+    from jaxpar.run.generate import Generator, generation_plan
+
+    family, reference, directory = saved
+    cfg, params = hf.load_hf_params(directory)
+    model, _ = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1), generation_plan("data=1"))
+    prompts = [[5, 17, 42, 99, 3], [250, 8, 61]]
+    ours = Generator(model, cfg, params, generation_plan("data=1"), max_new_tokens=12)(prompts, seed=0)[0]
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert list(tokens) == theirs[0, len(prompt):].tolist()
+    assert len(set(ours[0])) > 1 and ours[0] != ours[1], ours  # not one token repeated
