@@ -136,10 +136,11 @@ EQUIVALENCE_CONFIG = LlamaConfig(vocab=256, d_model=32, n_layers=2, n_heads=4, n
                                  seq_len=16)
 
 
-@pytest.mark.parametrize("mesh, form", [("data=2,tensor=2", "annotation"), ("data=2,tensor=4", "explicit")])
+@pytest.mark.parametrize("mesh, options", [("data=2,tensor=2", {}), ("data=2,tensor=4", {"tensor_form": "explicit"}),
+                                           ("data=8", {"zero": 3})], ids=["tensor2", "tensor4-explicit", "zero3"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_training_matches_the_single_device_reference(family, mesh, form):
-    """3 SGD steps: losses and final parameters on data x tensor (tensor=4: each of the 2 KV heads on 2 ranks)."""
+def test_training_matches_the_single_device_reference(family, mesh, options):
+    """3 SGD steps: losses and final parameters on data x tensor (tensor=4: each of the 2 KV heads on 2 ranks), ZeRO-3."""
     cfg = dataclasses.replace(EQUIVALENCE_CONFIG, **hf_config.FAMILIES[family])
     optimizer = optax.sgd(0.5)
     model, state = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optimizer, single_device_plan())
@@ -148,7 +149,7 @@ def test_training_matches_the_single_device_reference(family, mesh, form):
                 "targets": jnp.asarray(rng.integers(0, cfg.vocab, (8, cfg.seq_len)), jnp.int32)} for _ in range(3)]
     expected = reference_lib.train(reference_lib.loss_fn(cfg), copy_state(state).params, batches, optimizer)
 
-    plan = Plan.create(mesh, devices=jax.devices()[: 4 if mesh.endswith("2") else 8], tensor_form=form)
+    plan = Plan.create(mesh, devices=jax.devices()[: 4 if mesh.endswith("2") else 8], **options)
     placed = place_state(copy_state(state), model, optimizer, plan)
     step = make_train_step(model, lambda m, b: m(b), optimizer, plan)
     losses = []
