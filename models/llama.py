@@ -48,6 +48,10 @@ class LlamaConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # Family options (default off: a Llama). qkv_bias: biases on the q/k/v projections (Qwen2);
+    # qk_norm: an RMSNorm over head_dim on each query and key head before the rotation (Qwen3).
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -70,6 +74,7 @@ class LlamaConfig:
         d, h, kv, hd, f, v, n = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
                                  self.d_ff, self.padded_vocab, self.n_layers)
         block = 2 * d + d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f
+        block += hd * (h + 2 * kv) * self.qkv_bias + 2 * hd * self.qk_norm
         return n * block + v * d * (1 if self.tie_embeddings else 2) + d
 
 
@@ -142,17 +147,40 @@ def rotary(x, positions, theta, inv_freq=None):
 RESIDUAL = ("batch", "seq_residual", "embed")
 
 
+Q_NAMES, KV_NAMES = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+
+
+def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool = True):
+    """q, k, v of x: the projections, the family's biases and per-head norms, then the rotation at `positions`.
+
+    `positions` None: training's, those of q's whole sequence in jaxpar.parallel.attention's order.
+
+    The biases pass through `kv_heads_for_ranks` like their weights, so under
+    tensor parallelism each rank adds the bias of the heads it computes.
+    """
+    kv_params = ("wk", "wv") + (("bk", "bv") if cfg.qkv_bias else ())
+    kv = {w: p[w] for w in kv_params}
+    if replicate_kv:
+        kv = {w: tensor.kv_heads_for_ranks(a, cfg.n_kv_heads, ("embed", "kv_heads", "head_dim")[-a.ndim:])
+              for w, a in kv.items()}
+    q, k, v = tensor.column_parallel(x, (p["wq"], kv["wk"], kv["wv"]), "bsd,dhk->bshk", (Q_NAMES, KV_NAMES, KV_NAMES))
+    if cfg.qkv_bias:
+        q, k, v = (constrain(a + b.astype(a.dtype), n) for a, b, n in
+                   ((q, p["bq"], Q_NAMES), (k, kv["bk"], KV_NAMES), (v, kv["bv"], KV_NAMES)))
+    if cfg.qk_norm:
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+    positions = attention_lib.positions(q.shape[1]) if positions is None else positions
+    inv_freq = rope_frequencies(cfg, q.shape[-1])
+    return rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq), v
+
+
 def attention(p, x, cfg: LlamaConfig):
     """Causal grouped-query attention (jaxpar.parallel.attention: split over `context` too); heads over the `heads` axes."""
-    q_names, kv_names = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-    wk, wv = (tensor.kv_heads_for_ranks(p[w], cfg.n_kv_heads, ("embed", "kv_heads", "head_dim")) for w in ("wk", "wv"))
-    q, k, v = tensor.column_parallel(x, (p["wq"], wk, wv), "bsd,dhk->bshk", (q_names, kv_names, kv_names))
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
     # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
-    positions, inv_freq = attention_lib.positions(q.shape[1]), rope_frequencies(cfg, q.shape[-1])
-    q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
-    out = constrain(attention_lib.causal_attention(q, k, v), q_names)
-    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", q_names)
+    q, k, v = query_key_value(p, x, cfg, positions=None)
+    out = constrain(attention_lib.causal_attention(q, k, v), Q_NAMES)
+    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
 
 
 def mlp(p, x):
@@ -193,6 +221,13 @@ class Blocks(nnx.Module):
             self.w_gate = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dt, s_in)
             self.w_up = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dt, s_in)
             self.w_down = _param(rngs, (n, f, d), ("layers", "mlp", "embed"), dt, s_ff)
+        if cfg.qkv_bias:  # zero-initialised in Qwen2; small random here so that a test sees them
+            self.bq = _param(rngs, (n, h, hd), ("layers", "heads", "head_dim"), dt, s_in)
+            self.bk = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
+            self.bv = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
+        if cfg.qk_norm:
+            self.q_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt)
+            self.k_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt)
 
     def stacked(self) -> dict[str, jax.Array]:
         """The per-layer weights as a dict of arrays with a leading layer axis."""
@@ -294,17 +329,12 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
     written at slots index..index+seq and the queries attend to every earlier
     slot (key_mask [batch, slots]). Returns (output, (k, v)).
     """
-    q_names, kv_names = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-    q, k, v = tensor.column_parallel(
-        x, (p["wq"], p["wk"], p["wv"]), "bsd,dhk->bshk", (q_names, kv_names, kv_names)
-    )
+    q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False)
     b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
-    inv_freq = rope_frequencies(cfg, q.shape[-1])
-    q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
     query_slots = jnp.arange(s)
     if kv is not None:
-        k = constrain(jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0)), kv_names)
-        v = constrain(jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0)), kv_names)
+        k = constrain(jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0)), KV_NAMES)
+        v = constrain(jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0)), KV_NAMES)
         query_slots = query_slots + index
     allowed = (jnp.arange(k.shape[1])[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]
     kv_heads = k.shape[2]
@@ -314,8 +344,8 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(b, s, -1, q.shape[-1]).astype(x.dtype)
-    out = constrain(out, q_names)
-    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", q_names), (k, v)
+    out = constrain(out, Q_NAMES)
+    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES), (k, v)
 
 
 def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None):

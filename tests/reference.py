@@ -1,4 +1,4 @@
-"""An independent single-device reference: the Llama and MoE models' math in plain JAX + optax.
+"""An independent single-device reference: the Llama (and its Qwen2/Qwen3 options) and MoE math in plain JAX + optax.
 
 It reads the same parameter tree jaxpar's train state holds (`embedding`,
 `blocks`, `final_norm`, `head`; the MoE model's `blocks` split into `dense` and
@@ -67,6 +67,10 @@ def self_attention(p, x, cfg):
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+    if getattr(cfg, "qkv_bias", False):  # Qwen2: a bias per output feature of q, k and v
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if getattr(cfg, "qk_norm", False):  # Qwen3: RMSNorm over each query and key head, before the rotation
+        q, k = norm(q, p["q_norm"], cfg.norm_eps), norm(k, p["k_norm"], cfg.norm_eps)
     q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)

@@ -1,4 +1,4 @@
-"""Hugging Face Llama checkpoints in and out: weights read shard by shard, safetensors written back.
+"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Qwen3) in and out: weights read shard by shard, safetensors written back.
 
 The built-in Llama computes the same function as `transformers.LlamaForCausalLM`
 (half-split rotary, so q/k need no permutation); only layouts differ. A jaxpar
@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from jaxpar.interop.export import unflatten
-from jaxpar.interop.hf_config import HF_CONFIG, config_from_hf, config_to_hf, is_hf_dir, read_hf_config, resolve_source
+from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
+                                      resolve_source)
 from jaxpar.models.llama import LlamaConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,11 +46,23 @@ LAYER_PARAMS = {
     "w_up": ("mlp.up_proj.weight", "transpose"),
     "w_down": ("mlp.down_proj.weight", "transpose"),
 }
+# the families' extra block parameters: LlamaConfig option -> {jaxpar parameter: (Hugging Face name, layout)}
+FAMILY_PARAMS = {
+    "qkv_bias": {"bq": ("self_attn.q_proj.bias", "heads_vector"), "bk": ("self_attn.k_proj.bias", "heads_vector"),
+                 "bv": ("self_attn.v_proj.bias", "heads_vector")},
+    "qk_norm": {"q_norm": ("self_attn.q_norm.weight", "vector"), "k_norm": ("self_attn.k_norm.weight", "vector")},
+}
 TOP_PARAMS = {
     "embedding": ("model.embed_tokens.weight", "vocab_rows"),
     "final_norm": ("model.norm.weight", "vector"),
     "head": ("lm_head.weight", "vocab_cols"),
 }
+
+
+def layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+    """LAYER_PARAMS plus the block parameters of the options `cfg` turns on."""
+    extra = [params for option, params in FAMILY_PARAMS.items() if getattr(cfg, option)]
+    return {**LAYER_PARAMS, **{k: v for params in extra for k, v in params.items()}}
 
 
 # -- reading safetensors slice by slice ---------------------------------------------------------------
@@ -127,6 +140,9 @@ def _read_shard(reader: SafetensorsReader, name: str, layout: str, shape, index,
     if layout == "vector":
         (a, b), = bounds
         return reader.read(name, slice(a, b))
+    if layout == "heads_vector":  # jaxpar [heads, head_dim] <- torch [heads * head_dim]
+        (h0, h1), (k0, k1) = bounds
+        return reader.read(name, slice(h0 * shape[1], h1 * shape[1])).reshape(h1 - h0, shape[1])[:, k0:k1]
     if layout == "transpose":  # jaxpar [in, out] <- torch [out, in]
         (i0, i1), (o0, o1) = bounds
         return reader.read(name, slice(o0, o1), slice(i0, i1)).T
@@ -166,7 +182,7 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
     sources = {"embedding": top(*TOP_PARAMS["embedding"]), "final_norm": top(*TOP_PARAMS["final_norm"])}
     if not cfg.tie_embeddings:
         sources["head"] = top(*TOP_PARAMS["head"])
-    sources.update({f"blocks/{k}": stacked(*v) for k, v in LAYER_PARAMS.items()})
+    sources.update({f"blocks/{k}": stacked(*v) for k, v in layer_params(cfg).items()})
     return sources
 
 
@@ -176,6 +192,11 @@ def _expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
              "self_attn.q_proj.weight": (h * hd, d), "self_attn.k_proj.weight": (kv * hd, d),
              "self_attn.v_proj.weight": (kv * hd, d), "self_attn.o_proj.weight": (d, h * hd),
              "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    if cfg.qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (h * hd,), "self_attn.k_proj.bias": (kv * hd,),
+                      "self_attn.v_proj.bias": (kv * hd,)})
+    if cfg.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -192,7 +213,8 @@ def check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
                  for name, shape in expected.items() if name in reader and reader.shape(name) != shape]
     extra = [n for n in reader.files if n not in expected and not n.endswith("rotary_emb.inv_freq")
              and not (cfg.tie_embeddings and n == "lm_head.weight")]
-    problems += [f"{name}: not part of a Llama with this config (bias or unknown layer)" for name in extra]
+    problems += [f"{name}: not part of a {family_of(cfg)} model with this config (bias or unknown layer)"
+                 for name in extra]
     if problems:
         raise ValueError(f"{reader.directory}: the safetensors do not fit the config:\n  " + "\n  ".join(problems[:24]))
 
@@ -242,6 +264,10 @@ def _jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
               "blocks/attn_norm": (n, d), "blocks/wq": (n, d, h, hd), "blocks/wk": (n, d, kv, hd),
               "blocks/wv": (n, d, kv, hd), "blocks/wo": (n, h, hd, d), "blocks/mlp_norm": (n, d),
               "blocks/w_gate": (n, d, f), "blocks/w_up": (n, d, f), "blocks/w_down": (n, f, d)}
+    if cfg.qkv_bias:
+        shapes.update({"blocks/bq": (n, h, hd), "blocks/bk": (n, kv, hd), "blocks/bv": (n, kv, hd)})
+    if cfg.qk_norm:
+        shapes.update({"blocks/q_norm": (n, hd), "blocks/k_norm": (n, hd)})
     if not cfg.tie_embeddings:
         shapes["head"] = (d, vp)
     return shapes
@@ -255,6 +281,8 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
         return array
     if layout == "transpose":
         return array.T
+    if layout == "heads_vector":
+        return array.reshape(-1)
     if layout == "in_heads":
         d = array.shape[0]
         return array.reshape(d, -1).T
@@ -274,7 +302,7 @@ def hf_state_dict(params: dict, cfg: LlamaConfig, dtype=np.float32) -> dict[str,
     for key, (name, layout) in TOP_PARAMS.items():
         if key in flat:
             out[name] = _to_hf(flat[key], layout, cfg.vocab)
-    for key, (suffix, layout) in LAYER_PARAMS.items():
+    for key, (suffix, layout) in layer_params(cfg).items():
         for i, layer in enumerate(flat[f"blocks/{key}"]):
             out[f"model.layers.{i}.{suffix}"] = _to_hf(layer, layout, cfg.vocab)
     return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}

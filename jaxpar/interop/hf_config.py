@@ -1,5 +1,6 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
-other activations, `pretraining_tp`, rope scaling other than Llama 3's) is refused with the config field named.
+other activations, `pretraining_tp`, rope scaling other than Llama 3's, sliding windows) is refused with the
+config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm).
 """
 
 from __future__ import annotations
@@ -10,16 +11,24 @@ from pathlib import Path
 from jaxpar.models.llama import LlamaConfig
 
 HF_CONFIG = "config.json"
+# model_type -> the LlamaConfig block options it sets (every option named, so a config maps to one family)
+FAMILIES = {
+    "llama": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     """The LlamaConfig of a Hugging Face Llama `config.json`; ValueError naming any field the model cannot represent."""
     model_type = hf.get("model_type", "llama")
-    if model_type != "llama":
-        raise ValueError(f"config.json: model_type={model_type!r} is not supported; only 'llama' is")
+    if model_type not in FAMILIES:
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported; only {sorted(FAMILIES)} are")
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
-            raise ValueError(f"config.json: {field}=true is not supported: jaxpar's Llama has no bias terms")
+            raise ValueError(f"config.json: {field}=true is not supported: jaxpar's {model_type} has no such bias terms")
+    _refuse_sliding_window(hf)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act={act!r} is not supported: jaxpar's Llama MLP uses SiLU (SwiGLU)")
@@ -36,7 +45,26 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, d_ff=hf["intermediate_size"],
         seq_len=min(hf.get("max_position_embeddings", 2048), 2048), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
+        **FAMILIES[model_type],
     )
+
+
+def _refuse_sliding_window(hf: dict) -> None:
+    """Qwen configs carry sliding-window fields; jaxpar's attention is full causal, so only 'off' is accepted."""
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window=true is not supported: jaxpar's attention is full causal")
+    other = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
+    if other:
+        raise ValueError(f"config.json: layer_types {other} are not supported; only 'full_attention' is")
+
+
+def family_of(cfg: LlamaConfig) -> str:
+    """The Hugging Face model_type whose block `cfg`'s options describe."""
+    matches = [name for name, options in FAMILIES.items()
+               if all(getattr(cfg, option) == value for option, value in options.items())]
+    if not matches:
+        raise ValueError(f"no Hugging Face family has qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}")
+    return matches[0]
 
 
 def _rope_from_hf(hf: dict) -> dict:
@@ -61,14 +89,15 @@ def _rope_from_hf(hf: dict) -> dict:
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
-    """A Hugging Face `config.json` for `cfg` (LlamaForCausalLM), readable by transformers 4 and 5."""
+    """A Hugging Face `config.json` for `cfg` in its family's architecture, readable by transformers 4 and 5."""
+    family = family_of(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "llama3":
         rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_position)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab,
+        "architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.d_ff,
         "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
@@ -77,6 +106,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
                                                                  if cfg.rope_type == "llama3" else cfg.seq_len),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
+        **({"use_sliding_window": False, "sliding_window": None} if family != "llama" else {}),
     }
 
 

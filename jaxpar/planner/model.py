@@ -112,6 +112,13 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
             Leaf(prefix + "wo", (n, h, hd, d), ("layers", "heads", "head_dim", "embed")),
             Leaf(prefix + "mlp_norm", (n, d), ("layers", "norm")),
         ]
+        if getattr(c, "qkv_bias", False):  # Qwen2
+            out += [Leaf(prefix + "bq", (n, h, hd), ("layers", "heads", "head_dim")),
+                    Leaf(prefix + "bk", (n, kv, hd), ("layers", "kv_heads", "head_dim")),
+                    Leaf(prefix + "bv", (n, kv, hd), ("layers", "kv_heads", "head_dim"))]
+        if getattr(c, "qk_norm", False):  # Qwen3
+            out += [Leaf(prefix + "q_norm", (n, hd), ("layers", "head_dim")),
+                    Leaf(prefix + "k_norm", (n, hd), ("layers", "head_dim"))]
         if dense_ffn:
             out += [Leaf(prefix + "w_gate", (n, d, f), ("layers", "embed", "mlp")),
                     Leaf(prefix + "w_up", (n, d, f), ("layers", "embed", "mlp")),
