@@ -99,6 +99,13 @@ def differences(saved: dict, current: dict) -> list[str]:
             for k in keys if saved.get(k) != current.get(k)]
 
 
+def _with_later_options_off(saved: dict, current: dict) -> dict:
+    """`saved` with the model options a later jaxpar added (absent there) read as off (False or None), as the
+    model that wrote it ran: a checkpoint from before, say, `qkv_bias` existed is the same model, not another."""
+    later = {k: v for k, v in current.items() if k not in saved and v in (False, None)}
+    return {**saved, **later}
+
+
 def _where_they_lie(convert, state: TrainState, compiled: dict) -> TrainState:
     """`convert(state)` computed where its arrays are, each result sharded (and in the memory) as its input.
 
@@ -181,7 +188,8 @@ class Checkpoints:
             return
         if saved is None:
             return
-        changed = differences(saved["model"]["config"], config["model"]["config"])
+        changed = differences(_with_later_options_off(saved["model"]["config"], config["model"]["config"]),
+                              config["model"]["config"])
         if saved["model"]["name"] != config["model"]["name"]:
             changed.insert(0, f"name: {saved['model']['name']} -> {config['model']['name']}")
         if changed:
