@@ -368,9 +368,13 @@ def test_replicated_kv_heads_gradients_are_summed_over_their_replicas(mesh, form
     else:
         summed = [op for op in ops if op.kind == "all-reduce"]
         gathered = [op for op in ops if op.kind == "all-gather"]
-        assert [(op.shapes, op.bytes, op.group_size, op.count) for op in summed] == \
-            [(((c.d_model, 1, c.head_dim),) * 2, one_head, t // c.n_kv_heads, c.n_layers)]
-        assert {(op.bytes, op.group_size) for op in gathered} == {(one_head * c.n_kv_heads * c.n_layers // 2, 2)}
+        # The sum runs over each head's t/kv copies (jax 0.10's XLA) or, with the same bytes, over the whole tensor
+        # axis (newer XLA's partitioner, jax 0.12); the planner counts the bytes, the same either way.
+        assert [(op.shapes, op.bytes, op.count) for op in summed] == \
+            [(((c.d_model, 1, c.head_dim),) * 2, one_head, c.n_layers)]
+        assert summed[0].group_size in (t // c.n_kv_heads, t)
+        assert {op.bytes for op in gathered} == {one_head * c.n_kv_heads * c.n_layers // 2}
+        assert {op.group_size for op in gathered} <= {c.n_kv_heads, t}  # likewise: newer XLA gathers over all of tensor
         assert [(p.kind, p.bytes, p.calls, p.group) for p in predicted] == [
             ("all-reduce", one_head, c.n_layers, t // c.n_kv_heads),
             ("all-gather", one_head * c.n_kv_heads * c.n_layers, 1, c.n_kv_heads)]
