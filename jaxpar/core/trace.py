@@ -18,7 +18,9 @@ their own and nothing outlives the trace that set it:
 - `train_state_layers`: the stacked layers come from a train state, so in the
   plan's layer order (`jaxpar.pipeline.layer_order`);
 - `bubble_fill`: the value written into the pipeline's empty slots (tests fill
-  them with NaN, so that a leak from a bubble cannot hide).
+  them with NaN, so that a leak from a bubble cannot hide);
+- `documents`: the per-token extras of the rows being traced (segment ids,
+  positions, loss weights of packed documents; `jaxpar.parallel.documents`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Trace:
     zero_layers: dict | None = None
     train_state_layers: bool = False
     bubble_fill: float = 0.0
+    documents: dict | None = None
 
 
 _trace: contextvars.ContextVar[Trace] = contextvars.ContextVar("jaxpar_trace", default=Trace())
