@@ -17,7 +17,7 @@ from flax import nnx
 
 import reference as ref
 from helpers import copy_state, gradients, max_relative_error, reference_state, single_device_plan
-from jaxpar.models import layer_pattern, llama
+from jaxpar.models import llama
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import attention, attention_ring, documents
 from jaxpar.train.state import abstract_state
@@ -256,10 +256,10 @@ GEMMA_LIKE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv
 
 
 def test_layer_pattern():
-    assert [layer_pattern.layer_window(GEMMA_LIKE, i) for i in range(4)] == [3, None, 3, None]
+    assert [llama.layer_window(GEMMA_LIKE, i) for i in range(4)] == [3, None, 3, None]
     mistral = llama.LlamaConfig(sliding_window=5)
-    assert [layer_pattern.layer_window(mistral, i) for i in range(4)] == [5] * 4
-    assert layer_pattern.layer_config(mistral, 1) is mistral
+    assert [llama.layer_window(mistral, i) for i in range(4)] == [5] * 4
+    assert llama.layer_config(mistral, 1) is mistral
 
 
 @pytest.mark.parametrize("fields, match", [
