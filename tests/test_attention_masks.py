@@ -97,7 +97,7 @@ def test_window_of_the_whole_sequence_is_global(inputs):
     assert np.array_equal(attention.causal_attention(q, k, v, window=32), attention.causal_attention(q, k, v))
 
 
-@pytest.mark.parametrize("bad, match", [({"window": 0}, "window must be None or a Python int >= 1"),
+@pytest.mark.parametrize("bad, match", [({"window": 0}, "window must be None or an int >= 1"),
                                         ({"window": 2.5}, "window must be"),
                                         ({"softcap": 0.0}, "softcap must be"), ({"scale": -1.0}, "scale must be")])
 def test_bad_options_are_refused(inputs, bad, match):
