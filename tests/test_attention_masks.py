@@ -313,8 +313,8 @@ MODEL_PLANS = {
 }
 
 
-@pytest.mark.parametrize("plan", ["one-device", "pipe=2-1f1b",
-                                  pytest.param("data=2,context=4-ring", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("plan", ["one-device", *(pytest.param(p, marks=pytest.mark.slow)
+                                                  for p in ("pipe=2-1f1b", "data=2,context=4-ring"))])
 def test_layers_run_their_own_windows_forward_and_backward(gemma_like, gemma_like_reference, plan):
     model, params, batch = gemma_like
     loss, grads = gradients(model, params, batch, MODEL_PLANS[plan]())
