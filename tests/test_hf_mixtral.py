@@ -34,7 +34,7 @@ VOCAB = 300
 FIELDS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
               max_position_embeddings=128)
-WINDOW = None  # Mistral's sliding window in the tests' models
+WINDOW = 6  # Mistral's sliding window in the tests' models: shorter than their sequences
 FAMILIES = {  # model_type -> (transformers config, model class, jaxpar model, the family's own config fields)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", MoeLlama,
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
@@ -99,6 +99,12 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     imported = relative(np.asarray(jaxpar_model(family, cfg, params).logits(jnp.asarray(TOKENS))),
                         torch_logits(reference, TOKENS))
     assert imported <= 1e-5, imported
+    if family == "mistral":  # the window acts on these 24-token rows
+        assert cfg.sliding_window == WINDOW
+        full = dataclasses.replace(cfg, sliding_window=None)
+        unwindowed = relative(np.asarray(jaxpar_model(family, full, params).logits(jnp.asarray(TOKENS))),
+                              torch_logits(reference, TOKENS))
+        assert unwindowed > 1e-3, unwindowed
 
     with nnx.use_eager_sharding(False):
         ours = FAMILIES[family][2](cfg, nnx.Rngs(7))
@@ -179,6 +185,19 @@ def test_refuses_what_the_family_cannot_represent(fields, message):
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(ValueError, match=message):
         hf_config.config_from_hf(config)
+
+
+def test_sliding_windows_map_both_ways():
+    """Mistral's and Mixtral's `sliding_window` (null: full attention) is jaxpar's, on every layer, and back."""
+    base = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2}
+    for model_type, window in [("mistral", 4096), ("mistral", None), ("mixtral", 512), ("mixtral", None)]:
+        cfg = hf_config.config_from_hf({**base, "model_type": model_type, "sliding_window": window})
+        assert (cfg.sliding_window, cfg.sliding_pattern) == (window, 1)
+        back = hf_config.config_to_hf(cfg)
+        assert back.get("sliding_window") == window
+        # a windowless Mistral is a Llama and exports as one; a Mixtral stays a Mixtral
+        assert back["model_type"] == ("llama" if (model_type, window) == ("mistral", None) else model_type)
 
 
 # -- training equals the plain-JAX reference -----------------------------------------------------------------

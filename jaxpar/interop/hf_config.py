@@ -68,11 +68,10 @@ def _refuse_sliding_window(hf: dict) -> None:
 
 
 def _window_from_hf(hf: dict, model_type: str) -> dict:
-    """Mistral's and Mixtral's `sliding_window` (null: full causal attention); other families' stay refused above."""
+    """Mistral's and Mixtral's `sliding_window` (null: full causal attention) on every layer; others' refused above."""
     if model_type not in ("mistral", "mixtral") or hf.get("sliding_window") is None:
         return {}
-    raise ValueError(f"config.json: sliding_window={hf['sliding_window']} is not supported yet: jaxpar's attention "
-                     "is full causal (sliding_window=null is)")
+    return {"sliding_window": int(hf["sliding_window"]), "sliding_pattern": 1}
 
 
 def family_of(cfg: LlamaConfig) -> str:
@@ -83,6 +82,11 @@ def family_of(cfg: LlamaConfig) -> str:
                and all(getattr(cfg, option) == value for option, value in options.items())]
     if not matches:
         raise ValueError(f"no Hugging Face family has qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}")
+    if cfg.sliding_window is not None:  # a window on every layer: Mistral's (a windowless Mistral is a Llama)
+        if matches[0] != "llama" or cfg.sliding_pattern != 1:
+            raise ValueError(f"no Hugging Face family has sliding_window={cfg.sliding_window} with "
+                             f"sliding_pattern={cfg.sliding_pattern} on a {matches[0]} block")
+        return "mistral"
     return matches[0]
 
 
@@ -126,7 +130,8 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
         **({"use_sliding_window": False, "sliding_window": None} if family in ("qwen2", "qwen3") else {}),
-        **({"sliding_window": None, **hf_mixtral.moe_fields_to_hf(cfg)} if family == hf_mixtral.MODEL_TYPE else {}),
+        **({"sliding_window": cfg.sliding_window} if family in ("mistral", hf_mixtral.MODEL_TYPE) else {}),
+        **(hf_mixtral.moe_fields_to_hf(cfg) if family == hf_mixtral.MODEL_TYPE else {}),
     }
 
 
