@@ -1,6 +1,6 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
-other activations, `pretraining_tp`, rope scaling other than Llama 3's, sliding windows) is refused with the
-config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); `mistral` (a
+other activations, `pretraining_tp`, rope scaling other than Llama 3's, Qwen's sliding windows) is refused with
+the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); `mistral` (a
 Llama, with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`).
 """
 
