@@ -291,11 +291,10 @@ def _jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"blocks/bq": (n, h, hd), "blocks/bk": (n, kv, hd), "blocks/bv": (n, kv, hd)})
     if cfg.qk_norm:
         shapes.update({"blocks/q_norm": (n, hd), "blocks/k_norm": (n, hd)})
-    if hf_mixtral.is_moe(cfg):
-        blocks = {k: s for k, s in shapes.items() if k.startswith("blocks/") and k[7:] not in hf_mixtral.DENSE_MLP}
-        blocks |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
-        shapes = {k: s for k, s in shapes.items() if not k.startswith("blocks/")}
-        shapes |= {f"{blocks_path(cfg)}/{k[7:]}": s for k, s in blocks.items()}
+    if hf_mixtral.is_moe(cfg):  # the router and experts in place of the MLP, every block under blocks/moe
+        shapes = {k: s for k, s in shapes.items() if k.split("/")[-1] not in hf_mixtral.DENSE_MLP}
+        shapes |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
+        shapes = {k.replace("blocks/", f"{blocks_path(cfg)}/", 1): s for k, s in shapes.items()}
     if not cfg.tie_embeddings:
         shapes["head"] = (d, vp)
     return shapes

@@ -63,6 +63,8 @@ def moe_fields_to_hf(cfg: MoeLlamaConfig) -> dict:
     if cfg.top_k < 2:
         raise ValueError(f"top_k={cfg.top_k}: a Hugging Face Mixtral renormalises the chosen weights, which for "
                          "one choice is not jaxpar's top-1 router")
+    if cfg.qkv_bias or cfg.qk_norm:
+        raise ValueError(f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}: a Hugging Face Mixtral has neither")
     return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "intermediate_size": cfg.expert_d_ff,
             "output_router_logits": False, "router_aux_loss_coef": cfg.load_balance_coef, "router_jitter_noise": 0.0}
 
