@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Qwen3) in and out: weights read shard by shard, safetensors written back.
+"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Qwen3, Mistral; Mixtral's experts: hf_mixtral) in and out: weights read shard by shard, safetensors written back.
 
 The built-in Llama computes the same function as `transformers.LlamaForCausalLM`
 (half-split rotary, so q/k need no permutation); only layouts differ. A jaxpar
