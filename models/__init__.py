@@ -12,12 +12,24 @@ from typing import Any, Callable
 from flax import nnx
 
 from jaxpar.models.llama import CONFIGS as LLAMA_CONFIGS
-from jaxpar.models.llama import Llama
+from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
 from jaxpar.models.moe import MoeLlama
 
+# The published shapes of the Hugging Face families (jaxpar.interop.hf_config), for `plan` and `inspect`;
+# mixtral-8x7b is an MoE config (jaxpar.models.moe).
+FAMILY_CONFIGS: dict[str, LlamaConfig] = {
+    "mistral-7b": LlamaConfig(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                              d_ff=14336, seq_len=4096, rope_theta=10000.0, sliding_window=4096),  # v0.1's window
+    "qwen2.5-7b": LlamaConfig(vocab=152064, d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128,
+                              d_ff=18944, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
+    "qwen3-8b": LlamaConfig(vocab=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                            d_ff=12288, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+}
+
 MODELS: dict[str, tuple[Callable[..., nnx.Module], Any]] = {
     **{name: (Llama, config) for name, config in LLAMA_CONFIGS.items()},
+    **{name: (Llama, config) for name, config in FAMILY_CONFIGS.items()},
     **{name: (MoeLlama, config) for name, config in MOE_CONFIGS.items()},
 }
 

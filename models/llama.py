@@ -246,6 +246,10 @@ class Blocks(nnx.Module):
         """The per-layer weights as a dict of arrays with a leading layer axis."""
         return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
+    def inference(self) -> tuple[dict[str, jax.Array], Callable]:
+        """(per-layer weights, feed_forward(p, x, cfg)) for `inference_layers`; a variant's blocks give their own."""
+        return self.stacked(), lambda p, x, cfg: mlp(p, x)
+
 
 def run_layers(stacked: dict[str, jax.Array], x, cfg: LlamaConfig, remat: Callable | None = None):
     """Run `block` over the leading layer axis of `stacked` (a stage's or all layers) with `jaxpar.scan_layers`.
@@ -369,8 +373,12 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
     return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES), (k, v)
 
 
-def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None):
-    """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer)."""
+def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None, feed_forward=None):
+    """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer).
+
+    `feed_forward(p, x, cfg)` is the blocks' (`Blocks.inference`; default the dense MLP).
+    """
+    feed_forward = (lambda p, x, cfg: mlp(p, x)) if feed_forward is None else feed_forward
 
     windows = layer_pattern.layer_windows(cfg)
 
@@ -379,7 +387,7 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
         attn, kv = cached_attention(p, tensor.enter_tensor_region(rms_norm(h, p["attn_norm"], cfg.norm_eps)),
                                     cfg, positions, key_mask, kv, index, *window)
         h = constrain(h + attn, RESIDUAL)
-        h = h + mlp(p, tensor.enter_tensor_region(rms_norm(h, p["mlp_norm"], cfg.norm_eps)))
+        h = h + feed_forward(p, tensor.enter_tensor_region(rms_norm(h, p["mlp_norm"], cfg.norm_eps)), cfg)
         return constrain(h, RESIDUAL), kv
 
     return jax.lax.scan(body, x, (stacked, cache, *windows))
@@ -396,11 +404,13 @@ def _logits_of(model: "Llama", x):
     return constrain(logits, ("batch", "seq", "vocab"))[..., : model.cfg.vocab]
 
 
-def _check_dense(model: "Llama") -> None:
+def _inference_blocks(model: "Llama") -> tuple[dict[str, jax.Array], Callable]:
+    """The blocks' per-layer weights and feed-forward layer for inference (see `Blocks.inference`)."""
     if attention_lib.context_ways() > 1:
         raise ValueError("inference (logits, decode) does not run context-parallel; use a plan with context=1")
-    if type(model.blocks) is not Blocks:
-        raise ValueError(f"inference (logits, decode) supports the dense Llama blocks, not {type(model.blocks).__name__}")
+    if not hasattr(model.blocks, "inference"):
+        raise ValueError(f"inference (logits, decode) is not defined for blocks of type {type(model.blocks).__name__}")
+    return model.blocks.inference()
 
 
 def llama_logits(model: "Llama", tokens, positions=None, mask=None):
@@ -410,24 +420,24 @@ def llama_logits(model: "Llama", tokens, positions=None, mask=None):
     attends to); `positions` default to the count of real tokens before each one,
     so left-padded prompts get the positions they would have alone.
     """
-    _check_dense(model)
+    stacked, feed_forward = _inference_blocks(model)
     mask = jnp.ones(tokens.shape, bool) if mask is None else mask.astype(bool)
     positions = padded_positions(mask) if positions is None else positions
     positions = jnp.broadcast_to(positions, tokens.shape)
-    x, _ = inference_layers(model.blocks.stacked(), model.embed(tokens), model.cfg, positions, mask)
+    x, _ = inference_layers(stacked, model.embed(tokens), model.cfg, positions, mask, feed_forward=feed_forward)
     return _logits_of(model, x)
 
 
 def llama_decode(model: "Llama", tokens, cache: dict, mask=None, positions=None):
     """(logits [batch, seq, vocab], updated cache) for tokens [batch, seq] appended to the cache (see init_cache)."""
-    _check_dense(model)
+    stacked, feed_forward = _inference_blocks(model)
     mask = jnp.ones(tokens.shape, bool) if mask is None else mask.astype(bool)
     if positions is None:
         positions = cache["length"][:, None] + padded_positions(mask)
     index = cache["index"]
     key_mask = jax.lax.dynamic_update_slice(cache["mask"], mask, (0, index))
-    x, (k, v) = inference_layers(model.blocks.stacked(), model.embed(tokens), model.cfg, positions, key_mask,
-                                 (cache["k"], cache["v"]), index)
+    x, (k, v) = inference_layers(stacked, model.embed(tokens), model.cfg, positions, key_mask,
+                                 (cache["k"], cache["v"]), index, feed_forward)
     cache = {"k": constrain(k, CACHE), "v": constrain(v, CACHE), "mask": key_mask,
              "length": cache["length"] + mask.sum(axis=1).astype(jnp.int32), "index": index + tokens.shape[1]}
     return _logits_of(model, x), cache

@@ -68,6 +68,10 @@ CONFIGS: dict[str, MoeLlamaConfig] = {
     "moe-tiny": MoeLlamaConfig(),
     "moe-small": MoeLlamaConfig(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768,
                                 expert_d_ff=384, n_experts=16, seq_len=256),
+    # Mixtral 8x7B's published shape: an MoE feed-forward in every block, dropless top-2 of 8 (d_ff: the experts')
+    "mixtral-8x7b": MoeLlamaConfig(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                                   d_ff=14336, expert_d_ff=14336, n_experts=8, top_k=2, moe_every=1, dropless=True,
+                                   seq_len=4096, rope_theta=1e6),
 }
 
 
@@ -100,6 +104,16 @@ class MoeBlocks(nnx.Module):
         if self.dense is None:
             return {"moe": moe}
         return {"dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
+
+    def inference(self):
+        """(per-layer weights, the MoE feed-forward) for `llama.inference_layers`: every block must be an MoE block.
+
+        The layer's routing statistics (its auxiliary losses) are training's and are dropped here.
+        """
+        if self.dense is not None:
+            raise ValueError("inference (logits, decode) of an MoE model needs an MoE feed-forward in every block "
+                             "(moe_every=1, as Mixtral); this model mixes dense blocks in")
+        return self.moe.stacked(), lambda p, x, cfg: experts.moe_ffn(p, x, cfg.moe)[0]
 
 
 def moe_block(p, x, cfg: MoeLlamaConfig, moe_layer: MoeLayer = experts.moe_ffn):

@@ -76,7 +76,13 @@ def self_attention(p, x, cfg):
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     s = x.shape[1]
     logits = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) / np.float32(np.sqrt(q.shape[-1]))
-    logits = jnp.where(np.tril(np.ones((s, s), bool)), logits, jnp.finfo(jnp.float32).min)
+    seen = np.tril(np.ones((s, s), bool))
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None:  # Mistral: every layer local (sliding_pattern 1); query i sees key j iff i - j < window
+        if getattr(cfg, "sliding_pattern", 1) != 1:
+            raise ValueError("the reference's window covers every layer (sliding_pattern=1) only")
+        seen &= np.subtract.outer(np.arange(s), np.arange(s)) < window
+    logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
     return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])

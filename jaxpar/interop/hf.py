@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Qwen3) in and out: weights read shard by shard, safetensors written back.
+"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Qwen3, Mistral; Mixtral's experts: hf_mixtral) in and out: weights read shard by shard, safetensors written back.
 
 The built-in Llama computes the same function as `transformers.LlamaForCausalLM`
 (half-split rotary, so q/k need no permutation); only layouts differ. A jaxpar
@@ -24,15 +24,18 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxpar.interop import hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
                                       resolve_source)
 from jaxpar.models.llama import LlamaConfig
+from jaxpar.models.moe import MoeLlamaConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most this many bytes
 JAXPAR_NAME = "tiny"  # imported checkpoints name a Llama whose every config field is given (see import_hf)
+MOE_NAME = "moe-tiny"  # ... and an MoE Llama (Mixtral) likewise
 
 # jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
 LAYER_PARAMS = {
@@ -60,9 +63,22 @@ TOP_PARAMS = {
 
 
 def layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
-    """LAYER_PARAMS plus the block parameters of the options `cfg` turns on."""
+    """LAYER_PARAMS plus the block parameters of the options `cfg` turns on (an MoE's experts for its MLP)."""
     extra = [params for option, params in FAMILY_PARAMS.items() if getattr(cfg, option)]
-    return {**LAYER_PARAMS, **{k: v for params in extra for k, v in params.items()}}
+    params = {**LAYER_PARAMS, **{k: v for params in extra for k, v in params.items()}}
+    if hf_mixtral.is_moe(cfg):
+        params = {k: v for k, v in params.items() if k not in hf_mixtral.DENSE_MLP} | hf_mixtral.LAYER_PARAMS
+    return params
+
+
+def blocks_path(cfg: LlamaConfig) -> str:
+    """Where the stacked block parameters lie in the parameter tree (an MoE Llama's under `moe`)."""
+    return "blocks/moe" if hf_mixtral.is_moe(cfg) else "blocks"
+
+
+def jaxpar_name(cfg: LlamaConfig) -> str:
+    """The built-in model an imported config names (every field is given, so only its type matters)."""
+    return MOE_NAME if hf_mixtral.is_moe(cfg) else JAXPAR_NAME
 
 
 # -- reading safetensors slice by slice ---------------------------------------------------------------
@@ -171,18 +187,23 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
     def top(name, layout):
         return lambda shape, index: _read_shard(reader, name, layout, shape, index, cfg.vocab)
 
+    def layer(name, layout, shape, index):
+        if "{expert}" not in name:
+            return _read_shard(reader, name, layout, shape, index, cfg.vocab)
+        lo, hi = _bounds(index[0], shape[0])  # one tensor per expert, stacked along jaxpar's `experts` axis
+        return np.stack([_read_shard(reader, name.format(expert=e), layout, shape[1:], index[1:], cfg.vocab)
+                         for e in range(lo, hi)])
+
     def stacked(suffix, layout):
         def read(shape, index):
             lo, hi = _bounds(index[0], shape[0])
-            parts = [_read_shard(reader, f"model.layers.{i}.{suffix}", layout, shape[1:], index[1:], cfg.vocab)
-                     for i in range(lo, hi)]
-            return np.stack(parts)
+            return np.stack([layer(f"model.layers.{i}.{suffix}", layout, shape[1:], index[1:]) for i in range(lo, hi)])
         return read
 
     sources = {"embedding": top(*TOP_PARAMS["embedding"]), "final_norm": top(*TOP_PARAMS["final_norm"])}
     if not cfg.tie_embeddings:
         sources["head"] = top(*TOP_PARAMS["head"])
-    sources.update({f"blocks/{k}": stacked(*v) for k, v in layer_params(cfg).items()})
+    sources.update({f"{blocks_path(cfg)}/{k}": stacked(*v) for k, v in layer_params(cfg).items()})
     return sources
 
 
@@ -197,6 +218,8 @@ def _expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
                       "self_attn.v_proj.bias": (kv * hd,)})
     if cfg.qk_norm:
         layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if hf_mixtral.is_moe(cfg):
+        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | hf_mixtral.expected_layer_shapes(cfg)
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
@@ -268,6 +291,10 @@ def _jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"blocks/bq": (n, h, hd), "blocks/bk": (n, kv, hd), "blocks/bv": (n, kv, hd)})
     if cfg.qk_norm:
         shapes.update({"blocks/q_norm": (n, hd), "blocks/k_norm": (n, hd)})
+    if hf_mixtral.is_moe(cfg):  # the router and experts in place of the MLP, every block under blocks/moe
+        shapes = {k: s for k, s in shapes.items() if k.split("/")[-1] not in hf_mixtral.DENSE_MLP}
+        shapes |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
+        shapes = {k.replace("blocks/", f"{blocks_path(cfg)}/", 1): s for k, s in shapes.items()}
     if not cfg.tie_embeddings:
         shapes["head"] = (d, vp)
     return shapes
@@ -303,8 +330,12 @@ def hf_state_dict(params: dict, cfg: LlamaConfig, dtype=np.float32) -> dict[str,
         if key in flat:
             out[name] = _to_hf(flat[key], layout, cfg.vocab)
     for key, (suffix, layout) in layer_params(cfg).items():
-        for i, layer in enumerate(flat[f"blocks/{key}"]):
-            out[f"model.layers.{i}.{suffix}"] = _to_hf(layer, layout, cfg.vocab)
+        for i, layer in enumerate(flat[f"{blocks_path(cfg)}/{key}"]):
+            if "{expert}" in suffix:
+                out.update({f"model.layers.{i}.{suffix.format(expert=e)}": _to_hf(w, layout, cfg.vocab)
+                            for e, w in enumerate(layer)})
+            else:
+                out[f"model.layers.{i}.{suffix}"] = _to_hf(layer, layout, cfg.vocab)
     return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
 
 
@@ -395,13 +426,13 @@ def import_hf(source, out, plan=None) -> dict:
     hf = read_hf_config(directory)
     cfg = config_from_hf(hf)
     plan = import_plan() if plan is None else plan
-    model = describe(model_factory(JAXPAR_NAME, cfg, 0))
+    model = describe(model_factory(jaxpar_name(cfg), cfg, 0))
     shardings = plan.shardings(plan.param_specs(model.logical))
     _, params = load_hf_params(directory, cfg, shardings)
     out.mkdir(parents=True)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(out / PARAMS_DIR, params)
-    config = {"model": {"name": JAXPAR_NAME, "config": dataclasses.asdict(cfg)}, "step": 0,
+    config = {"model": {"name": jaxpar_name(cfg), "config": dataclasses.asdict(cfg)}, "step": 0,
               "source": str(source), "hf_config": hf,
               "dtypes": {k: str(v.dtype) for k, v in _flat_paths(params).items()}}
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -414,7 +445,8 @@ def saved_model_config(path) -> tuple[str, LlamaConfig]:
     """(model name, config) of a Hugging Face dir, a jaxpar export directory or a training checkpoint directory."""
     path = Path(path)
     if is_hf_dir(path):
-        return JAXPAR_NAME, config_from_hf(read_hf_config(path))
+        cfg = config_from_hf(read_hf_config(path))
+        return jaxpar_name(cfg), cfg
     from jaxpar.interop.export import CONFIG_FILE
 
     if (path / CONFIG_FILE).is_file():
@@ -426,15 +458,17 @@ def saved_model_config(path) -> tuple[str, LlamaConfig]:
             model = (checkpoints.metadata()["config"] or {}).get("model")
     if not model:
         raise ValueError(f"{path}: holds no model config (saved without a run config)")
-    return model["name"], _llama_config(model["config"])
+    return model["name"], _saved_config(model["config"])
 
 
-def _llama_config(fields: dict) -> LlamaConfig:
-    known = {f.name for f in dataclasses.fields(LlamaConfig)}
+def _saved_config(fields: dict) -> LlamaConfig:
+    """The dense or MoE Llama config of saved fields (an MoE's carry `n_experts`)."""
+    config_type = MoeLlamaConfig if "n_experts" in fields else LlamaConfig
+    known = {f.name for f in dataclasses.fields(config_type)}
     extra = set(fields) - known
     if extra:
-        raise ValueError(f"the saved model has fields {sorted(extra)} the dense Llama lacks (an MoE model?)")
-    return LlamaConfig(**fields)
+        raise ValueError(f"the saved model has fields {sorted(extra)} the {config_type.__name__} lacks")
+    return config_type(**fields)
 
 
 def load_params(path, model, plan, step: int | None = None) -> dict:

@@ -1,6 +1,7 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
-other activations, `pretraining_tp`, rope scaling other than Llama 3's, sliding windows) is refused with the
-config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm).
+other activations, `pretraining_tp`, rope scaling other than Llama 3's, Qwen's sliding windows) is refused with
+the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); `mistral` (a
+Llama, with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxpar.interop import hf_mixtral
 from jaxpar.models.llama import LlamaConfig
+from jaxpar.models.moe import MoeLlamaConfig
 
 HF_CONFIG = "config.json"
 # model_type -> the LlamaConfig block options it sets (every option named, so a config maps to one family)
@@ -18,6 +21,9 @@ FAMILIES = {
     "qwen3": {"qkv_bias": False, "qk_norm": True},
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Mistral and Mixtral: Llama blocks (Mixtral's feed-forwards the experts of jaxpar.models.moe)
+FAMILIES.update({"mistral": {"qkv_bias": False, "qk_norm": False}, "mixtral": {"qkv_bias": False, "qk_norm": False}})
+ARCHITECTURES.update({"mistral": "MistralForCausalLM", hf_mixtral.MODEL_TYPE: hf_mixtral.ARCHITECTURE})
 
 
 def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
@@ -40,13 +46,16 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     rope = _rope_from_hf(hf)
-    return LlamaConfig(
+    fields = dict(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, d_ff=hf["intermediate_size"],
         seq_len=min(hf.get("max_position_embeddings", 2048), 2048), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
-        **FAMILIES[model_type],
+        **FAMILIES[model_type], **_window_from_hf(hf, model_type),
     )
+    if model_type == hf_mixtral.MODEL_TYPE:
+        return MoeLlamaConfig(**fields, **hf_mixtral.moe_fields_from_hf(hf))
+    return LlamaConfig(**fields)
 
 
 def _refuse_sliding_window(hf: dict) -> None:
@@ -58,12 +67,26 @@ def _refuse_sliding_window(hf: dict) -> None:
         raise ValueError(f"config.json: layer_types {other} are not supported; only 'full_attention' is")
 
 
+def _window_from_hf(hf: dict, model_type: str) -> dict:
+    """Mistral's and Mixtral's `sliding_window` (null: full causal attention) on every layer; others' refused above."""
+    if model_type not in ("mistral", "mixtral") or hf.get("sliding_window") is None:
+        return {}
+    return {"sliding_window": int(hf["sliding_window"]), "sliding_pattern": 1}
+
+
 def family_of(cfg: LlamaConfig) -> str:
-    """The Hugging Face model_type whose block `cfg`'s options describe."""
-    matches = [name for name, options in FAMILIES.items()
-               if all(getattr(cfg, option) == value for option, value in options.items())]
+    """The Hugging Face model_type whose block `cfg`'s options describe (a dense Llama block: `llama`)."""
+    if hf_mixtral.is_moe(cfg):
+        return hf_mixtral.MODEL_TYPE
+    matches = [name for name, options in FAMILIES.items() if name not in ("mistral", "mixtral")
+               and all(getattr(cfg, option) == value for option, value in options.items())]
     if not matches:
         raise ValueError(f"no Hugging Face family has qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}")
+    if cfg.sliding_window is not None:  # a window on every layer: Mistral's (a windowless Mistral is a Llama)
+        if matches[0] != "llama" or cfg.sliding_pattern != 1:
+            raise ValueError(f"no Hugging Face family has sliding_window={cfg.sliding_window} with "
+                             f"sliding_pattern={cfg.sliding_pattern} on a {matches[0]} block")
+        return "mistral"
     return matches[0]
 
 
@@ -106,7 +129,9 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
                                                                  if cfg.rope_type == "llama3" else cfg.seq_len),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
-        **({"use_sliding_window": False, "sliding_window": None} if family != "llama" else {}),
+        **({"use_sliding_window": False, "sliding_window": None} if family in ("qwen2", "qwen3") else {}),
+        **({"sliding_window": cfg.sliding_window} if family in ("mistral", hf_mixtral.MODEL_TYPE) else {}),
+        **(hf_mixtral.moe_fields_to_hf(cfg) if family == hf_mixtral.MODEL_TYPE else {}),
     }
 
 
