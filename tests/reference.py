@@ -51,18 +51,19 @@ def norm(x, w, eps):
     return (h * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, theta):
-    """Rotary embedding of [b, s, heads, hd]: the first and second halves of hd rotate as pairs (fp32)."""
+def rope(x, theta, positions=None):
+    """Rotary embedding of [b, s, heads, hd] at `positions` [s] (default 0, 1, ...): halves of hd rotate as pairs (fp32)."""
     s, hd = x.shape[1], x.shape[-1]
     half = hd // 2
     inv = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))
-    ang = jnp.asarray(np.arange(s, dtype=np.float32)[:, None] * inv[None, :])
+    positions = np.arange(s) if positions is None else np.asarray(positions)
+    ang = jnp.asarray(positions.astype(np.float32)[:, None] * inv[None, :])
     cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
     a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
-def self_attention(p, x, cfg):
+def self_attention(p, x, cfg, positions=None):
     """Causal attention; query head h reads key/value head h // (n_heads / n_kv_heads)."""
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
@@ -71,7 +72,7 @@ def self_attention(p, x, cfg):
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if getattr(cfg, "qk_norm", False):  # Qwen3: RMSNorm over each query and key head, before the rotation
         q, k = norm(q, p["q_norm"], cfg.norm_eps), norm(k, p["k_norm"], cfg.norm_eps)
-    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    q, k = rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions)
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     s = x.shape[1]
@@ -86,8 +87,8 @@ def swiglu(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def dense_block(p, x, cfg):
-    x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg)
+def dense_block(p, x, cfg, positions=None):
+    x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, positions)
     return x + swiglu(norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate"], p["w_up"], p["w_down"])
 
 
@@ -114,6 +115,33 @@ def llama_loss(params, batch, cfg):
     for i in range(cfg.n_layers):
         x = dense_block(layer(params["blocks"], i), x, cfg)
     return cross_entropy(params, x, batch["targets"], cfg), {}
+
+
+def token_losses(params, x, targets, cfg):
+    """Per-token next-token loss [b, s]; logits of the padded vocabulary columns (>= cfg.vocab) are excluded."""
+    w = params["embedding"].T if cfg.tie_embeddings else params["head"]
+    logits = (norm(x, params["final_norm"], cfg.norm_eps) @ w).astype(jnp.float32)[..., : cfg.vocab]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.scipy.special.logsumexp(logits, axis=-1) - picked
+
+
+def document_loss(params, batch, cfg):
+    """(sum(w * nll) / sum(w), {}) of packed rows, each document (segment) run on its own sequence.
+
+    `batch` holds numpy inputs, targets, segment_ids, positions, loss_weights
+    [rows, seq]; segment s of a row is the run of its tokens with id s, fed
+    alone (no other document in its attention) at its own positions.
+    """
+    total, count = jnp.zeros((), jnp.float32), float(np.sum(batch["loss_weights"]))
+    for r, ids in enumerate(np.asarray(batch["segment_ids"])):
+        for segment in np.unique(ids[ids > 0]):
+            at = np.flatnonzero(ids == segment)
+            x = embed(params, jnp.asarray(batch["inputs"][r, at])[None])
+            for i in range(cfg.n_layers):
+                x = dense_block(layer(params["blocks"], i), x, cfg, batch["positions"][r, at])
+            nll = token_losses(params, x, jnp.asarray(batch["targets"][r, at])[None], cfg)[0]
+            total = total + jnp.sum(jnp.asarray(batch["loss_weights"][r, at]) * nll)
+    return total / count, {}
 
 
 # -- the MoE model ----------------------------------------------------------------------
