@@ -6,6 +6,8 @@ the packer says: sum(w * nll) / sum(w) over the global batch. jaxpar runs the
 packed rows with their segment ids, positions and loss weights on each mesh.
 """
 
+import dataclasses
+import json
 import math
 
 import jax
@@ -16,11 +18,15 @@ from flax import nnx
 
 import reference as reference_lib
 from helpers import copy_state, max_relative_error, single_device_plan
+from jaxpar.cli import main
 from jaxpar.core.plan import Plan
+from jaxpar.interop import records
+from jaxpar.interop.tokenize import BYTES
+from jaxpar.run.packed import packing_of
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.pipeline.executor import bubble_fill
 from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
-from jaxpar.train import packing
+from jaxpar.train import packing, sources
 from jaxpar.train.packing import Document
 from jaxpar.train.state import init_state
 from jaxpar.train.step import loss_and_grads
@@ -67,6 +73,95 @@ def test_packed_batches_see_each_row_once_per_epoch_and_are_a_function_of_the_st
     seen = np.concatenate([batches.row_indices(step) for step in range(math.ceil(per_epoch / 4) + 1)])
     assert sorted(seen[:per_epoch]) == list(range(per_epoch))
     np.testing.assert_array_equal(batches.rows(2, 1, 3)["inputs"], batches[2]["inputs"][1:3])
+
+
+# -- fine-tuning records -----------------------------------------------------------------
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def trained_text(doc: Document) -> str:
+    """The document's bytes, untrained ones shown as '_'."""
+    return "".join(chr(t) if m else "_" for t, m in zip(doc.tokens, doc.mask))
+
+
+def test_chat_records_train_on_the_assistant_replies_only():
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"}]
+    doc = records.chat_document(messages, records.ChatTemplate(CHAT_TEMPLATE), BYTES, "record 0")
+    text = bytes(doc.tokens.astype(np.uint8)).decode()
+    assert text == "<|system|>be brief<|end|><|user|>hi<|end|><|assistant|>hello<|end|><|user|>2+2?<|end|>" \
+                   "<|assistant|>4<|end|>"
+    # the replies and their end-of-turn markers, never the headers that announce them
+    assert trained_text(doc).replace("_", " ").split() == ["hello<|end|>", "4<|end|>"]
+
+
+def test_prompt_completion_records_train_on_the_completion_and_eos():
+    tokenizer = dataclasses.replace(BYTES, bos=1, eos=2)
+    doc = records.prompt_completion("Q: 2+2? A:", " 4", tokenizer)
+    assert doc.tokens[0] == 1 and doc.tokens[-1] == 2
+    np.testing.assert_array_equal(doc.mask, [0] * 11 + [1, 1, 1])
+
+
+def test_a_template_that_does_not_render_prefix_by_prefix_is_refused():
+    reversed_order = "{% for m in messages|reverse %}{{ m.content }}{% endfor %}"
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    with pytest.raises(ValueError, match="record 3: the chat template does not render the conversation prefix"):
+        records.chat_document(messages, records.ChatTemplate(reversed_order), BYTES, "record 3")
+
+
+def test_bad_records_name_the_record_and_the_missing_field(tmp_path):
+    path = tmp_path / "ft.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
+    assert sources.record_kind(path) == sources.PROMPT_COMPLETION
+    with pytest.raises(ValueError, match=r"record 1 has no field 'completion' \(it has 'prompt'\)"):
+        sources.read_records(path, sources.PROMPT_COMPLETION)
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}) + "\n")
+    with pytest.raises(ValueError, match="record 0: message 1 must have text fields 'role' and 'content'"):
+        sources.read_records(path, sources.MESSAGES)
+    with pytest.raises(ValueError, match="fine-tuning records, trained on their completions only"):
+        packing_of(str(path), "windows")
+    np.save(tmp_path / "t.npy", np.arange(10))
+    with pytest.raises(ValueError, match="is a token file: it has no document boundaries"):
+        packing_of(str(tmp_path / "t.npy"), "documents")
+    assert packing_of(str(tmp_path / "t.npy"), None) == "windows" and packing_of(str(path), None) == "documents"
+
+
+def test_train_packs_a_chat_jsonl_end_to_end(tmp_path, capsys):
+    """`jaxpar train --data chat.jsonl --tokenizer ...` on a tiny tokenizer with a chat template, then `jaxpar eval`."""
+    tokenizer = tiny_tokenizer(tmp_path)
+    chats = [{"messages": [{"role": "user", "content": f"what is {i} plus {i}"},
+                           {"role": "assistant", "content": f"it is {2 * i}"}]} for i in range(60)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    metrics = tmp_path / "m.jsonl"
+    common = ["--mesh", "data=8", "--batch-size", "8", "--seq-len", "32", "--tokenizer", str(tokenizer)]
+    code = main(["train", *common, "--steps", "3", "--eval-every", "3", "--data", str(data), "--metrics",
+                 str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")])
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert code == 0 and len(rows) == 3 and np.isfinite(rows[-1]["eval_loss"]), capsys.readouterr().err
+    capsys.readouterr()
+    code = main(["eval", "--checkpoint-dir", str(tmp_path / "ckpt"), "--data", str(data), "--seq-len", "32",
+                 "--tokenizer", str(tokenizer), "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and abs(result["eval_loss"] - rows[-1]["eval_loss"]) < 1e-4
+
+
+def tiny_tokenizer(folder):
+    """A word-level tokenizer.json with BOS/EOS and a chat template in its tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|end|>", "what", "is", "plus", "it",
+             *map(str, range(200))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit()])
+    tok.add_special_tokens(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": "{{ bos_token }}" + CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder / "tokenizer.json"
 
 
 # -- equivalence with each document run on its own --------------------------------------

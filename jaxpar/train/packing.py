@@ -47,18 +47,22 @@ def pieces(doc: Document, width: int) -> list[tuple[np.ndarray, np.ndarray, int]
     mask = np.ones(n, np.float32) if doc.mask is None else np.asarray(doc.mask, np.float32)
     if n <= width:
         return [(doc.tokens, mask, 0)]
-    starts = range(0, n - 1, width - 1)
-    return [(doc.tokens[s:s + width], mask[s:s + width], s) for s in starts if n - s > 1]
+    return [(doc.tokens[s:s + width], mask[s:s + width], s) for s in range(0, n - 1, width - 1)]
 
 
-def pack(documents: list[Document], seq_len: int) -> dict[str, np.ndarray]:
-    """Rows [R, seq_len + 1] of tokens, segment ids and positions, and target weights [R, seq_len + 1]."""
+def pack(documents: list[Document], seq_len: int, alone: bool = False) -> dict[str, np.ndarray]:
+    """Rows [R, seq_len + 1] of tokens, segment ids and positions, and target weights [R, seq_len + 1].
+
+    `alone`: each piece in a row of its own (evaluation, whose forward keeps attention inside a row only).
+    """
     width = seq_len + 1
     placed: list[list[tuple[np.ndarray, np.ndarray, int]]] = [[]]
     free = width
     for doc in documents:
+        if not len(doc.tokens):
+            continue
         for piece in pieces(doc, width):
-            if len(piece[0]) > free:
+            if len(piece[0]) > free or (alone and placed[-1]):
                 placed.append([])
                 free = width
             placed[-1].append(piece)
