@@ -52,13 +52,14 @@ def norm(x, w, eps):
 
 
 def rope(x, theta, positions=None):
-    """Rotary embedding of [b, s, heads, hd] at `positions` [s] (default 0, 1, ...): halves of hd rotate as pairs (fp32)."""
+    """Rotary embedding of [b, s, heads, hd] at `positions` ([s] or [b, s]; default 0, 1, ...): halves of hd rotate
+    as pairs (fp32)."""
     s, hd = x.shape[1], x.shape[-1]
     half = hd // 2
     inv = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))
-    positions = np.arange(s) if positions is None else np.asarray(positions)
-    ang = jnp.asarray(positions.astype(np.float32)[:, None] * inv[None, :])
-    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    positions = jnp.arange(s) if positions is None else jnp.asarray(positions)
+    ang = positions.reshape(-1, s).astype(jnp.float32)[..., None] * inv
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
@@ -125,23 +126,29 @@ def token_losses(params, x, targets, cfg):
     return jax.scipy.special.logsumexp(logits, axis=-1) - picked
 
 
-def document_loss(params, batch, cfg):
-    """(sum(w * nll) / sum(w), {}) of packed rows, each document (segment) run on its own sequence.
-
-    `batch` holds numpy inputs, targets, segment_ids, positions, loss_weights
-    [rows, seq]; segment s of a row is the run of its tokens with id s, fed
-    alone (no other document in its attention) at its own positions.
-    """
-    total, count = jnp.zeros((), jnp.float32), float(np.sum(batch["loss_weights"]))
+def documents_alone(batch) -> dict[str, np.ndarray]:
+    """Every document (segment) of packed rows as a sequence of its own: [documents, seq] each, at the start of
+    its row and padded after it (causal attention never looks ahead, so the padding changes nothing; weight 0)."""
+    out = {k: [] for k in ("inputs", "targets", "positions", "loss_weights")}
+    seq = batch["inputs"].shape[1]
     for r, ids in enumerate(np.asarray(batch["segment_ids"])):
         for segment in np.unique(ids[ids > 0]):
             at = np.flatnonzero(ids == segment)
-            x = embed(params, jnp.asarray(batch["inputs"][r, at])[None])
-            for i in range(cfg.n_layers):
-                x = dense_block(layer(params["blocks"], i), x, cfg, batch["positions"][r, at])
-            nll = token_losses(params, x, jnp.asarray(batch["targets"][r, at])[None], cfg)[0]
-            total = total + jnp.sum(jnp.asarray(batch["loss_weights"][r, at]) * nll)
-    return total / count, {}
+            for name in out:
+                row = np.zeros(seq, np.asarray(batch[name]).dtype)
+                row[: at.size] = np.asarray(batch[name])[r, at]
+                out[name].append(row)
+    return {name: np.stack(rows) for name, rows in out.items()}
+
+
+def document_loss(params, alone, cfg):
+    """(sum(w * nll) / sum(w), {}) of documents each run on its own (`documents_alone`) at its own positions."""
+    x = embed(params, jnp.asarray(alone["inputs"]))
+    for i in range(cfg.n_layers):
+        x = dense_block(layer(params["blocks"], i), x, cfg, alone["positions"])
+    nll = token_losses(params, x, jnp.asarray(alone["targets"]), cfg)
+    weights = jnp.asarray(alone["loss_weights"])
+    return jnp.sum(weights * nll) / jnp.sum(weights), {}
 
 
 # -- the MoE model ----------------------------------------------------------------------

@@ -195,7 +195,8 @@ def setup():
     params = copy_state(state.params)
     batches = {"documents": packed_batch(False, 1), "fine-tuning": packed_batch(True, 2)}
     want = {name: jax.device_get(jax.jit(jax.value_and_grad(
-        lambda p, b=batch: reference_lib.document_loss(p, b, CONFIG)[0]))(params)) for name, batch in batches.items()}
+        lambda p, b: reference_lib.document_loss(p, b, CONFIG)[0]))(params, reference_lib.documents_alone(batch)))
+        for name, batch in batches.items()}
     return model, params, batches, want
 
 
