@@ -11,6 +11,7 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -28,8 +29,8 @@ from jaxpar.pipeline.executor import bubble_fill
 from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.train import packing, sources
 from jaxpar.train.packing import Document
-from jaxpar.train.state import init_state
-from jaxpar.train.step import loss_and_grads
+from jaxpar.train.state import init_state, place_state
+from jaxpar.train.step import loss_and_grads, make_train_step
 
 CONFIG = LlamaConfig(vocab=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, seq_len=16)
 ROWS = 8
@@ -253,3 +254,14 @@ def test_packed_batch_matches_each_document_on_its_own(setup, mesh, options, kin
           f"grads {max_relative_error(grads, want_grads):.2e}")
     assert abs(loss / want_loss - 1) <= 1e-5
     assert max_relative_error(grads, want_grads) <= 1e-5
+
+
+def test_a_loss_that_never_reads_the_loss_weights_is_refused(setup):
+    model, params, batches, _ = setup
+    plan = Plan.create("data=8")
+    state = place_state(init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optax.sgd(0.1), plan)[1], model,
+                        optax.sgd(0.1), plan)
+    own_loss = lambda m, b: jnp.mean(m.embed(b["inputs"]) ** 2)  # noqa: E731 - ignores the documents' weights
+    step = make_train_step(model, own_loss, optax.sgd(0.1), plan)
+    with pytest.raises(ValueError, match="carries loss_weights .* but the model's loss never read them"):
+        step(state, {k: jnp.asarray(v) for k, v in batches["documents"].items()})

@@ -32,6 +32,12 @@ outputs and an all-gather of their cotangents), so no stage does p times the
 head's work. Parameters every stage holds (embedding, head) get their gradients
 summed over pipe once per step.
 
+A batch of packed documents (jaxpar.parallel.documents) is split into
+microbatches like the tokens: wherever a stage's layers are traced (a forward
+slot, the probes of their shapes) they see their microbatch's segment ids and
+positions, and the loss head its share of the positions' loss weights, put in
+context order with the targets (`pipe_axis.layer_documents`, `head_documents`).
+
 Layers may also return per-layer statistics (an MoE router's losses and
 metrics). Each stage sums its own layers' statistics per microbatch; they are
 summed over the stages and averaged over the microbatches, and `aux_loss` of

@@ -340,8 +340,10 @@ def _step_row(run: Run, row: dict, done: int, elapsed: float, lr: float, nonfini
 def _save(run: Run, checkpoints: Checkpoints, state: TrainState, done: int, nonfinite_steps: int, force: bool):
     """Save after step `done` if it is due (or `force`), with the data and RNG position a resume needs."""
     seed = run.config.seed
+    drawn = ("packed rows, numpy default_rng([seed, epoch]).permutation per epoch"
+             if isinstance(run.batches, PackedBatches) else "numpy default_rng([seed, step]) per step")
     position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": seed},
-                "rng": {"seed": seed, "batches": "numpy default_rng([seed, step]) per step"}}
+                "rng": {"seed": seed, "batches": drawn}}
     return checkpoints.save(done, state, force=force, metadata=position, model=run.model, optimizer=run.optimizer,
                             plan=run.plan)
 
