@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.models import layer_pattern
 from jaxpar.parallel import attention as attention_lib
+from jaxpar.parallel import attention_math
 from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
@@ -52,6 +54,15 @@ class LlamaConfig:
     # qk_norm: an RMSNorm over head_dim on each query and key head before the rotation (Qwen3).
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Attention options (default off). sliding_window W: a local layer's query sees the W latest keys, itself
+    # included (Mistral, Gemma 2); sliding_pattern P: with a window, every layer is local (P = 1, Mistral) or
+    # layer i is global when (i + 1) % P == 0 and local otherwise (P = 2: Gemma 2's alternation);
+    # attn_softcap c: scores -> c * tanh(scores / c) (Gemma 2's attn_logit_softcapping); query_scale: the
+    # multiplier of q . k, None for head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5).
+    sliding_window: int | None = None
+    sliding_pattern: int = 1
+    attn_softcap: float | None = None
+    query_scale: float | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -60,6 +71,7 @@ class LlamaConfig:
             raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        layer_pattern.check(self)
 
     @property
     def padded_vocab(self) -> int:
@@ -179,7 +191,7 @@ def attention(p, x, cfg: LlamaConfig):
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
     # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
     q, k, v = query_key_value(p, x, cfg, positions=None)
-    out = constrain(attention_lib.causal_attention(q, k, v), Q_NAMES)
+    out = constrain(attention_lib.causal_attention(q, k, v, **layer_pattern.attention_options(cfg)), Q_NAMES)
     return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
 
 
@@ -240,6 +252,8 @@ def run_layers(stacked: dict[str, jax.Array], x, cfg: LlamaConfig, remat: Callab
     `remat` defaults to the active plan's policy; under ZeRO-2/3 each layer's
     parameters are gathered inside the scan, just before the block uses them.
     """
+    if cfg.sliding_pattern > 1:  # local and global layers: windows are static per layer (models.layer_pattern)
+        return layer_pattern.run_groups(block, stacked, x, cfg, remat)
     return scan_layers(lambda p, h: block(p, h, cfg), stacked, x, remat=remat)
 
 
@@ -321,13 +335,16 @@ def init_cache(cfg: LlamaConfig, batch: int, slots: int, dtype=jnp.float32) -> d
     }
 
 
-def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None):
+def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None, window=None):
     """Causal GQA attention of x's tokens at `positions` ([batch, seq]); keys where `key_mask` is False are ignored.
 
     Without `kv` the keys are x's own tokens (key_mask [batch, seq]). With
     kv = (k, v) [batch, slots, kv_heads, head_dim] the new keys and values are
     written at slots index..index+seq and the queries attend to every earlier
-    slot (key_mask [batch, slots]). Returns (output, (k, v)).
+    slot (key_mask [batch, slots]). `window` (None: global; an int or a traced
+    scalar, see `layer_pattern.layer_window`) hides keys W or more slots older than the query,
+    as Hugging Face measures it (cache positions: left padding counts). cfg's
+    soft cap and query scale apply. Returns (output, (k, v)).
     """
     q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False)
     b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
@@ -336,11 +353,14 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
         k = constrain(jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0)), KV_NAMES)
         v = constrain(jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0)), KV_NAMES)
         query_slots = query_slots + index
-    allowed = (jnp.arange(k.shape[1])[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]
+    allowed = jnp.arange(k.shape[1])[None, :] <= query_slots[:, None]
+    if window is not None:
+        allowed = allowed & (query_slots[:, None] - jnp.arange(k.shape[1])[None, :] < window)
+    allowed = allowed[None] & key_mask[:, None, :]
     kv_heads = k.shape[2]
+    scoring = attention_math.Scoring(softcap=cfg.attn_softcap, scale=cfg.query_scale)
+    scores = attention_math.raw_scores(q, k.astype(q.dtype), scoring)
     q = q.reshape(b, s, kv_heads, q.shape[2] // kv_heads, q.shape[3])
-    scores = jnp.einsum("bqngk,bsnk->bngqs", q, k.astype(q.dtype)).astype(jnp.float32)
-    scores = scores / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(b, s, -1, q.shape[-1]).astype(x.dtype)
@@ -351,15 +371,17 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
 def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None):
     """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer)."""
 
+    windows = layer_pattern.layer_windows(cfg)
+
     def body(h, layer):
-        p, kv = layer
+        p, kv, *window = layer
         attn, kv = cached_attention(p, tensor.enter_tensor_region(rms_norm(h, p["attn_norm"], cfg.norm_eps)),
-                                    cfg, positions, key_mask, kv, index)
+                                    cfg, positions, key_mask, kv, index, *window)
         h = constrain(h + attn, RESIDUAL)
         h = h + mlp(p, tensor.enter_tensor_region(rms_norm(h, p["mlp_norm"], cfg.norm_eps)))
         return constrain(h, RESIDUAL), kv
 
-    return jax.lax.scan(body, x, (stacked, cache))
+    return jax.lax.scan(body, x, (stacked, cache, *windows))
 
 
 def padded_positions(mask):
