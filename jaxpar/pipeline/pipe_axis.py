@@ -76,8 +76,12 @@ def targets_share(targets, seq: int, stage, p: int):
 
 
 def layer_documents(docs: dict, j) -> dict:
-    """What a stage's layers read of microbatch j (docs: [m, b, s] each): its segment ids and positions."""
-    return {name: row_at(value, j) for name, value in docs.items() if name != "loss_weights"}
+    """What a stage's layers read of microbatch j (docs: [m, b, s] each): its segment ids and positions.
+
+    Varying over pipe whatever j is (a slot's j is, a probe's constant 0 is not), so that the layers trace the
+    same way, with the same residuals, in a probe and in every slot.
+    """
+    return {name: varying(row_at(value, j), {AXIS}) for name, value in docs.items() if name != "loss_weights"}
 
 
 def head_documents(docs: dict, seq: int, stage, p: int) -> dict:
