@@ -45,8 +45,12 @@ def source_documents(path: str, tokenizer_path: str | None, text_field: str = "t
         chat = ChatTemplate.of(tokenizer_path, f"--data {path!r} holds chat records (messages)")
         return [chat_document(r["messages"], chat, tokenizer, f"--data {path!r} record {i}")
                 for i, r in enumerate(records)]
+    try:
+        files = text_files(source)
+    except ValueError as error:
+        raise ValueError(f"--data {path!r}: {error}") from None
     texts = []
-    for file in text_files(source):
+    for file in files:
         try:
             texts.append(file.read_text(encoding="utf-8"))
         except UnicodeDecodeError as error:

@@ -42,7 +42,9 @@ def packing_of(data: str | None, packing: str | None) -> str:
                          "windows, or give the text as .jsonl / Parquet / a folder of text files")
     if packing is not None:
         return packing
-    by_documents = path is not None and (sources.is_document_source(Path(path)) or Path(path).is_dir())
+    source = Path(path) if path is not None else None
+    by_documents = source is not None and (sources.is_document_source(source) or (
+        source.is_dir() and source.suffix not in sources.TOKEN_SUFFIXES))
     return "documents" if by_documents else "windows"
 
 
