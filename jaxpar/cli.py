@@ -16,6 +16,8 @@ import tomllib
 TRAIN_FLAGS = {
     "model": (str, "model name (tiny, small, 1b, 7b, 70b, 405b, ...)"),
     "steps": (int, "total optimizer steps of the run"),
+    "epochs": (float, "instead of --steps: passes over the data, each row once per epoch in an order shuffled by "
+                      "--seed (steps = ceil(epochs x rows / batch size); 0.5 and 2.5 allowed)"),
     "batch_size": (int, "global batch size in sequences"),
     "seq_len": (int, "tokens per sequence"),
     "lr": (float, "peak learning rate (AdamW, warm-up then cosine decay)"),
@@ -172,6 +174,11 @@ def resolve(args: argparse.Namespace):
     for name in TRAIN_FLAGS:
         if getattr(args, name) is not None:
             train[name] = getattr(args, name)
+    if "steps" in train and "epochs" in train:
+        steps, epochs = (f"--{k} {train[k]}" if getattr(args, k) is not None else f"[train] {k} = {train[k]} in "
+                         f"{args.config}" for k in ("steps", "epochs"))
+        raise ValueError(f"{steps} and {epochs} both set the run's length; give one: steps, or epochs (passes over "
+                         "the data)")
     config = TrainConfig(**train, model_overrides=model_table)
 
     if args.mesh is not None:

@@ -28,6 +28,7 @@ from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.pipeline.executor import bubble_fill
 from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.train import packing, sources
+from jaxpar.train.epochs import EpochBatches
 from jaxpar.train.packing import Document
 from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import loss_and_grads, make_train_step
@@ -65,15 +66,15 @@ def test_a_long_document_is_split_into_row_sized_pieces_with_positions_continuin
     assert batch["loss_weights"].sum() == 10 + 1  # the 10 completion targets and 20 -> 21
 
 
-def test_packed_batches_see_each_row_once_per_epoch_and_are_a_function_of_the_step():
+def test_packed_rows_are_seen_once_per_epoch_and_are_a_function_of_the_step():
     rng = np.random.default_rng(0)
     docs = [Document(rng.integers(0, 50, rng.integers(2, 12))) for _ in range(40)]
-    rows = packing.pack(docs, seq_len=15)
-    batches = packing.PackedBatches(rows, batch_size=4, seq_len=15, seed=3)
-    per_epoch = rows["tokens"].shape[0]
-    seen = np.concatenate([batches.row_indices(step) for step in range(math.ceil(per_epoch / 4) + 1)])
-    assert sorted(seen[:per_epoch]) == list(range(per_epoch))
-    np.testing.assert_array_equal(batches.rows(2, 1, 3)["inputs"], batches[2]["inputs"][1:3])
+    table = packing.PackedRows(packing.pack(docs, seq_len=15))
+    batches = EpochBatches(table, batch_size=4, seq_len=15, seed=3, vocab=64)
+    seen = np.concatenate([batches.indices(step) for step in range(batches.steps_for(1))])
+    assert sorted(seen[:len(table)]) == list(range(len(table)))
+    np.testing.assert_array_equal(batches.rows(2, 1, 3)["loss_weights"], batches[2]["loss_weights"][1:3])
+    assert set(batches[0]) == {"inputs", "targets", "segment_ids", "positions", "loss_weights"}
 
 
 # -- fine-tuning records -----------------------------------------------------------------

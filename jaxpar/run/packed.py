@@ -16,7 +16,8 @@ from pathlib import Path
 from jaxpar.interop.records import is_fine_tuning, source_documents
 from jaxpar.interop.tokenize import check_covers, load_tokenizer
 from jaxpar.train import sources
-from jaxpar.train.packing import Document, PackedBatches, pack
+from jaxpar.train.epochs import EpochBatches
+from jaxpar.train.packing import Document, PackedRows, pack
 
 PACKINGS = ("documents", "windows")
 
@@ -63,6 +64,6 @@ def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field
 
 
 def packed_batches(documents: list[Document], batch_size: int, seq_len: int, seed: int, vocab: int,
-                   source: str | None) -> PackedBatches:
-    """The run's batches of packed rows, token ids checked per batch."""
-    return PackedBatches(pack(documents, seq_len), batch_size, seq_len, seed, vocab, source)
+                   source: str | None) -> EpochBatches:
+    """The run's batches of packed rows, each once per epoch in the seed's order, token ids checked per batch."""
+    return EpochBatches(PackedRows(pack(documents, seq_len), source), batch_size, seq_len, seed, vocab, source)

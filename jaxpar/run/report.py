@@ -21,6 +21,7 @@ from jaxpar.run.training import (
     resume,
 )
 from jaxpar.train.data import BadBatch
+from jaxpar.train.epochs import EpochBatches
 from jaxpar.train.state import abstract_state
 
 
@@ -63,6 +64,18 @@ def mfu_text(run: Run, step_time_s: float | None) -> str:
     return "" if step_time_s is None else f"MFU {run.mfu(step_time_s):.1%}"
 
 
+def _epoch_text(run: Run, console: Console):
+    """With `--epochs`: say how the data splits into rows, and give the progress bar's `  epoch 1.25` per step."""
+    if not isinstance(run.batches, EpochBatches):
+        return lambda step: ""
+    table, config = run.batches.table, run.config
+    dropped = getattr(table, "dropped", 0)
+    console.print(f"[bold]data[/] {len(table):,} rows of {config.seq_len + 1} tokens, each once per epoch: "
+                  f"{config.epochs:g} epochs = {config.steps:,} steps of {config.batch_size}"
+                  + (f" ({dropped} tokens at the end fill no row and are not read)" if dropped else ""))
+    return lambda step: f"  epoch {run.batches.epoch_of(step):.2f}"
+
+
 def train_with_progress(run: Run, console: Console) -> int:
     """Train with a progress bar (loss, tokens/s, step time, MFU) and print the loss curve's key points.
 
@@ -86,21 +99,23 @@ def train_with_progress(run: Run, console: Console) -> int:
         console.print(f"[bold]resumed[/] from step {start} in {checkpoints.directory} (saved under {under})")
         for change in changed_settings(position, run):
             console.print(f"[yellow]changed since that checkpoint:[/] {change}")
+    epochs = _epoch_text(run, console)
     log_every = max(1, run.config.steps // 10)
     losses, times = [], []
-    columns = (TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+    columns = (TextColumn("[bold]step {task.completed}/{task.total}{task.fields[epoch]}"), BarColumn(),
                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s  {task.fields[ms]:.1f} ms/step"
                           "  {task.fields[mfu]}"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=run.config.steps, completed=start, loss=float("nan"), tps=0.0, ms=0.0,
-                                 mfu=mfu_text(run, None))
+                                 mfu=mfu_text(run, None), epoch=epochs(start))
         try:
             for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
                 losses.append(row["loss"])
                 times.append(row["step_time_s"])
                 progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],
-                                ms=row["step_time_s"] * 1e3, mfu=mfu_text(run, row["step_time_s"]))
+                                ms=row["step_time_s"] * 1e3, mfu=mfu_text(run, row["step_time_s"]),
+                                epoch=epochs(row["step"]))
                 if row["step"] % log_every == 0 or row["step"] == 1:
                     extras = "  ".join(f"{k} {v:.4g}" for k, v in row.items()
                                        if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))

@@ -26,8 +26,8 @@ from jaxpar.parallel import offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train import data as data_lib
+from jaxpar.train.epochs import EpochBatches, TokenWindows, check_same_order, data_order
 from jaxpar.train.mixture import MixtureBatches
-from jaxpar.train.packing import PackedBatches
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, differences, run_config
 from jaxpar.train.distributed import is_leader
 from jaxpar.train.prefetch import prefetched
@@ -38,8 +38,8 @@ from jaxpar.train.step import Step, make_train_step
 DATA_WORKERS = 1  # threads reading the next batches while the step runs (benchmarks/data.py measures 0, 1, 2)
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
-TRAJECTORY = ("steps", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data", "tokenizer",
-              "text_field", "packing")
+TRAJECTORY = ("steps", "epochs", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data",
+              "tokenizer", "text_field", "packing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class TrainConfig:
     model: str = "tiny"
     model_overrides: dict = dataclasses.field(default_factory=dict)
     steps: int = 150
+    epochs: float | None = None  # the run's length in passes over the data instead (steps are derived from it)
     batch_size: int = 16
     seq_len: int = 64
     lr: float = 3e-3
@@ -74,6 +75,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.epochs is not None and not 0 < self.epochs < float("inf"):
+            raise ValueError(f"epochs must be > 0 and finite (passes over the data, e.g. 1 or 2.5), got {self.epochs}")
         if self.on_nonfinite not in NONFINITE_ACTIONS:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_ACTIONS}, got {self.on_nonfinite!r}")
         if self.eval_every < 0:
@@ -104,7 +107,7 @@ class Run:
     model_config: Any
     model: ModelDef
     optimizer: optax.GradientTransformation
-    batches: data_lib.Batches | MixtureBatches | PackedBatches
+    batches: data_lib.Batches | MixtureBatches | EpochBatches
     make_model: Callable
     step_fn: Step
     mfu: mfu_lib.Mfu
@@ -126,7 +129,8 @@ class Run:
 
 
 def _batches(config: TrainConfig, vocab: int, name: str, streams):
-    """The run's batches (packed documents, streams None; windows of one stream; a mixture of several), held-out data.
+    """The run's batches (packed documents, streams None: every packed row once per epoch; one stream: random
+    windows, or with `epochs` every non-overlapping window once per epoch; several: a weighted mixture), held-out data.
 
     Token ids are checked per batch as they are read; batch 0 is read here, so a
     bad token file is refused before anything compiles.
@@ -146,6 +150,9 @@ def _batches(config: TrainConfig, vocab: int, name: str, streams):
         if config.eval_every:
             raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
                              "give one source or drop --eval-every")
+        if config.epochs is not None:
+            raise ValueError(f"--epochs with a mixture (--data {config.data!r}) is not supported: its rows are drawn "
+                             "by weight, with no epoch to count; give one source or use --steps")
         names, tokens, weights, _ = zip(*streams)
         batches = MixtureBatches(tokens, weights, names, config.batch_size, config.seq_len, config.seed, vocab)
     else:
@@ -156,9 +163,25 @@ def _batches(config: TrainConfig, vocab: int, name: str, streams):
             check_evaluable(name)
             tokens, heldout = split_tokens(tokens, document_starts=document_starts, source=config.data)
             data_lib.check_vocab(heldout, vocab, config.data)
-        batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
+        if config.epochs is not None:
+            batches = EpochBatches(TokenWindows(tokens, config.seq_len), config.batch_size, config.seq_len,
+                                   config.seed, vocab, config.data)
+        else:
+            batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     batches.rows(0)
     return batches, heldout
+
+
+def _with_epoch_steps(config: TrainConfig, batches) -> TrainConfig:
+    """`config` with `steps` derived from `epochs` (every later use, the learning-rate schedule first, reads it)."""
+    if config.epochs is None:
+        return config
+    steps = batches.steps_for(config.epochs)
+    default = next(f.default for f in dataclasses.fields(TrainConfig) if f.name == "steps")
+    if config.steps not in (default, steps):
+        raise ValueError(f"steps={config.steps} and epochs={config.epochs} both set the run's length; give one "
+                         f"(epochs={config.epochs} is {steps} steps here)")
+    return dataclasses.replace(config, steps=steps)
 
 
 def prepare(config: TrainConfig, plan: Plan) -> Run:
@@ -176,13 +199,14 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     plan.check_batch(config.batch_size)
     make_model = model_factory(name, mcfg, config.seed)
     model = describe(make_model)
-    optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     from jaxpar.run.packed import packing_of
 
     by_documents = packing_of(config.data, config.packing) == "documents"
     streams = None if by_documents else training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
     batches, heldout = _batches(config, mcfg.vocab, name, streams)
+    config = _with_epoch_steps(config, batches)
+    optimizer = make_optimizer(config)
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
@@ -223,13 +247,16 @@ def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]
     The position is the saved metadata (`step`, `nonfinite_steps`, `config`, ...),
     or step 0 for a fresh start. Newer steps that are damaged are said so on
     stderr and renamed out of the way (`Checkpoints.set_aside`), never deleted;
-    if every step is damaged, ValueError lists them and nothing is moved.
+    if every step is damaged, ValueError lists them and nothing is moved. A
+    checkpoint whose data order differs from this run's is refused before its
+    arrays are read (`jaxpar.train.epochs.check_same_order`).
     """
     if checkpoints is None or checkpoints.latest_step() is None:
         return run.init(), {"step": 0, "nonfinite_steps": 0}
     damaged = []
     for step in reversed(checkpoints.steps()):
         try:
+            check_same_order(checkpoints.metadata(step), run.batches, checkpoints.directory)
             restored = checkpoints.restore(run.model, run.optimizer, run.plan, step)
         except CorruptCheckpoint as error:
             damaged.append(error)
@@ -325,6 +352,7 @@ def _step_row(run: Run, row: dict, done: int, elapsed: float, lr: float, nonfini
     `on_nonfinite="stop"`."""
     config = run.config
     row = {"step": done, **row, "lr": lr, "nonfinite_steps": nonfinite_steps,
+           **({"epoch": run.batches.epoch_of(done)} if isinstance(run.batches, EpochBatches) else {}),
            "step_time_s": elapsed, "tokens_per_s": config.batch_size * config.seq_len / elapsed, **device_memory()}
     mfu = run.mfu(elapsed)
     if mfu is not None:
@@ -339,11 +367,10 @@ def _step_row(run: Run, row: dict, done: int, elapsed: float, lr: float, nonfini
 
 def _save(run: Run, checkpoints: Checkpoints, state: TrainState, done: int, nonfinite_steps: int, force: bool):
     """Save after step `done` if it is due (or `force`), with the data and RNG position a resume needs."""
-    seed = run.config.seed
-    drawn = ("packed rows, numpy default_rng([seed, epoch]).permutation per epoch"
-             if isinstance(run.batches, PackedBatches) else "numpy default_rng([seed, step]) per step")
-    position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": seed},
-                "rng": {"seed": seed, "batches": drawn}}
+    seed, order = run.config.seed, dict(data_order(run.batches))
+    drawn_by = order.pop("drawn_by")
+    position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": seed, **order},
+                "rng": {"seed": seed, "batches": drawn_by}}
     return checkpoints.save(done, state, force=force, metadata=position, model=run.model, optimizer=run.optimizer,
                             plan=run.plan)
 

@@ -28,11 +28,6 @@ import dataclasses
 
 import numpy as np
 
-from jaxpar.train.data import check_batch_vocab
-
-FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_weights")
-
-
 @dataclasses.dataclass(frozen=True)
 class Document:
     """One document's token ids, and per token whether it is trained on as a target (None: every token)."""
@@ -98,54 +93,19 @@ def split_stream(tokens: np.ndarray, starts: np.ndarray) -> list[Document]:
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedBatches:
-    """Global batches of `batch_size` packed rows, indexed by step; each row once per epoch, shuffled by `seed`.
+class PackedRows:
+    """Packed rows as a row table (`jaxpar.train.epochs.RowTable`): `EpochBatches` visits each once per epoch."""
 
-    Row g = step * batch_size + r of the run is row `order(g // rows)[g % rows]`
-    of the packing: a pure function of (seed, step), so any mesh and a resumed
-    run see the same batches (as `jaxpar.train.data.Batches`).
-    """
-
-    packed: dict[str, np.ndarray]
-    batch_size: int
-    seq_len: int
-    seed: int = 0
-    vocab: int | None = None  # token ids are checked against it per batch when given
+    packed: dict[str, np.ndarray]  # what `pack` returns
     source: str | None = None
 
     def __post_init__(self):
-        width = self.packed["tokens"].shape[1]
-        if width != self.seq_len + 1:
-            raise ValueError(f"packed rows hold {width} tokens, not seq_len+1={self.seq_len + 1}")
         if not self.packed["weights"].any():
             raise ValueError(f"--data {self.source!r} packs into rows with no target to train on (every document "
                              "is one token, or every record's completion is empty)")
 
-    @property
-    def rows_per_epoch(self) -> int:
+    def __len__(self) -> int:
         return self.packed["tokens"].shape[0]
 
-    def row_indices(self, step: int) -> np.ndarray:
-        rows = self.rows_per_epoch
-        g = step * self.batch_size + np.arange(self.batch_size)
-        epochs = g // rows
-        out = np.empty(self.batch_size, np.int64)
-        for epoch in np.unique(epochs):
-            order = np.random.default_rng([self.seed, int(epoch)]).permutation(rows)
-            out[epochs == epoch] = order[g[epochs == epoch] % rows]
-        return out
-
-    def epoch(self, step: int) -> float:
-        """How far through the data the run is after `step` batches, in epochs."""
-        return step * self.batch_size / self.rows_per_epoch
-
-    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
-        """Rows lo:hi of the global batch of `step`: inputs, targets and the document fields [rows, seq_len]."""
-        index = self.row_indices(step)[lo:hi]
-        picked = {name: value[index] for name, value in self.packed.items()}
-        if self.vocab is not None:
-            check_batch_vocab(picked["tokens"], self.vocab, self.source, step)
-        return as_batch(picked)
-
-    def __getitem__(self, step: int) -> dict[str, np.ndarray]:
-        return self.rows(step)
+    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return as_batch({name: value[indices] for name, value in self.packed.items()})
