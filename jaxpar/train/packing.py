@@ -5,8 +5,8 @@ holds whole documents one after another (in the order given; next-fit: a
 document that does not fit in what is left of a row starts the next one, and
 the rest of the row is padding). In order rather than first-fit because the
 rows are then a pure function of the document order, built in one pass with no
-window of open rows, and padding stays small when documents are short against
-a row. A document longer than a row is cut into pieces of `seq_len + 1` tokens
+window of open rows (first-fit would pad less where documents are long against
+a row). A document longer than a row is cut into pieces of `seq_len + 1` tokens
 that overlap by one token (piece k + 1 starts with piece k's last token), so
 every next-token target of the document is trained exactly once; each piece is
 its own segment (attention does not cross pieces) and its positions continue
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class Document:
