@@ -30,7 +30,7 @@ from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.train import packing, sources
 from jaxpar.train.epochs import EpochBatches
 from jaxpar.train.packing import Document
-from jaxpar.train.state import init_state, place_state
+from jaxpar.train.state import init_state
 from jaxpar.train.step import loss_and_grads, make_train_step
 
 CONFIG = LlamaConfig(vocab=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=32, seq_len=16)
@@ -192,7 +192,7 @@ def packed_batch(masked: bool, seed: int):
 
 
 @pytest.fixture(scope="module")
-def setup():
+def prepared():
     model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optax.sgd(0.1), single_device_plan())
     params = copy_state(state.params)
     batches = {"documents": packed_batch(False, 1), "fine-tuning": packed_batch(True, 2)}
@@ -247,8 +247,8 @@ CASES = [(mesh, options, kind) for mesh, options in MESHES for kind in ("documen
 
 @pytest.mark.parametrize("mesh, options, kind", CASES,
                          ids=[f"{m}{''.join(f'-{k}={v}' for k, v in o)}-{kind}" for m, o, kind in CASES])
-def test_packed_batch_matches_each_document_on_its_own(setup, mesh, options, kind):
-    model, params, batches, want = setup
+def test_packed_batch_matches_each_document_on_its_own(prepared, mesh, options, kind):
+    model, params, batches, want = prepared
     loss, grads = compiled_gradients(model, mesh, options)(params, batches[kind])
     want_loss, want_grads = want[kind]
     print(f"{mesh} {dict(options)} {kind}: loss rel error {abs(loss / want_loss - 1):.2e}, "
@@ -257,11 +257,10 @@ def test_packed_batch_matches_each_document_on_its_own(setup, mesh, options, kin
     assert max_relative_error(grads, want_grads) <= 1e-5
 
 
-def test_a_loss_that_never_reads_the_loss_weights_is_refused(setup):
-    model, params, batches, _ = setup
+def test_a_loss_that_never_reads_the_loss_weights_is_refused(prepared):
+    model, params, batches, _ = prepared
     plan = Plan.create("data=8")
-    state = place_state(init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optax.sgd(0.1), plan)[1], model,
-                        optax.sgd(0.1), plan)
+    state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optax.sgd(0.1), plan)[1]
     own_loss = lambda m, b: jnp.mean(m.embed(b["inputs"]) ** 2)  # noqa: E731 - ignores the documents' weights
     step = make_train_step(model, own_loss, optax.sgd(0.1), plan)
     with pytest.raises(ValueError, match="carries loss_weights .* but the model's loss never read them"):
