@@ -12,6 +12,7 @@ scanned beside the layers). The configs here are any with those fields; this mod
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Callable
 
 import jax
@@ -25,9 +26,9 @@ from jaxpar.parallel.stack import scan_layers
 def check(cfg) -> None:
     """Raise ValueError for attention fields that cannot act (called by the config's __post_init__)."""
     window, pattern = cfg.sliding_window, cfg.sliding_pattern
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
         raise ValueError(f"sliding_window must be None or an int >= 1, got {window!r}")
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+    if isinstance(pattern, bool) or not isinstance(pattern, numbers.Integral) or pattern < 1:
         raise ValueError(f"sliding_pattern must be an int >= 1, got {pattern!r}")
     if pattern > 1 and window is None:
         raise ValueError(f"sliding_pattern={pattern} alternates local and global layers but sliding_window is None: "
@@ -37,7 +38,7 @@ def check(cfg) -> None:
                          "groups of one pattern each")
     for name in ("attn_softcap", "query_scale"):
         value = getattr(cfg, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0):
             raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.models import layer_pattern
+from jaxpar.models.layer_pattern import layer_config, layer_window  # noqa: F401 (the families' API)
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import attention_math
 from jaxpar.parallel import tensor

@@ -1,8 +1,10 @@
-"""Attention options (sliding window, logit soft cap, query scale) against an independent plain-JAX reference.
+"""Attention options (sliding window, logit soft cap, query scale) and packed documents, in every form.
 
 The reference below is its own few lines of masked softmax attention (Hugging Face's semantics:
 query i sees key j iff j <= i and i - j < window; scores * scale, then c * tanh(scores / c), then
-the mask), sharing no code with jaxpar. Each form compiles once per option set (module fixtures).
+the mask), sharing no code with jaxpar; packed rows are checked against each document attended
+alone by it. The model-level checks run tests/reference.py's parts with per-layer windows. The
+context forms run under data=2,context=4 and with the heads over tensor; each case compiles once.
 """
 
 import dataclasses
@@ -17,7 +19,7 @@ from flax import nnx
 
 import reference as ref
 from helpers import copy_state, gradients, max_relative_error, reference_state, single_device_plan
-from jaxpar.models import layer_pattern, llama
+from jaxpar.models import llama
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import attention, attention_ring, documents
 from jaxpar.train.state import abstract_state
@@ -95,7 +97,7 @@ def test_window_of_the_whole_sequence_is_global(inputs):
     assert np.array_equal(attention.causal_attention(q, k, v, window=32), attention.causal_attention(q, k, v))
 
 
-@pytest.mark.parametrize("bad, match", [({"window": 0}, "window must be None or a Python int >= 1"),
+@pytest.mark.parametrize("bad, match", [({"window": 0}, "window must be None or an int >= 1"),
                                         ({"window": 2.5}, "window must be"),
                                         ({"softcap": 0.0}, "softcap must be"), ({"scale": -1.0}, "scale must be")])
 def test_bad_options_are_refused(inputs, bad, match):
@@ -256,10 +258,10 @@ GEMMA_LIKE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv
 
 
 def test_layer_pattern():
-    assert [layer_pattern.layer_window(GEMMA_LIKE, i) for i in range(4)] == [3, None, 3, None]
+    assert [llama.layer_window(GEMMA_LIKE, i) for i in range(4)] == [3, None, 3, None]
     mistral = llama.LlamaConfig(sliding_window=5)
-    assert [layer_pattern.layer_window(mistral, i) for i in range(4)] == [5] * 4
-    assert layer_pattern.layer_config(mistral, 1) is mistral
+    assert [llama.layer_window(mistral, i) for i in range(4)] == [5] * 4
+    assert llama.layer_config(mistral, 1) is mistral
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -311,11 +313,29 @@ MODEL_PLANS = {
 }
 
 
-@pytest.mark.parametrize("plan", [*MODEL_PLANS][:2] + [pytest.param(p, marks=pytest.mark.slow) for p in [*MODEL_PLANS][2:]])
+@pytest.mark.parametrize("plan", ["one-device", *(pytest.param(p, marks=pytest.mark.slow)
+                                                  for p in ("pipe=2-1f1b", "data=2,context=4-ring"))])
 def test_layers_run_their_own_windows_forward_and_backward(gemma_like, gemma_like_reference, plan):
     model, params, batch = gemma_like
     loss, grads = gradients(model, params, batch, MODEL_PLANS[plan]())
     want_loss, want_grads = gemma_like_reference
+    assert abs(float(loss) / float(want_loss) - 1) <= 1e-5
+    assert max_relative_error(grads, want_grads) <= 1e-5
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_chunks_keep_the_global_layer_pattern():
+    """pipe=2 x virtual_stages=2 on 8 layers: device i runs chunks i and i + 2 (layers 2i, 2i+1 and 2i+4, 2i+5),
+    stored in pipeline order; each chunk starts a (local, global) pair, so every layer keeps its own window."""
+    cfg = dataclasses.replace(GEMMA_LIKE, n_layers=8)
+    model, state, _ = reference_state(cfg)
+    params = copy_state(state.params)
+    tokens = jax.random.randint(jax.random.key(2), (4, cfg.seq_len + 1), 0, cfg.vocab)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    want_loss, want_grads = jax.device_get(jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)(
+        params, batch, cfg))
+    plan = Plan.create("pipe=2", devices=jax.devices()[:2], schedule="interleaved", microbatches=2, virtual_stages=2)
+    loss, grads = gradients(model, params, batch, plan)
     assert abs(float(loss) / float(want_loss) - 1) <= 1e-5
     assert max_relative_error(grads, want_grads) <= 1e-5
 
@@ -374,7 +394,8 @@ def test_packed_rows_run_each_document_as_if_alone():
         with documents.scope(fields):
             return llama.run_layers(model.blocks.stacked(), model.embed(tokens), GEMMA_LIKE)
 
-    got = hidden(state, jnp.asarray(packed), {"segment_ids": jnp.asarray(segments), "positions": jnp.asarray(positions)})
+    got = hidden(state, jnp.asarray(packed), {"segment_ids": jnp.asarray(segments),
+                                              "positions": jnp.asarray(positions)})
     want = hidden(state, jnp.asarray(alone), {})
     assert max_relative_error(got[0, :5], want[0, :5]) <= 1e-5
     assert max_relative_error(got[0, 5:12], want[1, :7]) <= 1e-5
