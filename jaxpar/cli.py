@@ -26,6 +26,9 @@ TRAIN_FLAGS = {
     "data": (str, "text file or folder, .npy/.bin token file, .jsonl, .parquet, a datasets save_to_disk folder, "
                   "or a weighted mixture a.jsonl:0.7,b.bin:0.3 (default: built-in corpus)"),
     "text_field": (str, "the field of each .jsonl / .parquet / datasets record that holds its text (default: text)"),
+    "packing": (str, "documents: whole documents packed into rows, attention and loss inside each (the default for "
+                     ".jsonl, Parquet, datasets and text folders; fine-tuning records train on their completions); "
+                     "windows: random windows of the token stream (token files, one text file, mixtures)"),
     "metrics": (str, "append one JSON object per step to this file"),
     "checkpoint_dir": (str, "save sharded checkpoints here and resume from the newest one on start"),
     "save_every": (int, "save a checkpoint every N steps (async; also at the end and on SIGTERM)"),
@@ -237,6 +240,8 @@ def _add_hf_commands(sub) -> None:
     evaluate.add_argument("--data", default=None, help="the text or token data whose held-out tail is evaluated")
     evaluate.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the model's, at most 256)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="windows per batch")
+    evaluate.add_argument("--packing", default=None, help="documents or windows, as `jaxpar train --packing` "
+                          "(default: documents for .jsonl, Parquet, datasets and text folders)")
     generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
@@ -280,7 +285,7 @@ def _hf_command(args: argparse.Namespace) -> int:
             from jaxpar.run.generate import generation_plan
 
             result = evaluate_checkpoint(args.checkpoint_dir, generation_plan(args.mesh), args.data, args.seq_len,
-                                         args.batch_size, args.step, tokenizer=args.tokenizer)
+                                         args.batch_size, args.step, tokenizer=args.tokenizer, packing=args.packing)
         else:
             from jaxpar.run.generate import generate_from_checkpoint
 

@@ -51,18 +51,20 @@ def norm(x, w, eps):
     return (h * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, theta):
-    """Rotary embedding of [b, s, heads, hd]: the first and second halves of hd rotate as pairs (fp32)."""
+def rope(x, theta, positions=None):
+    """Rotary embedding of [b, s, heads, hd] at `positions` ([s] or [b, s]; default 0, 1, ...): halves of hd rotate
+    as pairs (fp32)."""
     s, hd = x.shape[1], x.shape[-1]
     half = hd // 2
     inv = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))
-    ang = jnp.asarray(np.arange(s, dtype=np.float32)[:, None] * inv[None, :])
-    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    positions = jnp.arange(s) if positions is None else jnp.asarray(positions)
+    ang = positions.reshape(-1, s).astype(jnp.float32)[..., None] * inv
+    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
-def self_attention(p, x, cfg):
+def self_attention(p, x, cfg, positions=None):
     """Causal attention; query head h reads key/value head h // (n_heads / n_kv_heads)."""
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
@@ -71,7 +73,7 @@ def self_attention(p, x, cfg):
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if getattr(cfg, "qk_norm", False):  # Qwen3: RMSNorm over each query and key head, before the rotation
         q, k = norm(q, p["q_norm"], cfg.norm_eps), norm(k, p["k_norm"], cfg.norm_eps)
-    q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+    q, k = rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions)
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     s = x.shape[1]
@@ -92,8 +94,8 @@ def swiglu(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def dense_block(p, x, cfg):
-    x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg)
+def dense_block(p, x, cfg, positions=None):
+    x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, positions)
     return x + swiglu(norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate"], p["w_up"], p["w_down"])
 
 
@@ -120,6 +122,39 @@ def llama_loss(params, batch, cfg):
     for i in range(cfg.n_layers):
         x = dense_block(layer(params["blocks"], i), x, cfg)
     return cross_entropy(params, x, batch["targets"], cfg), {}
+
+
+def token_losses(params, x, targets, cfg):
+    """Per-token next-token loss [b, s]; logits of the padded vocabulary columns (>= cfg.vocab) are excluded."""
+    w = params["embedding"].T if cfg.tie_embeddings else params["head"]
+    logits = (norm(x, params["final_norm"], cfg.norm_eps) @ w).astype(jnp.float32)[..., : cfg.vocab]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jax.scipy.special.logsumexp(logits, axis=-1) - picked
+
+
+def documents_alone(batch) -> dict[str, np.ndarray]:
+    """Every document (segment) of packed rows as a sequence of its own: [documents, seq] each, at the start of
+    its row and padded after it (causal attention never looks ahead, so the padding changes nothing; weight 0)."""
+    out = {k: [] for k in ("inputs", "targets", "positions", "loss_weights")}
+    seq = batch["inputs"].shape[1]
+    for r, ids in enumerate(np.asarray(batch["segment_ids"])):
+        for segment in np.unique(ids[ids > 0]):
+            at = np.flatnonzero(ids == segment)
+            for name in out:
+                row = np.zeros(seq, np.asarray(batch[name]).dtype)
+                row[: at.size] = np.asarray(batch[name])[r, at]
+                out[name].append(row)
+    return {name: np.stack(rows) for name, rows in out.items()}
+
+
+def document_loss(params, alone, cfg):
+    """(sum(w * nll) / sum(w), {}) of documents each run on its own (`documents_alone`) at its own positions."""
+    x = embed(params, jnp.asarray(alone["inputs"]))
+    for i in range(cfg.n_layers):
+        x = dense_block(layer(params["blocks"], i), x, cfg, alone["positions"])
+    nll = token_losses(params, x, jnp.asarray(alone["targets"]), cfg)
+    weights = jnp.asarray(alone["loss_weights"])
+    return jnp.sum(weights * nll) / jnp.sum(weights), {}
 
 
 # -- the MoE model ----------------------------------------------------------------------

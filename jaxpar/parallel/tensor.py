@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxpar.core import options, usage, zero_layout
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import bits, tensor_explicit, vocab, zero
+from jaxpar.parallel import bits, documents, tensor_explicit, vocab, zero
 from jaxpar.parallel.attention import context_order
 from jaxpar.parallel.constrain import constrain, rule_axes
 from jaxpar.parallel.matmul import weight_einsum
@@ -38,6 +38,7 @@ from jaxpar.parallel.tensor_axes import Einsum, region_axes, replicated_over, wa
 FORMS = ("annotation", "explicit")
 options.register_choices("tensor_form", FORMS)
 RESIDUAL = ("batch", "seq_residual", "embed")
+WEIGHTED = "document loss weights"  # usage mark: the loss read the batch's loss_weights (jaxpar.train.step checks it)
 
 
 def _explicit() -> bool:
@@ -174,9 +175,12 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     seq] each) cross devices. Columns at or beyond `vocab_size` (padding that
     makes the vocabulary divide by the tensor size) are masked out of the softmax.
     Under context parallelism the targets are put in the order the embedding
-    gave the tokens (jaxpar.parallel.attention).
+    gave the tokens (jaxpar.parallel.attention). A batch of packed documents'
+    `loss_weights` (jaxpar.parallel.documents), in the same order, weight each
+    token: the mean of weight x loss (the step normalises them over the global batch).
     """
     targets = context_order(targets, usage.CONTEXT_TARGETS)
+    weights = _loss_weights(targets.shape)
     eq = Einsum.parse("bsd,dv->bsv")
     logits_logical = ("batch", "seq", "vocab")
     w_names = eq.weight_names(in_logical, logits_logical)
@@ -188,7 +192,7 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     if not 0 < vocab_size <= columns:
         raise ValueError(f"vocab_size {vocab_size} must be in 1..{columns} (the output layer's columns)")
     if axes and _explicit():
-        return jnp.mean(tensor_explicit.cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns))
+        return _mean(tensor_explicit.cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns), weights)
     x = constrain(x, replicated_over(in_logical, axes))
     logits = constrain(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), logits_logical)
     logits = vocab.mask_padding(logits, 0, vocab_size, w.shape[-1])
@@ -196,7 +200,23 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
         target_logit = jnp.sum(jnp.where(vocab.is_target(targets, logits.shape[-1]), logits, 0.0), axis=-1)
     else:
         target_logit = vocab.target_logit(logits.shape[-1], logits, targets)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target_logit)
+    return _mean(jax.nn.logsumexp(logits, axis=-1) - target_logit, weights)
+
+
+def _loss_weights(shape):
+    """The traced rows' loss weights in context order like the targets (None: a plain batch, every token alike)."""
+    weights = documents.get("loss_weights")
+    if weights is None:
+        return None
+    if weights.shape != tuple(shape):
+        raise ValueError(f"loss_weights {list(weights.shape)} and targets {list(shape)} differ in shape; a batch's "
+                         "document fields are [batch, seq] like its inputs and targets")
+    usage.mark(WEIGHTED)
+    return context_order(weights, usage.CONTEXT_TARGETS)
+
+
+def _mean(losses, weights):
+    return jnp.mean(losses) if weights is None else jnp.mean(weights.astype(losses.dtype) * losses)
 
 
 # -- annotation form ------------------------------------------------------------------

@@ -32,6 +32,12 @@ outputs and an all-gather of their cotangents), so no stage does p times the
 head's work. Parameters every stage holds (embedding, head) get their gradients
 summed over pipe once per step.
 
+A batch of packed documents (jaxpar.parallel.documents) is split into
+microbatches like the tokens: wherever a stage's layers are traced (a forward
+slot, the probes of their shapes) they see their microbatch's segment ids and
+positions, and the loss head its share of the positions' loss weights, put in
+context order with the targets (`pipe_axis.layer_documents`, `head_documents`).
+
 Layers may also return per-layer statistics (an MoE router's losses and
 metrics). Each stage sums its own layers' statistics per microbatch; they are
 summed over the stages and averaged over the microbatches, and `aux_loss` of
@@ -49,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.core import trace, usage
 from jaxpar.core.microbatches import microbatches
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import attention, zero
+from jaxpar.parallel import attention, documents, zero
 from jaxpar.parallel.constrain import varying_axes
 from jaxpar.pipeline import layer_order
 from jaxpar.pipeline.forward_scan import autodiff_body, forward_loss
@@ -88,10 +94,24 @@ def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, 
     # before each stage's loss head gets its share of the positions (jaxpar.parallel.attention).
     targets = attention.context_order(targets, usage.CONTEXT_TARGETS)
     stages = dataclasses.replace(stages, head=_ordered_head(stages.head))
-    split = microbatches({"inputs": inputs, "targets": targets}, schedule.microbatches)
+    split = microbatches({"inputs": inputs, "targets": targets, "documents": _documents(targets.shape)},
+                         schedule.microbatches)
     stacked, entries = zero.layer_sources(stacked)  # ZeRO-2/3: each stage gathers its layers one at a time
-    args = (embed_params, to_chunks(stacked, schedule), head_params, split["inputs"], split["targets"])
-    return _result(*_pipelined(stages, schedule, trace.current().bubble_fill, entries)(*args))
+    args = (embed_params, to_chunks(stacked, schedule), head_params, split["inputs"], split["targets"],
+            split["documents"])
+    with documents.scope(None):  # inside, each stage's layers and head see their own microbatch's (pipe_axis)
+        return _result(*_pipelined(stages, schedule, trace.current().bubble_fill, entries)(*args))
+
+
+def _documents(shape) -> dict:
+    """The traced batch's document fields (jaxpar.parallel.documents), the loss weights in the targets' order."""
+    fields = documents.current()
+    for name, value in fields.items():
+        if value.shape != tuple(shape):
+            raise ValueError(f"the batch's {name} {list(value.shape)} and its targets {list(shape)} differ in shape")
+    if "loss_weights" in fields:
+        fields = {**fields, "loss_weights": attention.context_order(fields["loss_weights"], usage.CONTEXT_TARGETS)}
+    return fields
 
 
 def _ordered_head(head: Callable) -> Callable:
@@ -141,12 +161,12 @@ def to_chunks(stacked, schedule: Schedule):
 
 def _shard(body: Callable, out_specs) -> Callable:
     return jax.shard_map(
-        body, in_specs=(P(), P(AXIS), P(), P(), P()), out_specs=out_specs, axis_names={AXIS}
+        body, in_specs=(P(), P(AXIS), P(), P(), P(), P()), out_specs=out_specs, axis_names={AXIS}
     )
 
 
 def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -> Callable:
-    """loss(embed params, chunks, head params, tokens, targets) whose VJP is the schedule's own backward.
+    """loss(embed params, chunks, head params, tokens, targets, documents) whose VJP is the schedule's own backward.
 
     Without differentiation only the forward ticks run. Under autodiff the
     schedule computes the loss and every gradient in one shard_map (a custom
@@ -160,8 +180,8 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
     primal_axes = {}
 
     @jax.custom_vjp
-    def run(embed_params, chunks, head_params, tokens, targets):
-        return forward(embed_params, chunks, head_params, tokens, targets)
+    def run(embed_params, chunks, head_params, tokens, targets, docs):
+        return forward(embed_params, chunks, head_params, tokens, targets, docs)
 
     def run_fwd(*args):
         primal_axes["params"] = jax.tree.map(varying_axes, args[:3])
@@ -176,7 +196,7 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
             return jax.lax.psum(g, extra) if extra else g
 
         is_axes = lambda x: isinstance(x, set)  # noqa: E731
-        return (*jax.tree.map(scale, grads, primal_axes["params"], is_leaf=is_axes), None, None)
+        return (*jax.tree.map(scale, grads, primal_axes["params"], is_leaf=is_axes), None, None, None)
 
     run.defvjp(run_fwd, run_bwd)
     return run

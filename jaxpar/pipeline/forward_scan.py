@@ -12,11 +12,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel import bits
+from jaxpar.parallel import bits, documents
 from jaxpar.pipeline.pipe_axis import (
     AXIS,
     activation_axes,
+    head_documents,
     head_share,
+    layer_documents,
     masked,
     row_at,
     stage_layers,
@@ -36,7 +38,7 @@ def forward_loss(stages: Stages, schedule: Schedule, fill: float, entries: list)
     p, v = schedule.stages, schedule.virtual_stages
     ring = [(a, (a + 1) % p) for a in range(p)] if v > 1 else [(a, a + 1) for a in range(p - 1)]
 
-    def body(embed_params, chunks, head_params, tokens, targets):
+    def body(embed_params, chunks, head_params, tokens, targets, docs):
         stage = jax.lax.axis_index(AXIS)
         chunks = jax.tree.map(lambda a: a[0], chunks)
         embedded = jax.vmap(lambda t: stages.embed(embed_params, t))(tokens)
@@ -47,7 +49,8 @@ def forward_loss(stages: Stages, schedule: Schedule, fill: float, entries: list)
             fresh = row_at(embedded, j)
             x = jnp.where((stage == 0) & (k == 0), fresh, incoming)
             x = jnp.where(valid, x, jnp.zeros_like(x))
-            y, sums = stages.run_layers(stage_layers(jax.tree.map(lambda a: row_at(a, k), chunks), entries), x)
+            with documents.scope(layer_documents(docs, j)):
+                y, sums = stages.run_layers(stage_layers(jax.tree.map(lambda a: row_at(a, k), chunks), entries), x)
             y = jnp.where(valid, y, jnp.full_like(y, fill))
             return bits.ppermute(y, AXIS, ring), (y, masked(sums, valid))
 
@@ -56,7 +59,9 @@ def forward_loss(stages: Stages, schedule: Schedule, fill: float, entries: list)
         table = (jnp.asarray(schedule.forward[:ticks]), jnp.asarray(schedule.chunk[:ticks]))
         _, (ys, sums) = jax.lax.scan(tick, start, table)
         outputs = jnp.swapaxes(ys[schedule.output_ticks], 0, 1)
-        value = stages.head(head_params, *head_share(outputs, jnp.swapaxes(targets, 0, 1), stage, p))
+        head_docs = head_documents(jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), docs), outputs.shape[-2], stage, p)
+        with documents.scope(head_docs):
+            value = stages.head(head_params, *head_share(outputs, jnp.swapaxes(targets, 0, 1), stage, p))
         sums = jax.tree.map(lambda s: s / schedule.microbatches, sum_over_stages(jax.tree.map(sum_over_ticks, sums)))
         return stages.with_aux(jax.lax.pmean(value, AXIS), sums), sums
 
@@ -67,9 +72,9 @@ def autodiff_body(stages: Stages, schedule: Schedule, fill: float, entries: list
     """gpipe: the forward ticks and their autodiff, inside the pipe shard_map."""
     forward = forward_loss(stages, schedule, fill, entries)
 
-    def body(embed_params, chunks, head_params, tokens, targets):
+    def body(embed_params, chunks, head_params, tokens, targets, docs):
         embed_params, head_params = varying((embed_params, head_params), {AXIS})
-        value, vjp, sums = jax.vjp(lambda e, c, h: forward(e, c, h, tokens, targets), embed_params, chunks,
+        value, vjp, sums = jax.vjp(lambda e, c, h: forward(e, c, h, tokens, targets, docs), embed_params, chunks,
                                    head_params, has_aux=True)
         d_embed, d_chunks, d_head = vjp(jnp.ones_like(value))
         return (value, sums), (sum_over_stages(d_embed), d_chunks, sum_over_stages(d_head))

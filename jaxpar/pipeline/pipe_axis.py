@@ -63,10 +63,32 @@ def head_share(outputs, targets, stage, p: int):
     width = seq // p
     pieces = jnp.moveaxis(outputs.reshape(*lead, p, width, d), len(lead), 0)
     share = bits.all_to_all(pieces, AXIS, split_axis=0, concat_axis=0)[p - 1]
+    return share.reshape(-1, width, d), targets_share(targets, seq, stage, p)
+
+
+def targets_share(targets, seq: int, stage, p: int):
+    """This stage's share of `targets` [..., b, s] (or of anything laid out like them) for outputs of `seq` positions."""
+    width = seq // p
     chunks = targets.shape[-1] // seq
     tgt = targets.reshape(*targets.shape[:-1], chunks, p, width)
     tgt = jax.lax.dynamic_index_in_dim(tgt, stage, axis=tgt.ndim - 2, keepdims=False)
-    return share.reshape(-1, width, d), tgt.reshape(-1, chunks * width)
+    return tgt.reshape(-1, chunks * width)
+
+
+def layer_documents(docs: dict, j) -> dict:
+    """What a stage's layers read of microbatch j (docs: [m, b, s] each): its segment ids and positions.
+
+    Varying over pipe whatever j is (a slot's j is, a probe's constant 0 is not), so that the layers trace the
+    same way, with the same residuals, in a probe and in every slot.
+    """
+    return {name: varying(row_at(value, j), {AXIS}) for name, value in docs.items() if name != "loss_weights"}
+
+
+def head_documents(docs: dict, seq: int, stage, p: int) -> dict:
+    """What the loss head reads of its share of positions (docs laid out like the targets it gets): the loss weights."""
+    if "loss_weights" not in docs:
+        return {}
+    return {"loss_weights": targets_share(docs["loss_weights"], seq, stage, p)}
 
 
 def stage_layers(params, entries: list):

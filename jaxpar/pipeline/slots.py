@@ -15,8 +15,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel import bits
-from jaxpar.pipeline.pipe_axis import AXIS, add, add_at, head_share, row_at
+from jaxpar.parallel import bits, documents
+from jaxpar.pipeline.pipe_axis import AXIS, add, add_at, head_documents, head_share, layer_documents, row_at
 from jaxpar.pipeline.residual_ring import read_token
 from jaxpar.pipeline.schedule import EMPTY
 from jaxpar.pipeline.stage_context import StageContext
@@ -26,7 +26,8 @@ def forward_work(ctx: StageContext, q, j, k, incoming, mask: Callable):
     """Forward of microbatch j through chunk k (embedded here on stage 0's chunk 0): y, its VJP, its stats."""
     x = mask(jnp.where((ctx.stage == 0) & (k == 0), ctx.stages.embed(ctx.embed_params, row_at(ctx.tokens, j)),
                        incoming))
-    out, vjp, part = jax.vjp(ctx.layers.outputs, q, x, has_aux=True)
+    with documents.scope(layer_documents(ctx.docs, j)):
+        out, vjp, part = jax.vjp(ctx.layers.outputs, q, x, has_aux=True)
     y = out[0] if ctx.layers.weighted else out
     return mask(y, jnp.full_like(y, ctx.fill)), vjp, part
 
@@ -61,7 +62,9 @@ def head_slot(ctx: StageContext, carry: dict, y, j):
 
     def run_head(d_head, total, y):
         share, tgt = head_share(y, row_at(ctx.targets, j), ctx.stage, p)
-        value, head_vjp = jax.vjp(lambda h, x: ctx.stages.head(h, x, tgt), ctx.head_params, share)
+        head_docs = head_documents(jax.tree.map(lambda a: row_at(a, j), ctx.docs), y.shape[-2], ctx.stage, p)
+        with documents.scope(head_docs):
+            value, head_vjp = jax.vjp(lambda h, x: ctx.stages.head(h, x, tgt), ctx.head_params, share)
         part, d_share = head_vjp(jnp.ones_like(value) / (m * p))
         dy = bits.all_gather(d_share, AXIS, axis=1)
         return dy, add(d_head, part), total + value.astype(jnp.float32)

@@ -16,8 +16,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.parallel import documents
 from jaxpar.parallel.constrain import varying_axes
-from jaxpar.pipeline.pipe_axis import AXIS, activation_axes, head_share, row_at, stage_layers, varying
+from jaxpar.pipeline.pipe_axis import (
+    AXIS,
+    activation_axes,
+    head_documents,
+    head_share,
+    layer_documents,
+    row_at,
+    stage_layers,
+    varying,
+)
 from jaxpar.pipeline.residual_ring import ResidualRing
 from jaxpar.pipeline.ring_rows import RingLayout
 from jaxpar.pipeline.schedule import Schedule
@@ -54,6 +64,7 @@ class StageContext:
     head_params: Any
     tokens: jax.Array  # [m, b, s] the microbatches
     targets: jax.Array
+    docs: dict  # [m, b, s] each: the microbatches' document fields (jaxpar.parallel.documents), loss weights ordered
     local: Any  # this stage's chunks [v, layers per chunk, ...]
     first: Any  # its chunk 0
     layers: StageLayers
@@ -69,8 +80,18 @@ class StageContext:
 
     @classmethod
     def trace(cls, stages: Stages, schedule: Schedule, fill: float, entries: list,
-              embed_params, chunk_params, head_params, tokens, targets) -> StageContext:
-        """The context of the shard_map body's arguments (chunk_params: [1, v, layers per chunk, ...] here)."""
+              embed_params, chunk_params, head_params, tokens, targets, docs) -> StageContext:
+        """The context of the shard_map body's arguments (chunk_params: [1, v, layers per chunk, ...] here).
+
+        The probes of the layers and head run on microbatch 0's document fields, so that the shapes and the
+        residuals' structure they find are those of every slot.
+        """
+        with documents.scope(layer_documents(docs, 0)):
+            return cls._trace(stages, schedule, fill, entries, embed_params, chunk_params, head_params, tokens,
+                              targets, docs)
+
+    @classmethod
+    def _trace(cls, stages, schedule, fill, entries, embed_params, chunk_params, head_params, tokens, targets, docs):
         p, m = schedule.stages, schedule.microbatches
         stage = jax.lax.axis_index(AXIS)
         embed_params, head_params = varying((embed_params, head_params), {AXIS})
@@ -87,19 +108,21 @@ class StageContext:
             aux_shape = jax.eval_shape(lambda q, x: stages.aux_loss(run(q, x)[1]), first, x0)
             aux_cotangent = varying(jnp.full(aux_shape.shape, 1 / m, aux_shape.dtype), varying_axes(aux_shape))
         layers = StageLayers(stages, entries, weighted)
-        loss_dtype = jax.eval_shape(
-            stages.head, head_params, jax.ShapeDtypeStruct((act.shape[0], act.shape[1] // p, act.shape[2]), act.dtype),
-            jax.ShapeDtypeStruct((act.shape[0], targets.shape[-1] // p), targets.dtype),
-        ).dtype
-        loss_axes = {AXIS} | varying_axes(jax.eval_shape(
-            lambda y: stages.head(head_params, *head_share(y, row_at(targets, 0), stage, p)), x0))
+        with documents.scope(head_documents(jax.tree.map(lambda a: row_at(a, 0), docs), act.shape[1], stage, p)):
+            loss_dtype = jax.eval_shape(
+                stages.head, head_params,
+                jax.ShapeDtypeStruct((act.shape[0], act.shape[1] // p, act.shape[2]), act.dtype),
+                jax.ShapeDtypeStruct((act.shape[0], targets.shape[-1] // p), targets.dtype),
+            ).dtype
+            loss_axes = {AXIS} | varying_axes(jax.eval_shape(
+                lambda y: stages.head(head_params, *head_share(y, row_at(targets, 0), stage, p)), x0))
         ring = ResidualRing(lambda q, x: jax.vjp(layers.outputs, q, x, has_aux=True)[1], first, x0,
                             schedule.in_flight, fill)
         # zb-h1's kept cotangents: rows below `share` are ring rows (in the holder buffer), the others rows of a
         # buffer of their own (only where the ring has no row free, or no residual buffer can hold one).
         layout = schedule.ring_layout(shared=ring.holder is not None)
         permutes = has_ppermute(jax.make_jaxpr(run)(first, x0).jaxpr)
-        return cls(stages, schedule, fill, stage, embed_params, head_params, tokens, targets, local, first, layers,
+        return cls(stages, schedule, fill, stage, embed_params, head_params, tokens, targets, docs, local, first, layers,
                    aux_cotangent, ring, layout, permutes, act, act_axes, sums_shape, loss_dtype, loss_axes)
 
     @property

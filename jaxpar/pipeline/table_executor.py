@@ -50,9 +50,9 @@ def table_body(stages: Stages, schedule: Schedule, fill: float, entries: list) -
     """The shard_map body: (loss, stats), (gradients of embedding, chunks, head) from the schedule's scans."""
     kept = _forward_keeps(schedule)
 
-    def body(embed_params, chunk_params, head_params, tokens, targets):
+    def body(embed_params, chunk_params, head_params, tokens, targets, docs):
         ctx = StageContext.trace(stages, schedule, fill, entries, embed_params, chunk_params, head_params, tokens,
-                                 targets)
+                                 targets, docs)
         carry = _initial_carry(ctx)
         for start, repeats, runs in schedule.loops:
             carry = _run_loop(ctx, kept, carry, start, repeats, runs)

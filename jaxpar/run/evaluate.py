@@ -7,6 +7,11 @@ document boundary: the last documents are held out whole, never a document's tai
 (which would leak its head into training). The forward is the model's `logits`
 (positions, padding mask; no pipeline), jitted under the plan, its batch split
 over the plan's batch axes like a training batch.
+
+Under `--packing documents` the held-out documents are evaluated one to a row
+(`eval_documents`; longer ones in pieces, as training packs them), at their own
+positions with padding masked, and their tokens weighted as training weights
+them (a fine-tuning record's completion only): sum(w x nll) / sum(w).
 """
 
 from __future__ import annotations
@@ -39,7 +44,14 @@ def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT, document_starts: 
     start at or after that mark, or to the last document's start if it spans the
     mark, so the held-out split is whole documents, the same ones on every run.
     """
-    cut = tokens.size - max(1, int(tokens.size * holdout))
+    cut = holdout_cut(tokens.size, holdout, document_starts, source)
+    return tokens[:cut], tokens[cut:]
+
+
+def holdout_cut(size: int, holdout: float = HOLDOUT, document_starts: np.ndarray | None = None,
+                source: str | None = None) -> int:
+    """Where `split_tokens` cuts a stream of `size` tokens (at a document start where they are known)."""
+    cut = size - max(1, int(size * holdout))
     if document_starts is not None:
         if len(document_starts) < 2:
             name = "the data" if source is None else f"--data {source!r}"
@@ -48,7 +60,33 @@ def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT, document_starts: 
         later = document_starts[document_starts >= cut]
         cut = int(later[0]) if later.size else int(document_starts[-1])
         cut = max(cut, int(document_starts[1]))  # at least one document is trained on
-    return tokens[:cut], tokens[cut:]
+    return cut
+
+
+def split_documents(documents: list, holdout: float = HOLDOUT, source: str | None = None) -> tuple[list, list]:
+    """(training documents, held-out documents): the last documents, whole, cut as `split_tokens` cuts."""
+    sizes = np.asarray([len(d.tokens) for d in documents], np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    cut = holdout_cut(int(sizes.sum()), holdout, starts, source)
+    index = int(np.searchsorted(starts, cut))
+    return documents[:index], documents[index:]
+
+
+def eval_documents(documents: list, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
+    """Held-out documents one to a row (jaxpar.train.packing), as whole batches: inputs, targets, positions, mask
+    (real tokens), weights (the packer's loss weights; 0 on padding rows)."""
+    from jaxpar.train.packing import as_batch, pack
+
+    rows = as_batch(pack(documents, seq_len, alone=True))
+    count = min(rows["inputs"].shape[0], batch_size * max_batches)
+    total = math.ceil(count / batch_size) * batch_size
+    out = {name: np.zeros((total, seq_len), value.dtype) for name, value in rows.items()}
+    for name, value in rows.items():
+        out[name][:count] = value[:count]
+    mask = out["segment_ids"] > 0
+    mask[:, 0] = True  # a padding row attends to its first token, not to nothing (weight 0 either way)
+    return {"inputs": out["inputs"], "targets": out["targets"], "positions": out["positions"], "mask": mask,
+            "weights": out["loss_weights"]}
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
@@ -65,9 +103,9 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches:
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": weights}
 
 
-def token_losses(model, inputs, targets):
-    """Per-token next-token cross-entropy [batch, seq] from the model's logits."""
-    logits = model.logits(inputs)
+def token_losses(model, inputs, targets, positions=None, mask=None):
+    """Per-token next-token cross-entropy [batch, seq] from the model's logits (at `positions`, `mask`: real tokens)."""
+    logits = model.logits(inputs, positions, mask)
     return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
@@ -81,7 +119,7 @@ class Evaluator:
 
         def loss_sum(params, batch):
             module = model_def.merge(params)
-            losses = token_losses(module, batch["inputs"], batch["targets"])
+            losses = token_losses(module, batch["inputs"], batch["targets"], batch.get("positions"), batch.get("mask"))
             return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
 
         self._sharding = sharding
@@ -101,13 +139,15 @@ class Evaluator:
 
 
 def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None = None, batch_size: int = 8,
-                        step: int | None = None, max_batches: int = MAX_BATCHES, tokenizer: str | None = None
-                        ) -> dict[str, Any]:
+                        step: int | None = None, max_batches: int = MAX_BATCHES, tokenizer: str | None = None,
+                        packing: str | None = None) -> dict[str, Any]:
     """`jaxpar eval`: held-out loss and perplexity of a training checkpoint, export or HF directory.
 
-    The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers), so the held-out split is the same
-    (whole documents for a document source).
+    The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers, `--packing`), so the held-out
+    split is the same (whole documents for a document source) and weighted the same.
     """
+    from jaxpar.run.packed import documents_of, packing_of
+
     from jaxpar.interop import hf
     from jaxpar.interop.tokenize import training_source
     from jaxpar.models import model_factory
@@ -115,10 +155,14 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
 
     name, cfg = hf.saved_model_config(path)
     seq_len = seq_len or min(cfg.seq_len, 256)
-    tokens, document_starts = training_source(data, tokenizer, cfg.vocab)
+    if packing_of(data, packing) == "documents":
+        _, held = split_documents(documents_of(data, tokenizer, cfg.vocab), source=data)
+        windows = eval_documents(held, seq_len, batch_size, max_batches)
+    else:
+        tokens, document_starts = training_source(data, tokenizer, cfg.vocab)
+        _, heldout = split_tokens(tokens, document_starts=document_starts, source=data)
+        windows = eval_windows(heldout, seq_len, batch_size, max_batches)
     plan.check_batch(batch_size)
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
-    _, heldout = split_tokens(tokens, document_starts=document_starts, source=data)
-    windows = eval_windows(heldout, seq_len, batch_size, max_batches)
     return {"path": str(path), **Evaluator(model, plan, windows, batch_size)(params)}

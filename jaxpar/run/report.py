@@ -70,8 +70,9 @@ def _epoch_text(run: Run, console: Console):
         return lambda step: ""
     table, config = run.batches.table, run.config
     dropped = getattr(table, "dropped", 0)
+    epochs = run.batches.epoch_of(config.steps) if config.epochs is None else config.epochs  # packed rows: --steps
     console.print(f"[bold]data[/] {len(table):,} rows of {config.seq_len + 1} tokens, each once per epoch: "
-                  f"{config.epochs:g} epochs = {config.steps:,} steps of {config.batch_size}"
+                  f"{epochs:.4g} epochs = {config.steps:,} steps of {config.batch_size}"
                   + (f" ({dropped} tokens at the end fill no row and are not read)" if dropped else ""))
     return lambda step: f"  epoch {run.batches.epoch_of(step):.2f}"
 

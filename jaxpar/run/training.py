@@ -39,7 +39,7 @@ DATA_WORKERS = 1  # threads reading the next batches while the step runs (benchm
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
 TRAJECTORY = ("steps", "epochs", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data",
-              "tokenizer", "text_field")
+              "tokenizer", "text_field", "packing")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,7 @@ class TrainConfig:
     eval_every: int = 0  # held-out loss every N steps (0: never); the held-out split is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
     text_field: str = "text"  # the field of a .jsonl / .parquet / datasets record that holds its text
+    packing: str | None = None  # documents (whole documents per row) or windows; None: the data's default (run/packed.py)
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
     peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
 
@@ -110,7 +111,7 @@ class Run:
     make_model: Callable
     step_fn: Step
     mfu: mfu_lib.Mfu
-    heldout: np.ndarray | None = None  # the tokens --eval-every evaluates on (never trained on)
+    heldout: np.ndarray | list | None = None  # the tokens (or documents) --eval-every evaluates on, never trained on
 
     @property
     def batch_sharding(self):
@@ -128,14 +129,24 @@ class Run:
 
 
 def _batches(config: TrainConfig, vocab: int, name: str, streams):
-    """The run's batches (one source: random windows of its stream, or with `epochs` every non-overlapping window
-    once per epoch; several: a weighted mixture) and held-out tokens.
+    """The run's batches (packed documents, streams None: every packed row once per epoch; one stream: random
+    windows, or with `epochs` every non-overlapping window once per epoch; several: a weighted mixture), held-out data.
 
     Token ids are checked per batch as they are read; batch 0 is read here, so a
     bad token file is refused before anything compiles.
     """
     heldout = None
-    if len(streams) > 1:
+    if streams is None:  # --packing documents
+        from jaxpar.run.packed import documents_of, packed_batches
+
+        documents = documents_of(config.data, config.tokenizer, vocab, config.text_field)
+        if config.eval_every:
+            from jaxpar.run.evaluate import check_evaluable, split_documents
+
+            check_evaluable(name)
+            documents, heldout = split_documents(documents, source=config.data)
+        batches = packed_batches(documents, config.batch_size, config.seq_len, config.seed, vocab, config.data)
+    elif len(streams) > 1:
         if config.eval_every:
             raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
                              "give one source or drop --eval-every")
@@ -189,7 +200,10 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     make_model = model_factory(name, mcfg, config.seed)
     model = describe(make_model)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
-    streams = training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
+    from jaxpar.run.packed import packing_of
+
+    by_documents = packing_of(config.data, config.packing) == "documents"
+    streams = None if by_documents else training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
     batches, heldout = _batches(config, mcfg.vocab, name, streams)
     config = _with_epoch_steps(config, batches)
     optimizer = make_optimizer(config)
@@ -365,9 +379,11 @@ def _evaluator(run: Run):
     """The held-out evaluation `--eval-every` asks for, or None."""
     if not run.config.eval_every:
         return None
-    from jaxpar.run.evaluate import Evaluator, eval_windows
+    from jaxpar.run.evaluate import Evaluator, eval_documents, eval_windows
 
-    windows = eval_windows(run.heldout, run.config.seq_len, run.config.batch_size)
+    held, seq_len, batch_size = run.heldout, run.config.seq_len, run.config.batch_size
+    windows = (eval_documents(held, seq_len, batch_size) if isinstance(held, list)
+               else eval_windows(held, seq_len, batch_size))
     return Evaluator(run.model, run.plan, windows, run.config.batch_size)
 
 

@@ -2,8 +2,11 @@
 
 A document source is JSON lines (`.jsonl`), Parquet (`.parquet`) or a folder
 written by `datasets.Dataset.save_to_disk`; each record's `--text-field` is one
-document. Reading is local only (pyarrow, `datasets.load_from_disk`): nothing
-is downloaded. Token files and text folders stay in `jaxpar.train.data`.
+document. Fine-tuning records are told by their fields: `prompt` and
+`completion`, or `messages` (a list of {role, content}); `read_records` checks
+every one and names the record and the field a bad one lacks. Reading is local
+only (pyarrow, `datasets.load_from_disk`): nothing is downloaded. Token files
+and text folders stay in `jaxpar.train.data`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from jaxpar.train.data import TEXT_SUFFIXES
 
 DOCUMENT_SUFFIXES = (".jsonl", ".parquet")
 TOKEN_SUFFIXES = (".npy", ".bin")
+TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt/completion", "messages"  # the kinds of record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,3 +156,97 @@ def _saved_dataset(path: Path, text_field: str) -> list[str]:
         raise ValueError(f"{where} holds a DatasetDict ({', '.join(dataset)}); save one split, e.g. "
                          "dataset['train'].save_to_disk(...)")
     return _column(dataset.column_names, lambda name: dataset[name], text_field, where)
+
+
+def record_kind(path: str | Path) -> str:
+    """What a document source's records are, from its first record's fields (or its columns): MESSAGES,
+    PROMPT_COMPLETION or TEXT."""
+    fields = set(_first_fields(Path(path)))
+    if "messages" in fields:
+        return MESSAGES
+    if {"prompt", "completion"} <= fields:
+        return PROMPT_COMPLETION
+    return TEXT
+
+
+def _first_fields(path: Path) -> list[str]:
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        return []  # read_documents / read_records name the line
+                    return list(record) if isinstance(record, dict) else []
+        return []
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_schema(path).names
+        except Exception:  # noqa: BLE001 - read_documents names what is wrong with the file
+            return []
+    if is_saved_dataset(path):
+        info = json.loads((path / "dataset_info.json").read_text())
+        return list((info.get("features") or {}).keys())
+    return []
+
+
+def read_records(path: str | Path, kind: str) -> list[dict]:
+    """Every fine-tuning record of a document source, checked: {"prompt", "completion"} or {"messages"}."""
+    path = Path(path)
+    where = f"--data {str(path)!r}"
+    try:
+        if path.suffix == ".jsonl":
+            rows = []
+            with path.open(encoding="utf-8") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        try:
+                            rows.append(json.loads(line))
+                        except json.JSONDecodeError as error:
+                            raise ValueError(f"{where} line {number} is not JSON ({error.msg} at column "
+                                             f"{error.colno})") from None
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(path).to_pylist()
+        else:
+            import datasets
+
+            rows = datasets.load_from_disk(str(path)).to_list()
+    except OSError as error:
+        raise ValueError(f"{where} cannot be read: {error.strerror or error}") from None
+    if not rows:
+        raise ValueError(f"{where} holds no records")
+    return [check_record(row, index, kind, where) for index, row in enumerate(rows)]
+
+
+def check_record(record, index: int, kind: str, where: str) -> dict:
+    """A record of `kind` with its fields checked; ValueError names the record (0-based) and what it lacks."""
+    at = f"{where} record {index}"
+    if not isinstance(record, dict):
+        raise ValueError(f"{at} is {type(record).__name__}, not an object with fields")
+    needed = ("messages",) if kind == MESSAGES else ("prompt", "completion")
+    for name in needed:
+        if name not in record or record[name] is None:
+            raise ValueError(f"{at} has no field {name!r} (it has {', '.join(map(repr, record)) or 'none'}); "
+                             f"the first record makes this a {kind} source, so every record needs "
+                             f"{' and '.join(map(repr, needed))}")
+    if kind == PROMPT_COMPLETION:
+        for name in needed:
+            if not isinstance(record[name], str):
+                raise ValueError(f"{at}: field {name!r} holds {type(record[name]).__name__}, not text")
+        return {"prompt": record["prompt"], "completion": record["completion"]}
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{at}: field 'messages' must be a non-empty list of {{role, content}}, got "
+                         f"{type(messages).__name__}")
+    for number, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ValueError(f"{at}: message {number} must have text fields 'role' and 'content', got {message!r}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{at} has no 'assistant' message: nothing to train on")
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}

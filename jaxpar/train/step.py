@@ -21,11 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core import usage
+from jaxpar.core import trace, usage
 from jaxpar.core.microbatches import microbatches
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import specs_over
-from jaxpar.parallel import offload, zero
+from jaxpar.parallel import documents, offload, zero
+from jaxpar.parallel.tensor import WEIGHTED
 from jaxpar.parallel.constrain import varying_axes
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
@@ -141,6 +142,7 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     (partitionable threefry), so it computes the same on any mesh.
     """
     check_batch(plan, batch)
+    batch = normalised_weights(batch)
     variables = {} if variables is None else variables
     extra = () if loss_scale is None else (loss_scale,)
     manual = plan.step_manual_axes
@@ -179,7 +181,9 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
         with zero.layer_registry(), layer_order.train_state_layers():
             module = model.merge(zero.gather_params(p, param_specs if over_data else None, dtype, at_use), carried[1],
                                  rngs=carried[0])
-            loss, aux = call_loss(loss_fn, module, b, key)
+            with documents.scope(documents.of_batch(b)):
+                loss, aux = call_loss(loss_fn, module, b, key)
+            check_weights_read(b)
         return (loss if loss_scale is None and k * ranks == 1 else loss * share), (loss, aux, model.carried_of(module))
 
     def one_microbatch(b, carried, j=0):
@@ -198,6 +202,30 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     if k > 1:
         loss, aux = loss / k, jax.tree.map(lambda x: x / k, aux)
     return loss, aux, grads, carried[1]
+
+
+def normalised_weights(batch):
+    """The batch with its `loss_weights` divided by their mean over the whole (global) batch, before it is split.
+
+    The loss then takes mean(w' x nll) over each rank's and microbatch's rows,
+    and the step's mean over ranks, microbatches and pipeline slots of those
+    equal-sized means is sum(w x nll) / sum(w) over the global batch: every
+    averaging path stays as it is. All-zero weights give a zero loss.
+    """
+    if not isinstance(batch, Mapping) or "loss_weights" not in batch:
+        return batch
+    weights = jnp.asarray(batch["loss_weights"], jnp.float32)
+    mean = jnp.mean(weights)
+    return {**batch, "loss_weights": jnp.where(mean > 0, weights / jnp.where(mean > 0, mean, 1.0), 0.0)}
+
+
+def check_weights_read(batch) -> None:
+    """Refuse a batch whose loss weights the loss never read (they would be ignored without a word)."""
+    used = trace.current().used
+    if used is not None and isinstance(batch, Mapping) and "loss_weights" in batch and WEIGHTED not in used:
+        raise ValueError("the batch carries loss_weights (packed documents or fine-tuning records), but the model's "
+                         "loss never read them: compute it with jaxpar.parallel.tensor.vocab_parallel_cross_entropy, "
+                         "which weights each token, or train on windows (--packing windows)")
 
 
 def _sums_at_use(plan: Plan) -> bool:

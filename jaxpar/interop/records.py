@@ -1,0 +1,172 @@
+"""The documents `--packing documents` packs: text documents, and fine-tuning records with their trained tokens.
+
+A text document is its tokens with the tokenizer's BOS/EOS around it
+(`jaxpar.interop.tokenize.encode_documents`), every target trained. A
+`prompt`/`completion` record is BOS + prompt + completion + EOS, trained on the
+completion and the EOS. A `messages` record is rendered with the tokenizer's
+chat template (`chat_template` of the `tokenizer_config.json` beside the
+`tokenizer.json`; through `transformers`' `apply_chat_template` where
+transformers is installed, else jinja2 with the same settings), trained on the
+assistant messages only.
+
+The assistant spans are found by rendering prefix by prefix: message i's span
+runs from the end of the render of messages[:i] with the generation prompt to
+the end of the render of messages[:i + 1], so it holds what the template writes
+for the reply, its end-of-turn marker included, and none of the header that
+announces it. (transformers' `return_assistant_tokens_mask` needs a template
+written with `{% generation %}`, which most are not.) A template that does not
+render the conversation prefix by prefix is refused by name. The text is then
+encoded span by span, so no token straddles the edge between prompt and reply.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.interop.tokenize import Tokenizer, encode_documents, load_tokenizer, text_files
+from jaxpar.train import sources
+from jaxpar.train.packing import Document, split_stream
+
+
+def source_documents(path: str, tokenizer_path: str | None, text_field: str = "text") -> list[Document]:
+    """The documents of one `--data` source: records of a document source, or each file of a text folder."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    source = Path(path)
+    if sources.is_document_source(source):
+        kind = sources.record_kind(source)
+        if kind == sources.TEXT:
+            return split_stream(*encode_documents(sources.read_documents(source, text_field), tokenizer))
+        records = sources.read_records(source, kind)
+        if kind == sources.PROMPT_COMPLETION:
+            return [prompt_completion(r["prompt"], r["completion"], tokenizer) for r in records]
+        chat = ChatTemplate.of(tokenizer_path, f"--data {path!r} holds chat records (messages)")
+        return [chat_document(r["messages"], chat, tokenizer, f"--data {path!r} record {i}")
+                for i, r in enumerate(records)]
+    try:
+        files = text_files(source)
+    except ValueError as error:
+        raise ValueError(f"--data {path!r}: {error}") from None
+    texts = []
+    for file in files:
+        try:
+            texts.append(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{str(file)!r} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    return split_stream(*encode_documents(texts, tokenizer))
+
+
+def is_fine_tuning(path: str) -> bool:
+    """Whether a `--data` source holds fine-tuning records (their loss needs --packing documents)."""
+    source = Path(path)
+    return sources.is_document_source(source) and sources.record_kind(source) != sources.TEXT
+
+
+def encode_pieces(texts: list[str], tokenizer: Tokenizer) -> list[np.ndarray]:
+    """Each text's ids without what the tokenizer's post-processor adds to every text (a BOS, an EOS)."""
+    ids = tokenizer.encode(["", *texts])
+    added, out = ids[0].tolist(), []
+    for piece in ids[1:]:
+        piece = piece.tolist()
+        for token in added:  # what encoding "" gives is added around every text: at the start, else the end
+            if piece[:1] == [token]:
+                piece = piece[1:]
+            elif piece[-1:] == [token]:
+                piece = piece[:-1]
+        out.append(np.asarray(piece, np.int64))
+    return out
+
+
+def _document(pieces: list[np.ndarray], trained: list[bool]) -> Document:
+    tokens = np.concatenate([np.asarray(p, np.int64) for p in pieces])
+    mask = np.concatenate([np.full(len(p), float(t), np.float32) for p, t in zip(pieces, trained)])
+    return Document(tokens, mask)
+
+
+def prompt_completion(prompt: str, completion: str, tokenizer: Tokenizer) -> Document:
+    """BOS + prompt + completion + EOS; the completion and the EOS are trained."""
+    bos = [] if tokenizer.bos is None else [tokenizer.bos]
+    eos = [] if tokenizer.eos is None else [tokenizer.eos]
+    ids = encode_pieces([prompt, completion], tokenizer)
+    return _document([np.asarray(bos), ids[0], ids[1], np.asarray(eos)], [False, False, True, True])
+
+
+class ChatTemplate:
+    """A tokenizer's chat template and its special tokens, rendered by transformers or jinja2."""
+
+    def __init__(self, template: str, bos_token: str = "", eos_token: str = "", hf_tokenizer=None):
+        self.template, self.bos_token, self.eos_token = template, bos_token, eos_token
+        self._hf = hf_tokenizer
+        self._jinja = None
+
+    @classmethod
+    def of(cls, tokenizer_path: str | None, what: str) -> ChatTemplate:
+        """The chat template of the `tokenizer_config.json` beside `tokenizer_path`; ValueError names what is missing."""
+        if tokenizer_path is None:
+            raise ValueError(f"{what}; rendering them needs --tokenizer (a tokenizer.json with a chat_template in the "
+                             "tokenizer_config.json beside it)")
+        config_path = Path(tokenizer_path).with_name("tokenizer_config.json")
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if not isinstance(template, str):
+            raise ValueError(f"{what}, but {config_path} has no chat_template; add one (the model's own, from its "
+                             "Hugging Face repository) or write the records as prompt/completion")
+        special = [config.get(f"{k}_token") for k in ("bos", "eos")]
+        special = [(t.get("content") if isinstance(t, dict) else t) or "" for t in special]
+        return cls(template, *special, hf_tokenizer=_hf_tokenizer(config_path.parent, template))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        if self._hf is not None:
+            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        if self._jinja is None:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise ValueError(f"the chat template refused the messages: {message}")
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._jinja = env.from_string(self.template)
+        return self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                  bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, the character spans of its assistant messages)."""
+        text = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before, through = self.render(messages[:i], add_generation_prompt=True), self.render(messages[:i + 1])
+            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+                raise ValueError(f"{where}: the chat template does not render the conversation prefix by prefix, "
+                                 "so its assistant tokens cannot be found; write the records as prompt/completion")
+            spans.append((len(before), len(through)))
+        return text, spans
+
+
+def _hf_tokenizer(folder: Path, template: str):
+    """transformers' tokenizer of a folder with tokenizer.json, or None where transformers cannot load it."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(folder), chat_template=template)
+    except Exception:  # noqa: BLE001 - a folder transformers cannot read: jinja2 renders the template instead
+        return None
+
+
+def chat_document(messages: list[dict], chat: ChatTemplate, tokenizer: Tokenizer, where: str) -> Document:
+    """A conversation rendered by `chat`, its assistant spans trained; encoded span by span."""
+    text, spans = chat.assistant_spans(messages, where)
+    edges = sorted({0, len(text), *(e for span in spans for e in span)})
+    parts = [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+    trained = [any(s <= a and b <= e for s, e in spans) for a, b in parts]
+    return _document(encode_pieces([text[a:b] for a, b in parts], tokenizer), trained)

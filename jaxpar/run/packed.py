@@ -1,0 +1,69 @@
+"""`--packing`: whether a run packs whole documents (jaxpar.train.packing) or draws windows, and its packed data.
+
+`documents` is the default for one document source (.jsonl, Parquet, a
+`datasets` folder) or a folder of text files (each file a document), and the
+only choice for fine-tuning records, whose loss is on their completions;
+`windows` (random windows of the token stream) for token files, a single text
+file, the built-in corpus and mixtures. A choice that cannot act is refused:
+documents of a token file (it has no document boundaries) or of a mixture (not
+supported yet), windows of fine-tuning records.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxpar.interop.records import is_fine_tuning, source_documents
+from jaxpar.interop.tokenize import check_covers, load_tokenizer
+from jaxpar.train import sources
+from jaxpar.train.epochs import EpochBatches
+from jaxpar.train.packing import Document, PackedRows, pack
+
+PACKINGS = ("documents", "windows")
+
+
+def packing_of(data: str | None, packing: str | None) -> str:
+    """The run's packing: `packing` as given (checked against the data) or the default for the data."""
+    if packing is not None and packing not in PACKINGS:
+        raise ValueError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+    entries = sources.parse_sources(data) if data is not None else [sources.Source(None)]
+    tuning = [s.path for s in entries if s.path is not None and is_fine_tuning(s.path)]
+    if len(entries) > 1:
+        if tuning or packing == "documents":
+            named = f" (fine-tuning records: {', '.join(tuning)})" if tuning else ""
+            raise ValueError(f"--data {data!r} is a mixture{named}; packing documents of a mixture is not supported "
+                             "yet: give one source" + ("" if tuning else ", or --packing windows"))
+        return "windows"
+    path = entries[0].path
+    if tuning and packing == "windows":
+        raise ValueError(f"--data {path!r} holds fine-tuning records, trained on their completions only, which random "
+                         "windows cannot keep apart; use --packing documents (the default for them)")
+    if packing == "documents" and path is not None and Path(path).suffix in sources.TOKEN_SUFFIXES:
+        raise ValueError(f"--data {path!r} is a token file: it has no document boundaries to pack by; use --packing "
+                         "windows, or give the text as .jsonl / Parquet / a folder of text files")
+    if packing is not None:
+        return packing
+    source = Path(path) if path is not None else None
+    by_documents = source is not None and (sources.is_document_source(source) or (
+        source.is_dir() and source.suffix not in sources.TOKEN_SUFFIXES))
+    return "documents" if by_documents else "windows"
+
+
+def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field: str = "text") -> list[Document]:
+    """The documents of the one source of `--data` (the built-in corpus or a single text file: one document)."""
+    if tokenizer is not None:
+        check_covers(load_tokenizer(tokenizer), vocab, f"--tokenizer {tokenizer!r}")
+    if data is None:
+        from jaxpar.train.data import default_corpus
+
+        return [Document(default_corpus())]
+    documents = source_documents(data, tokenizer, text_field)
+    if not any(len(d.tokens) > 1 for d in documents):
+        raise ValueError(f"--data {data!r} gave no document of two tokens or more: nothing to train on")
+    return documents
+
+
+def packed_batches(documents: list[Document], batch_size: int, seq_len: int, seed: int, vocab: int,
+                   source: str | None) -> EpochBatches:
+    """The run's batches of packed rows, each once per epoch in the seed's order, token ids checked per batch."""
+    return EpochBatches(PackedRows(pack(documents, seq_len), source), batch_size, seq_len, seed, vocab, source)
