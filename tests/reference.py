@@ -1,4 +1,4 @@
-"""An independent single-device reference: the Llama (and its Qwen2/Qwen3 options) and MoE math in plain JAX + optax.
+"""An independent single-device reference: the Llama (and its Qwen2/Qwen3/Gemma options) and MoE math in plain JAX + optax.
 
 It reads the same parameter tree jaxpar's train state holds (`embedding`,
 `blocks`, `final_norm`, `head`; the MoE model's `blocks` split into `dense` and
@@ -86,9 +86,30 @@ def swiglu(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
+def gelu_tanh(x):
+    """GELU's tanh approximation, written out (Gemma's gelu_pytorch_tanh)."""
+    return 0.5 * x * (1.0 + jnp.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + 0.044715 * x**3)))
+
+
+def gated_mlp(p, x, cfg):
+    """SwiGLU, or GeGLU under mlp_activation='gelu_tanh' (Gemma)."""
+    if getattr(cfg, "mlp_activation", "silu") == "gelu_tanh":
+        return (gelu_tanh(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    return swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def residual_norm(x, w, cfg):
+    """The blocks' and the final RMSNorm: weight w, or (1 + w) under norm_plus_one (Gemma)."""
+    return norm(x, w + 1.0 if getattr(cfg, "norm_plus_one", False) else w, cfg.norm_eps)
+
+
 def dense_block(p, x, cfg):
-    x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg)
-    return x + swiglu(norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate"], p["w_up"], p["w_down"])
+    """Pre-norm block; under post_norms (Gemma 2) each sublayer's output is normed again before its residual add."""
+    post = getattr(cfg, "post_norms", False)
+    out = self_attention(p, residual_norm(x, p["attn_norm"], cfg), cfg)
+    x = x + (residual_norm(out, p["post_attn_norm"], cfg) if post else out)
+    out = gated_mlp(p, residual_norm(x, p["mlp_norm"], cfg), cfg)
+    return x + (residual_norm(out, p["post_mlp_norm"], cfg) if post else out)
 
 
 def layer(stacked, i):
@@ -102,15 +123,20 @@ def embed(params, tokens):
 def cross_entropy(params, x, targets, cfg):
     """Mean next-token loss; logits of the padded vocabulary columns (>= cfg.vocab) are excluded."""
     w = params["embedding"].T if cfg.tie_embeddings else params["head"]
-    logits = (norm(x, params["final_norm"], cfg.norm_eps) @ w).astype(jnp.float32)
+    logits = (residual_norm(x, params["final_norm"], cfg) @ w).astype(jnp.float32)
+    cap = getattr(cfg, "final_softcap", None)
+    if cap is not None:  # Gemma 2: logits soft-capped to (-cap, cap)
+        logits = cap * jnp.tanh(logits / cap)
     logits = logits[..., : cfg.vocab]
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(jax.scipy.special.logsumexp(logits, axis=-1) - picked)
 
 
 def llama_loss(params, batch, cfg):
-    """(loss, metrics) of the dense Llama on a whole batch."""
+    """(loss, metrics) of the dense Llama on a whole batch; Gemma's embeddings are scaled by sqrt(d_model)."""
     x = embed(params, batch["inputs"])
+    if getattr(cfg, "embed_scale", False):
+        x = x * jnp.asarray(np.sqrt(cfg.d_model), x.dtype)
     for i in range(cfg.n_layers):
         x = dense_block(layer(params["blocks"], i), x, cfg)
     return cross_entropy(params, x, batch["targets"], cfg), {}

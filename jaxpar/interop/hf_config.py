@@ -1,6 +1,7 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
 other activations, `pretraining_tp`, rope scaling other than Llama 3's, sliding windows) is refused with the
-config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm).
+config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); `gemma` (GeGLU,
+(1 + w) RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms and logit soft-capping).
 """
 
 from __future__ import annotations
@@ -17,7 +18,22 @@ FAMILIES = {
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GEMMA = {"qkv_bias": False, "qk_norm": False, "mlp_activation": "gelu_tanh", "norm_plus_one": True, "embed_scale": True}
+FAMILIES.update({"gemma": {**GEMMA, "post_norms": False}, "gemma2": {**GEMMA, "post_norms": True}})
+# the options a family's entry leaves out are off (a Llama's)
+LLAMA_OPTIONS = {"mlp_activation": "silu", "norm_plus_one": False, "embed_scale": False, "post_norms": False}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# Hugging Face activation names -> LlamaConfig.mlp_activation (Gemma's config field, and its legacy "gelu", as
+# transformers reads them: GemmaConfig turns hidden_act="gelu" into the tanh approximation)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+GEMMA_ACTIVATIONS = {"gemma": ("hidden_act", {**ACTIVATIONS, "gelu": "gelu_tanh"}),
+                     "gemma2": ("hidden_activation", ACTIVATIONS)}
+
+
+def family_options(model_type: str) -> dict:
+    """Every block option of a family, those its FAMILIES entry leaves out off."""
+    return {**LLAMA_OPTIONS, **FAMILIES[model_type]}
 
 
 def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
@@ -28,10 +44,13 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise ValueError(f"config.json: {field}=true is not supported: jaxpar's {model_type} has no such bias terms")
-    _refuse_sliding_window(hf)
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json: hidden_act={act!r} is not supported: jaxpar's Llama MLP uses SiLU (SwiGLU)")
+    options = family_options(model_type)
+    act_field, activations = GEMMA_ACTIVATIONS.get(model_type, ("hidden_act", {"silu": "silu"}))
+    act = hf.get(act_field, "gelu_pytorch_tanh" if model_type in GEMMA_ACTIVATIONS else "silu")
+    if activations.get(act) != options["mlp_activation"]:
+        raise ValueError(f"config.json: {act_field}={act!r} is not supported: jaxpar's {model_type} MLP uses "
+                         f"{[name for name, ours in activations.items() if ours == options['mlp_activation']]}")
+    extra = _gemma_fields(hf, model_type) if model_type in GEMMA_ACTIVATIONS else _refuse_sliding_window(hf)
     if hf.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -43,27 +62,54 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     return LlamaConfig(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, d_ff=hf["intermediate_size"],
-        seq_len=min(hf.get("max_position_embeddings", 2048), 2048), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        seq_len=min(hf.get("max_position_embeddings", 2048), 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMA_ACTIVATIONS)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
-        **FAMILIES[model_type],
+        **options, **extra,
     )
 
 
-def _refuse_sliding_window(hf: dict) -> None:
+def _refuse_sliding_window(hf: dict) -> dict:
     """Qwen configs carry sliding-window fields; jaxpar's attention is full causal, so only 'off' is accepted."""
     if hf.get("use_sliding_window"):
         raise ValueError("config.json: use_sliding_window=true is not supported: jaxpar's attention is full causal")
+    _refuse_layer_types(hf)
+    return {}
+
+
+def _refuse_layer_types(hf: dict) -> None:
     other = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
     if other:
         raise ValueError(f"config.json: layer_types {other} are not supported; only 'full_attention' is")
 
 
+def _gemma_fields(hf: dict, model_type: str) -> dict:
+    """The LlamaConfig fields of a Gemma config beyond the block options: Gemma 2's logit soft-capping."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention=true is not supported: jaxpar's attention is causal")
+    if model_type == "gemma":
+        return {}
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    if hf.get("query_pre_attn_scalar", 256) != head_dim:
+        raise ValueError(f"config.json: query_pre_attn_scalar={hf.get('query_pre_attn_scalar', 256)} is not supported: "
+                         f"jaxpar scales queries by head_dim ** -0.5 (head_dim={head_dim})")
+    if hf.get("attn_logit_softcapping", 50.0) is not None:
+        raise ValueError(f"config.json: attn_logit_softcapping={hf.get('attn_logit_softcapping', 50.0)} is not "
+                         "supported: jaxpar's attention does not soft-cap its scores")
+    _refuse_layer_types(hf)
+    cap = hf.get("final_logit_softcapping", 30.0)
+    return {"final_softcap": None if cap is None else float(cap)}
+
+
 def family_of(cfg: LlamaConfig) -> str:
     """The Hugging Face model_type whose block `cfg`'s options describe."""
-    matches = [name for name, options in FAMILIES.items()
-               if all(getattr(cfg, option) == value for option, value in options.items())]
+    matches = [name for name in FAMILIES
+               if all(getattr(cfg, option) == value for option, value in family_options(name).items())]
     if not matches:
-        raise ValueError(f"no Hugging Face family has qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}")
+        options = ", ".join(f"{option}={getattr(cfg, option)!r}" for option in family_options("gemma"))
+        raise ValueError(f"no Hugging Face family has the block options {options}")
+    if cfg.final_softcap is not None and matches[0] != "gemma2":
+        raise ValueError(f"final_softcap={cfg.final_softcap}: only the gemma2 family soft-caps its logits")
     return matches[0]
 
 
@@ -106,8 +152,19 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
                                                                  if cfg.rope_type == "llama3" else cfg.seq_len),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
-        **({"use_sliding_window": False, "sliding_window": None} if family != "llama" else {}),
+        **({"use_sliding_window": False, "sliding_window": None} if family in ("qwen2", "qwen3") else {}),
+        **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }
+
+
+def _gemma_to_hf(cfg: LlamaConfig, family: str) -> dict:
+    """A Gemma config's own fields: its activation field, and Gemma 2's scaling, soft-capping and layer types."""
+    fields = {"hidden_act": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
+    if family == "gemma2":
+        fields.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.head_dim,
+                      attn_logit_softcapping=None, final_logit_softcapping=cfg.final_softcap,
+                      sliding_window=cfg.seq_len, layer_types=["full_attention"] * cfg.n_layers)  # window: unused
+    return fields
 
 
 def read_hf_config(directory) -> dict:

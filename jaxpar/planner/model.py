@@ -119,6 +119,9 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
         if getattr(c, "qk_norm", False):  # Qwen3
             out += [Leaf(prefix + "q_norm", (n, hd), ("layers", "head_dim")),
                     Leaf(prefix + "k_norm", (n, hd), ("layers", "head_dim"))]
+        if getattr(c, "post_norms", False):  # Gemma 2
+            out += [Leaf(prefix + "post_attn_norm", (n, d), ("layers", "norm")),
+                    Leaf(prefix + "post_mlp_norm", (n, d), ("layers", "norm"))]
         if dense_ffn:
             out += [Leaf(prefix + "w_gate", (n, d, f), ("layers", "embed", "mlp")),
                     Leaf(prefix + "w_up", (n, d, f), ("layers", "embed", "mlp")),

@@ -1,0 +1,210 @@
+"""Gemma and Gemma 2 through the Hugging Face door, against transformers, and Gemma 2's training on every strategy.
+
+One small random float32 model per family (module fixture, saved with `save_pretrained`): logits both ways,
+step 1's loss equal to transformers' on that batch, import -> train (3D and ZeRO-3) -> export reloaded with
+`load_state_dict(strict=True)`, and greedy generation token for token against `generate`. Gemma 2's training on
+each strategy equals the independent single-device reference (tests/reference.py) within 1e-5.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import reference as reference_lib
+from helpers import copy_state, max_relative_error, single_device_plan
+from jaxpar.cli import main
+from jaxpar.core.plan import Plan
+from jaxpar.interop import hf, hf_config
+from jaxpar.models.llama import Llama, LlamaConfig
+from jaxpar.pipeline.layer_order import to_natural_order
+from jaxpar.train.state import init_state, place_state
+from jaxpar.train.step import make_train_step
+from test_hf import TOKENS, jaxpar_model, needs_torch, relative, torch, torch_logits, transformers
+
+# head_dim 8 != hidden / heads = 16; final_logit_softcapping 3 is small enough to cap these random logits
+FIELDS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=128)
+GEMMA2_FIELDS = dict(final_logit_softcapping=3.0, attn_logit_softcapping=None, query_pre_attn_scalar=8,
+                     layer_types=["full_attention", "full_attention"])
+FAMILIES = {"gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+            "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2_FIELDS)}
+
+
+def family_model(family: str):
+    """A random float32 model of `family`, its (1 + w) norm weights moved off transformers' zeros."""
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**FIELDS, **extra)
+    model = getattr(transformers, model_class)(config).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+            elif "embed_tokens" in name:
+                param.mul_(4.0)  # larger logits, so that the final soft-cap acts
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, transformers model, its save_pretrained directory), shared by the tests of one family."""
+    directory = tmp_path_factory.mktemp(request.param) / "hf"
+    model = family_model(request.param)
+    model.save_pretrained(directory)
+    return request.param, model, directory
+
+
+@needs_torch
+def test_logits_match_transformers_both_ways(saved, tmp_path):
+    family, reference, directory = saved
+    cfg, params = hf.load_hf_params(directory)
+    assert (cfg.mlp_activation, cfg.norm_plus_one, cfg.embed_scale, cfg.tie_embeddings) == ("gelu_tanh", True, True, True)
+    assert (cfg.post_norms, cfg.final_softcap) == ((True, 3.0) if family == "gemma2" else (False, None))
+    theirs = torch_logits(reference, TOKENS)
+    imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), theirs)
+    assert imported <= 1e-5, imported
+    if family == "gemma2":
+        assert np.max(np.abs(theirs)) > 0.5 * 3.0  # logits where tanh is far from linear: the cap acts
+
+    with nnx.use_eager_sharding(False):
+        ours = Llama(cfg, nnx.Rngs(7))
+    state = nnx.state(ours)
+    for path, leaf in nnx.to_flat_state(state):  # (1 + w) norms start at w = 0: move them so the mapping is tested
+        if "norm" in path[-1]:
+            leaf.set_value(leaf.get_value() + 0.2 * jax.random.normal(jax.random.key(len(path)), leaf.get_value().shape))
+    hf.write_hf(nnx.to_pure_dict(state), cfg, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == (family, [FAMILIES[family][1]])
+    exported = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "out").float().eval()
+    back = relative(torch_logits(exported, TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))
+    assert back <= 1e-5, back
+    print(f"{family}: import {imported:.2e}, export {back:.2e}")
+
+
+@needs_torch
+@pytest.mark.parametrize("plan", [["--mesh", "data=2,tensor=2,pipe=2"], ["--mesh", "data=8", "--zero", "3"]],
+                         ids=["3d", "zero3"])
+def test_import_train_export_round_trip(saved, plan, tmp_path):
+    """import-hf -> train -> export: step 1's loss is transformers', a strict load in the family's class, same logits."""
+    from safetensors.torch import load_file
+
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.data import Batches, default_corpus
+
+    family, reference, directory = saved
+    assert main(["import-hf", str(directory), "--out", str(tmp_path / "imported")]) == 0
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", "--init-from", str(tmp_path / "imported"), *plan, "--steps", "2", "--batch-size", "8",
+                 "--seq-len", "16", "--checkpoint-dir", str(tmp_path / "run"), "--save-every", "2",
+                 "--metrics", str(metrics)]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+
+    batch = Batches(default_corpus(), 8, 16, 0)[0]  # batch 0 of the run (no --eval-every: no held-out split)
+    logits = torch.tensor(torch_logits(reference, batch["inputs"]))
+    first = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), torch.tensor(batch["targets"]).long().reshape(-1))
+    loss_diff = abs(rows[0]["loss"] / float(first) - 1)
+    assert loss_diff <= 1e-5, loss_diff
+
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "run"), "--out", str(tmp_path / "out"),
+                 "--format", "hf"]) == 0
+    model_class = getattr(transformers, FAMILIES[family][1])
+    exported = model_class(model_class.config_class.from_pretrained(tmp_path / "out")).float().eval()
+    exported.load_state_dict(load_file(tmp_path / "out" / "model.safetensors"), strict=True)
+    with Checkpoints(tmp_path / "run", read_only=True) as checkpoints:
+        trained = checkpoints.read_params(2)
+    cfg = hf_config.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text()))
+    ours = np.asarray(jaxpar_model(cfg, trained).logits(jnp.asarray(TOKENS)))
+    round_trip = relative(torch_logits(exported, TOKENS), ours)
+    assert round_trip <= 1e-5, round_trip
+    assert relative(torch_logits(reference, TOKENS), ours) > 1e-4  # the steps changed the weights
+    print(f"{family} {' '.join(plan)}: step-1 loss {loss_diff:.2e}, round trip {round_trip:.2e}")
+
+
+@needs_torch
+def test_greedy_generation_equals_transformers_generate(saved):
+    """The KV-cache decode with GeGLU, (1 + w) norms, scaled embeddings (and Gemma 2's post-norms and cap)."""
+    from jaxpar.run.generate import Generator, generation_plan
+
+    family, reference, directory = saved
+    cfg, params = hf.load_hf_params(directory)
+    model, _ = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1), generation_plan("data=1"))
+    prompts = [[5, 17, 42, 99, 3], [250, 8, 61]]
+    ours = Generator(model, cfg, params, generation_plan("data=1"), max_new_tokens=12)(prompts, seed=0)[0]
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert list(tokens) == theirs[0, len(prompt):].tolist()
+    assert len(set(ours[0])) > 1 and ours[0] != ours[1], ours  # not one token repeated
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"model_type": "gemma", "hidden_act": "silu"}, "hidden_act='silu'"),
+        ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+        ({"model_type": "gemma", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ],
+)
+def test_refuses_what_gemma_cannot_represent(fields, message):
+    config = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8,
+              "intermediate_size": 96, **GEMMA2_FIELDS, **fields}
+    with pytest.raises(ValueError, match=message):
+        hf_config.config_from_hf(config)
+
+
+# -- Gemma 2 training equals the plain-JAX reference (tests/reference.py writes Gemma's options out on its own) ----
+
+GEMMA2 = LlamaConfig(vocab=250, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16,
+                     tie_embeddings=True, final_softcap=2.0, **hf_config.family_options("gemma2"))
+STRATEGIES = {
+    "tensor2": ("data=2,tensor=2", {}),
+    "tensor2-explicit": ("data=2,tensor=2", {"tensor_form": "explicit"}),
+    "tensor2-sequence": ("data=2,tensor=2", {"sequence_parallel": True}),
+    "tensor2-explicit-sequence": ("data=2,tensor=2", {"tensor_form": "explicit", "sequence_parallel": True}),
+    "pipe2-1f1b": ("data=2,pipe=2", {"schedule": "1f1b"}),
+    "pipe2-interleaved": ("data=2,pipe=2", {"schedule": "interleaved", "virtual_stages": 2}),
+    "zero1": ("data=8", {"zero": 1}),
+    "zero2": ("data=8", {"zero": 2}),
+    "zero3": ("data=8", {"zero": 3}),
+}
+
+
+@pytest.fixture(scope="module")
+def gemma2_reference():
+    """The initial state, 2 batches and the reference's losses and parameters after 2 SGD steps."""
+    optimizer = optax.sgd(0.5)
+    model, state = init_state(lambda: Llama(GEMMA2, nnx.Rngs(0)), optimizer, single_device_plan())
+    params = jax.tree.map(np.array, state.params)  # (1 + w) norms start at w = 0: move them so the convention matters
+    rng = np.random.default_rng(1)
+    for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
+        params["blocks"][name] = rng.normal(0, 0.3, params["blocks"][name].shape).astype(np.float32)
+    params["final_norm"] = rng.normal(0, 0.3, params["final_norm"].shape).astype(np.float32)
+    state = dataclasses.replace(state, params=params)
+    batches = [{"inputs": jnp.asarray(rng.integers(0, GEMMA2.vocab, (8, GEMMA2.seq_len)), jnp.int32),
+                "targets": jnp.asarray(rng.integers(0, GEMMA2.vocab, (8, GEMMA2.seq_len)), jnp.int32)} for _ in range(2)]
+    expected = reference_lib.train(reference_lib.loss_fn(GEMMA2), copy_state(state).params, batches, optimizer)
+    return model, state, optimizer, batches, expected
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_gemma2_training_matches_the_single_device_reference(strategy, gemma2_reference):
+    """2 SGD steps of Gemma 2 (GeGLU, (1 + w) norms, post-norms, scaled tied embeddings, capped logits)."""
+    model, state, optimizer, batches, expected = gemma2_reference
+    mesh, options = STRATEGIES[strategy]
+    plan = Plan.create(mesh, devices=jax.devices()[: 4 if mesh.endswith("2") else 8], **options)
+    placed = place_state(copy_state(state), model, optimizer, plan)
+    step = make_train_step(model, lambda m, b: m(b), optimizer, plan)
+    losses = []
+    for batch in batches:
+        placed, metrics = step(placed, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.max(np.abs(np.array(losses) / expected.losses - 1)) <= 1e-5, (losses, expected.losses)
+    params = to_natural_order(jax.device_get(placed.params), model.logical, plan)
+    assert max_relative_error(params, expected.params) <= 1e-5
