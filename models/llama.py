@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.core.trace import active_plan
 from jaxpar.parallel import attention as attention_lib
-from jaxpar.parallel import tensor
+from jaxpar.parallel import attention_math
+from jaxpar.parallel import tensor, zero
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
 from jaxpar.parallel.vocab import softcap
@@ -63,6 +65,15 @@ class LlamaConfig:
     embed_scale: bool = False
     post_norms: bool = False
     final_softcap: float | None = None
+    # Attention options (default off). sliding_window W: a local layer's query sees the W latest keys, itself
+    # included (Mistral, Gemma 2); sliding_pattern P: with a window, every layer is local (P = 1, Mistral) or
+    # layer i is global when (i + 1) % P == 0 and local otherwise (P = 2: Gemma 2's alternation);
+    # attn_softcap c: scores -> c * tanh(scores / c) (Gemma 2's attn_logit_softcapping); query_scale: the
+    # multiplier of q . k, None for head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5).
+    sliding_window: int | None = None
+    sliding_pattern: int = 1
+    attn_softcap: float | None = None
+    query_scale: float | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -75,6 +86,7 @@ class LlamaConfig:
             raise ValueError(f"mlp_activation must be one of {tuple(ACTIVATIONS)}, got {self.mlp_activation!r}")
         if self.final_softcap is not None and not self.final_softcap > 0:
             raise ValueError(f"final_softcap must be None or > 0, got {self.final_softcap}")
+        _check_attention_options(self)
 
     @property
     def padded_vocab(self) -> int:
@@ -91,6 +103,47 @@ class LlamaConfig:
         block = 2 * d + d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f
         block += hd * (h + 2 * kv) * self.qkv_bias + 2 * hd * self.qk_norm + 2 * d * self.post_norms
         return n * block + v * d * (1 if self.tie_embeddings else 2) + d
+
+
+def _check_attention_options(cfg: LlamaConfig) -> None:
+    if cfg.sliding_window is not None and (isinstance(cfg.sliding_window, bool) or not isinstance(cfg.sliding_window, int)
+                                           or cfg.sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {cfg.sliding_window!r}")
+    if isinstance(cfg.sliding_pattern, bool) or not isinstance(cfg.sliding_pattern, int) or cfg.sliding_pattern < 1:
+        raise ValueError(f"sliding_pattern must be an int >= 1, got {cfg.sliding_pattern!r}")
+    if cfg.sliding_pattern > 1 and cfg.sliding_window is None:
+        raise ValueError(f"sliding_pattern={cfg.sliding_pattern} alternates local and global layers but "
+                         "sliding_window is None: set the local layers' window")
+    if cfg.sliding_pattern > 1 and cfg.n_layers % cfg.sliding_pattern:
+        raise ValueError(f"n_layers={cfg.n_layers} is not a multiple of sliding_pattern={cfg.sliding_pattern}: "
+                         "the layers run in groups of one pattern each")
+    for name in ("attn_softcap", "query_scale"):
+        value = getattr(cfg, name)
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
+
+
+def layer_window(cfg: LlamaConfig, layer: int) -> int | None:
+    """The sliding window of layer `layer` (None: a global layer); see LlamaConfig.sliding_pattern."""
+    if cfg.sliding_window is None or (cfg.sliding_pattern > 1 and (layer + 1) % cfg.sliding_pattern == 0):
+        return None
+    return cfg.sliding_window
+
+
+def layer_config(cfg: LlamaConfig, layer: int) -> LlamaConfig:
+    """`cfg` for one layer of its pattern: its own window (or none), sliding_pattern 1; `cfg` itself if uniform."""
+    if cfg.sliding_pattern == 1:
+        return cfg
+    return dataclasses.replace(cfg, sliding_window=layer_window(cfg, layer), sliding_pattern=1)
+
+
+def attention_options(cfg: LlamaConfig) -> dict:
+    """`causal_attention`'s keyword options for a layer of `cfg` (one whose pattern `layer_config` resolved)."""
+    if cfg.sliding_pattern > 1:
+        raise ValueError(f"sliding_pattern={cfg.sliding_pattern}: which layers are local depends on the layer "
+                         "index; run the blocks with models.llama.run_layers (or give each block "
+                         "layer_config(cfg, i))")
+    return {"window": cfg.sliding_window, "softcap": cfg.attn_softcap, "scale": cfg.query_scale}
 
 
 CONFIGS: dict[str, LlamaConfig] = {
@@ -201,7 +254,7 @@ def attention(p, x, cfg: LlamaConfig):
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
     # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
     q, k, v = query_key_value(p, x, cfg, positions=None)
-    out = constrain(attention_lib.causal_attention(q, k, v), Q_NAMES)
+    out = constrain(attention_lib.causal_attention(q, k, v, **attention_options(cfg)), Q_NAMES)
     return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
 
 
@@ -273,7 +326,24 @@ def run_layers(stacked: dict[str, jax.Array], x, cfg: LlamaConfig, remat: Callab
     `remat` defaults to the active plan's policy; under ZeRO-2/3 each layer's
     parameters are gathered inside the scan, just before the block uses them.
     """
-    return scan_layers(lambda p, h: block(p, h, cfg), stacked, x, remat=remat)
+    pattern = cfg.sliding_pattern
+    if pattern == 1:
+        return scan_layers(lambda p, h: block(p, h, cfg), stacked, x, remat=remat)
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    if layers % pattern:
+        plan = active_plan()
+        cut = "" if plan is None else f" (pipe={plan.shape['pipe']} x virtual_stages={plan.virtual_stages} chunks)"
+        raise ValueError(f"a pipeline chunk of {layers} layers{cut} is not a multiple of sliding_pattern={pattern}: "
+                         f"each chunk must start a local/global pattern so that layer i stays global iff "
+                         f"(i + 1) % {pattern} == 0; choose pipe x virtual_stages so that n_layers={cfg.n_layers} / "
+                         f"(pipe x virtual_stages) divides by {pattern}")
+
+    def group(p, h):  # one pattern's blocks, each with its own static window
+        for i in range(pattern):
+            h = block(jax.tree.map(lambda a: a[i], p), h, layer_config(cfg, i))
+        return h
+
+    return scan_layers(group, zero.regroup(stacked, layers // pattern), x, remat=remat)
 
 
 def embed_tokens(table, tokens, cfg: LlamaConfig | None = None):
@@ -358,13 +428,16 @@ def init_cache(cfg: LlamaConfig, batch: int, slots: int, dtype=jnp.float32) -> d
     }
 
 
-def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None):
+def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None, window=None):
     """Causal GQA attention of x's tokens at `positions` ([batch, seq]); keys where `key_mask` is False are ignored.
 
     Without `kv` the keys are x's own tokens (key_mask [batch, seq]). With
     kv = (k, v) [batch, slots, kv_heads, head_dim] the new keys and values are
     written at slots index..index+seq and the queries attend to every earlier
-    slot (key_mask [batch, slots]). Returns (output, (k, v)).
+    slot (key_mask [batch, slots]). `window` (None: global; an int or a traced
+    scalar, see `layer_window`) hides keys W or more slots older than the query,
+    as Hugging Face measures it (cache positions: left padding counts). cfg's
+    soft cap and query scale apply. Returns (output, (k, v)).
     """
     q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False)
     b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
@@ -373,11 +446,14 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
         k = constrain(jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0)), KV_NAMES)
         v = constrain(jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0)), KV_NAMES)
         query_slots = query_slots + index
-    allowed = (jnp.arange(k.shape[1])[None, :] <= query_slots[:, None])[None] & key_mask[:, None, :]
+    allowed = jnp.arange(k.shape[1])[None, :] <= query_slots[:, None]
+    if window is not None:
+        allowed = allowed & (query_slots[:, None] - jnp.arange(k.shape[1])[None, :] < window)
+    allowed = allowed[None] & key_mask[:, None, :]
     kv_heads = k.shape[2]
+    scoring = attention_math.Scoring(softcap=cfg.attn_softcap, scale=cfg.query_scale)
+    scores = attention_math.raw_scores(q, k.astype(q.dtype), scoring)
     q = q.reshape(b, s, kv_heads, q.shape[2] // kv_heads, q.shape[3])
-    scores = jnp.einsum("bqngk,bsnk->bngqs", q, k.astype(q.dtype)).astype(jnp.float32)
-    scores = scores / jnp.sqrt(q.shape[-1]).astype(jnp.float32)
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(b, s, -1, q.shape[-1]).astype(x.dtype)
@@ -388,15 +464,25 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
 def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None):
     """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer)."""
 
+    windows = _layer_windows(cfg)
+
     def body(h, layer):
-        p, kv = layer
+        p, kv, *window = layer
         attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)),
-                                    cfg, positions, key_mask, kv, index)
+                                    cfg, positions, key_mask, kv, index, *window)
         h = residual_add(p, h, attn, "post_attn_norm", cfg)
         out = mlp(p, tensor.enter_tensor_region(block_norm(h, p["mlp_norm"], cfg)), cfg.mlp_activation)
         return residual_add(p, h, out, "post_mlp_norm", cfg), kv
 
-    return jax.lax.scan(body, x, (stacked, cache))
+    return jax.lax.scan(body, x, (stacked, cache, *windows))
+
+
+def _layer_windows(cfg: LlamaConfig) -> tuple:
+    """() without a window; else (each layer's window [n_layers], a global layer's beyond any distance)."""
+    if cfg.sliding_window is None:
+        return ()
+    wide = np.iinfo(np.int32).max
+    return (jnp.asarray([wide if (w := layer_window(cfg, i)) is None else w for i in range(cfg.n_layers)], jnp.int32),)
 
 
 def padded_positions(mask):

@@ -62,8 +62,12 @@ def rope(x, theta):
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
-def self_attention(p, x, cfg):
-    """Causal attention; query head h reads key/value head h // (n_heads / n_kv_heads)."""
+def self_attention(p, x, cfg, window=None):
+    """Causal attention; query head h reads key/value head h // (n_heads / n_kv_heads).
+
+    Gemma 2's options: scores times `query_scale` (for 1 / sqrt(head_dim)), soft-capped to
+    attn_softcap * tanh(scores / attn_softcap); with a `window` query i sees keys i - window < j <= i.
+    """
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
@@ -75,8 +79,15 @@ def self_attention(p, x, cfg):
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     s = x.shape[1]
-    logits = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) / np.float32(np.sqrt(q.shape[-1]))
-    logits = jnp.where(np.tril(np.ones((s, s), bool)), logits, jnp.finfo(jnp.float32).min)
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
+    scale, cap = getattr(cfg, "query_scale", None), getattr(cfg, "attn_softcap", None)
+    logits = logits / np.float32(np.sqrt(q.shape[-1])) if scale is None else logits * np.float32(scale)
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
+    seen = np.tril(np.ones((s, s), bool))
+    if window is not None:
+        seen &= np.subtract.outer(np.arange(s), np.arange(s)) < window
+    logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
     return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
@@ -103,10 +114,10 @@ def residual_norm(x, w, cfg):
     return norm(x, w + 1.0 if getattr(cfg, "norm_plus_one", False) else w, cfg.norm_eps)
 
 
-def dense_block(p, x, cfg):
+def dense_block(p, x, cfg, window=None):
     """Pre-norm block; under post_norms (Gemma 2) each sublayer's output is normed again before its residual add."""
     post = getattr(cfg, "post_norms", False)
-    out = self_attention(p, residual_norm(x, p["attn_norm"], cfg), cfg)
+    out = self_attention(p, residual_norm(x, p["attn_norm"], cfg), cfg, window)
     x = x + (residual_norm(out, p["post_attn_norm"], cfg) if post else out)
     out = gated_mlp(p, residual_norm(x, p["mlp_norm"], cfg), cfg)
     return x + (residual_norm(out, p["post_mlp_norm"], cfg) if post else out)
@@ -138,8 +149,14 @@ def llama_loss(params, batch, cfg):
     if getattr(cfg, "embed_scale", False):
         x = x * jnp.asarray(np.sqrt(cfg.d_model), x.dtype)
     for i in range(cfg.n_layers):
-        x = dense_block(layer(params["blocks"], i), x, cfg)
+        x = dense_block(layer(params["blocks"], i), x, cfg, sliding_window(cfg, i))
     return cross_entropy(params, x, batch["targets"], cfg), {}
+
+
+def sliding_window(cfg, i):
+    """Layer i's window: none, or sliding_window except on every sliding_pattern-th layer (Gemma 2: odd ones)."""
+    window, pattern = getattr(cfg, "sliding_window", None), getattr(cfg, "sliding_pattern", 1)
+    return None if window is None or (pattern > 1 and (i + 1) % pattern == 0) else window
 
 
 # -- the MoE model ----------------------------------------------------------------------

@@ -27,11 +27,13 @@ from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import make_train_step
 from test_hf import TOKENS, jaxpar_model, needs_torch, relative, torch, torch_logits, transformers
 
-# head_dim 8 != hidden / heads = 16; final_logit_softcapping 0.5 is small enough to cap these random logits
+# head_dim 8 != hidden / heads = 16. Gemma 2: soft caps small enough to act on these random logits and scores,
+# query_pre_attn_scalar != head_dim, windows of 4 (shorter than TOKENS) on the layers transformers makes local
+# (0 and 2 of 4: its default alternation; pipe=2 cuts 2 layers, one pattern, per stage)
 FIELDS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=128)
-GEMMA2_FIELDS = dict(final_logit_softcapping=0.5, attn_logit_softcapping=None, query_pre_attn_scalar=8,
-                     layer_types=["full_attention", "full_attention"])
+GEMMA2_FIELDS = dict(final_logit_softcapping=0.5, attn_logit_softcapping=1.0, query_pre_attn_scalar=32,
+                     sliding_window=4, num_hidden_layers=4)
 FAMILIES = {"gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
             "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", GEMMA2_FIELDS)}
 
@@ -44,7 +46,7 @@ def family_model(family: str):
     """
     config_class, model_class, extra = FAMILIES[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**FIELDS, **extra)
+    config = getattr(transformers, config_class)(**{**FIELDS, **extra})
     model = getattr(transformers, model_class)(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -69,7 +71,9 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     family, reference, directory = saved
     cfg, params = hf.load_hf_params(directory)
     assert (cfg.mlp_activation, cfg.norm_plus_one, cfg.embed_scale, cfg.tie_embeddings) == ("gelu_tanh", True, True, True)
-    assert (cfg.post_norms, cfg.final_softcap) == ((True, 0.5) if family == "gemma2" else (False, None))
+    gemma2 = (True, 0.5, 1.0, 32**-0.5, 4, 2)
+    assert (cfg.post_norms, cfg.final_softcap, cfg.attn_softcap, cfg.query_scale, cfg.sliding_window,
+            cfg.sliding_pattern) == (gemma2 if family == "gemma2" else (False, None, None, None, None, 1))
     theirs = torch_logits(reference, TOKENS)
     imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), theirs)
     assert imported <= 1e-5, imported
@@ -82,6 +86,8 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     for path, leaf in nnx.to_flat_state(state):  # (1 + w) norms start at w = 0: move them so the mapping is tested
         if "norm" in path[-1]:
             leaf.set_value(leaf.get_value() + 0.2 * jax.random.normal(jax.random.key(len(path)), leaf.get_value().shape))
+        elif path[-1] == "embedding":  # transformers' std 0.02, not 1: raw logits near the cap, not 100 times it
+            leaf.set_value(0.02 * leaf.get_value())
     hf.write_hf(nnx.to_pure_dict(state), cfg, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == (family, [FAMILIES[family][1]])
@@ -156,11 +162,14 @@ def test_greedy_generation_equals_transformers_generate(saved):
         ({"model_type": "gemma", "hidden_act": "silu"}, "hidden_act='silu'"),
         ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation='gelu'"),
         ({"model_type": "gemma", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "gemma2", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        ({"model_type": "gemma2", "num_hidden_layers": 3}, r"layer_types .* period P dividing num_hidden_layers=3"),
+        ({"model_type": "gemma2", "layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
     ],
 )
 def test_refuses_what_gemma_cannot_represent(fields, message):
-    config = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8,
-              "intermediate_size": 96, **GEMMA2_FIELDS, **fields}
+    config = {"vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "head_dim": 8, "intermediate_size": 96,
+              **GEMMA2_FIELDS, "num_hidden_layers": 2, **fields}
     with pytest.raises(ValueError, match=message):
         hf_config.config_from_hf(config)
 
@@ -168,7 +177,8 @@ def test_refuses_what_gemma_cannot_represent(fields, message):
 # -- Gemma 2 training equals the plain-JAX reference (tests/reference.py writes Gemma's options out on its own) ----
 
 GEMMA2 = LlamaConfig(vocab=250, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16,
-                     tie_embeddings=True, final_softcap=2.0, **hf_config.family_options("gemma2"))
+                     tie_embeddings=True, final_softcap=2.0, attn_softcap=1.0, query_scale=0.5, sliding_window=4,
+                     sliding_pattern=2, **hf_config.family_options("gemma2"))
 STRATEGIES = {
     "tensor2": ("data=2,tensor=2", {}),
     "tensor2-explicit": ("data=2,tensor=2", {"tensor_form": "explicit"}),
@@ -201,7 +211,8 @@ def gemma2_reference():
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_gemma2_training_matches_the_single_device_reference(strategy, gemma2_reference):
-    """2 SGD steps of Gemma 2 (GeGLU, (1 + w) norms, post-norms, scaled tied embeddings, capped logits)."""
+    """2 SGD steps of Gemma 2: GeGLU, (1 + w) norms, post-norms, scaled tied embeddings, capped logits and scores,
+    its query scale and local (window 4) / global layers."""
     model, state, optimizer, batches, expected = gemma2_reference
     mesh, options = STRATEGIES[strategy]
     plan = Plan.create(mesh, devices=jax.devices()[: 4 if mesh.endswith("2") else 8], **options)

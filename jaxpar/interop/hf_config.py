@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxpar.models.llama import LlamaConfig
+from jaxpar.models.llama import LlamaConfig, layer_window
 
 HF_CONFIG = "config.json"
 # model_type -> the LlamaConfig block options it sets (every option named, so a config maps to one family)
@@ -29,6 +29,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA_ACTIVATIONS = {"gemma": ("hidden_act", {**ACTIVATIONS, "gelu": "gelu_tanh"}),
                      "gemma2": ("hidden_activation", ACTIVATIONS)}
+# LlamaConfig fields beyond the block options -> the families whose Hugging Face config can express them when on
+FAMILY_FIELDS = {"final_softcap": ("gemma2",), "attn_softcap": ("gemma2",), "query_scale": ("gemma2",),
+                 "sliding_pattern": ("gemma2",), "sliding_window": ("gemma2",)}
+FIELD_OFF = {"sliding_pattern": 1}  # the others are off at None
 
 
 def family_options(model_type: str) -> dict:
@@ -50,7 +54,9 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     if activations.get(act) != options["mlp_activation"]:
         raise ValueError(f"config.json: {act_field}={act!r} is not supported: jaxpar's {model_type} MLP uses "
                          f"{[name for name, ours in activations.items() if ours == options['mlp_activation']]}")
-    extra = _gemma_fields(hf, model_type) if model_type in GEMMA_ACTIVATIONS else _refuse_sliding_window(hf)
+    extra = _gemma_fields(hf, model_type) if model_type in GEMMA_ACTIVATIONS else {}
+    if model_type not in GEMMA_ACTIVATIONS:
+        _refuse_sliding_window(hf)
     if hf.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -69,36 +75,52 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     )
 
 
-def _refuse_sliding_window(hf: dict) -> dict:
+def _refuse_sliding_window(hf: dict) -> None:
     """Qwen configs carry sliding-window fields; jaxpar's attention is full causal, so only 'off' is accepted."""
     if hf.get("use_sliding_window"):
         raise ValueError("config.json: use_sliding_window=true is not supported: jaxpar's attention is full causal")
-    _refuse_layer_types(hf)
-    return {}
-
-
-def _refuse_layer_types(hf: dict) -> None:
     other = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
     if other:
         raise ValueError(f"config.json: layer_types {other} are not supported; only 'full_attention' is")
 
 
 def _gemma_fields(hf: dict, model_type: str) -> dict:
-    """The LlamaConfig fields of a Gemma config beyond the block options: Gemma 2's logit soft-capping."""
+    """The LlamaConfig fields of a Gemma config beyond the block options: Gemma 2's attention and logit soft-caps."""
     if hf.get("use_bidirectional_attention"):
         raise ValueError("config.json: use_bidirectional_attention=true is not supported: jaxpar's attention is causal")
     if model_type == "gemma":
         return {}
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    if hf.get("query_pre_attn_scalar", 256) != head_dim:
-        raise ValueError(f"config.json: query_pre_attn_scalar={hf.get('query_pre_attn_scalar', 256)} is not supported: "
-                         f"jaxpar scales queries by head_dim ** -0.5 (head_dim={head_dim})")
-    if hf.get("attn_logit_softcapping", 50.0) is not None:
-        raise ValueError(f"config.json: attn_logit_softcapping={hf.get('attn_logit_softcapping', 50.0)} is not "
-                         "supported: jaxpar's attention does not soft-cap its scores")
-    _refuse_layer_types(hf)
-    cap = hf.get("final_logit_softcapping", 30.0)
-    return {"final_softcap": None if cap is None else float(cap)}
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    final, attn = hf.get("final_logit_softcapping", 30.0), hf.get("attn_logit_softcapping", 50.0)
+    return {"final_softcap": None if final is None else float(final),
+            "attn_softcap": None if attn is None else float(attn),
+            "query_scale": None if scalar == head_dim else float(scalar) ** -0.5, **_sliding_pattern(hf)}
+
+
+def _sliding_pattern(hf: dict) -> dict:
+    """sliding_window and sliding_pattern P (layer i global iff (i + 1) % P == 0) of Gemma 2's `layer_types`.
+
+    Without `layer_types`, transformers alternates (sliding first), as Gemma 2 was
+    released. Layer types of no such period are refused by name.
+    """
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n:
+        raise ValueError(f"config.json: layer_types {unknown or types} are not supported: jaxpar knows "
+                         f"'sliding_attention' and 'full_attention', one per layer (num_hidden_layers={n})")
+    if "sliding_attention" not in types:
+        return {}
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json: sliding_window={window!r} with sliding_attention layers: expected an int >= 1")
+    period = types.index("full_attention") + 1 if "full_attention" in types else 1
+    expected = ["full_attention" if period > 1 and (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    if types != expected or n % period:
+        raise ValueError(f"config.json: layer_types {types} are not supported: jaxpar's local layers repeat with a "
+                         f"period P dividing num_hidden_layers={n}, layer i global iff (i + 1) % P == 0")
+    return {"sliding_window": window, "sliding_pattern": period}
 
 
 def family_of(cfg: LlamaConfig) -> str:
@@ -108,8 +130,10 @@ def family_of(cfg: LlamaConfig) -> str:
     if not matches:
         options = ", ".join(f"{option}={getattr(cfg, option)!r}" for option in family_options("gemma"))
         raise ValueError(f"no Hugging Face family has the block options {options}")
-    if cfg.final_softcap is not None and matches[0] != "gemma2":
-        raise ValueError(f"final_softcap={cfg.final_softcap}: only the gemma2 family soft-caps its logits")
+    for field, families in FAMILY_FIELDS.items():
+        if getattr(cfg, field) != FIELD_OFF.get(field) and matches[0] not in families:
+            raise ValueError(f"{field}={getattr(cfg, field)}: a {matches[0]} Hugging Face config cannot express it "
+                             f"(only {list(families)} can)")
     return matches[0]
 
 
@@ -161,9 +185,12 @@ def _gemma_to_hf(cfg: LlamaConfig, family: str) -> dict:
     """A Gemma config's own fields: its activation field, and Gemma 2's scaling, soft-capping and layer types."""
     fields = {"hidden_act": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
     if family == "gemma2":
-        fields.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=cfg.head_dim,
-                      attn_logit_softcapping=None, final_logit_softcapping=cfg.final_softcap,
-                      sliding_window=cfg.seq_len, layer_types=["full_attention"] * cfg.n_layers)  # window: unused
+        scalar = cfg.head_dim if cfg.query_scale is None else round(cfg.query_scale ** -2, 6)
+        scalar = int(scalar) if float(scalar).is_integer() else scalar
+        types = ["full_attention" if layer_window(cfg, i) is None else "sliding_attention" for i in range(cfg.n_layers)]
+        fields.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+                      attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                      sliding_window=cfg.sliding_window or cfg.seq_len, layer_types=types)  # window unused if global
     return fields
 
 

@@ -22,6 +22,11 @@ Two forms, `Plan.context_form`, give the same numbers:
 Either is a custom VJP whose forward and backward are each one `jax.shard_map`
 over `context`; the backward recomputes the forward, as flash attention does,
 so no [queries, keys] score matrix outlives its layer.
+
+Every form takes the same options (`jaxpar.parallel.attention_math.Scoring`:
+a sliding window, a logit soft cap, a query scale) and keeps attention inside
+each packed document when the rows carry segment ids
+(`jaxpar.parallel.documents`); the ring form is `jaxpar.parallel.attention_ring`.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import options, trace, usage
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import bits
+from jaxpar.parallel import attention_ring, bits, documents
+from jaxpar.parallel.attention_math import Scoring, attend
 from jaxpar.parallel.constrain import rule_axes, varying_axes
 
 AXIS = "context"
@@ -97,26 +103,62 @@ def _check_batch(plan, global_batch: int, seq_len: int | None) -> None:
         check_sequence(seq_len, plan.shape[AXIS])
 
 
+def _in_context_order(x: jax.Array) -> jax.Array:
+    """[batch, seq] document fields (natural order) in the order the activations hold the sequence."""
+    ways = context_ways()
+    return x if ways == 1 else jnp.take(x, jnp.asarray(balanced_order(x.shape[1], ways)), axis=1)
+
+
 def positions(seq: int) -> jax.Array:
-    """The positions of the `seq` entries of the activations' sequence dimension (for rotary embeddings)."""
+    """The positions of the `seq` entries of the activations' sequence dimension (for rotary embeddings).
+
+    [seq] by sequence index; [batch, seq] when the rows are packed documents that carry their own
+    positions (`jaxpar.parallel.documents`), so that rotary embeddings restart in each document.
+    """
+    packed = documents.get("positions")
+    if packed is not None:
+        _check_rows("positions", packed, seq)
+        return _in_context_order(packed)
     return jnp.asarray(balanced_order(seq, context_ways()))
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _check_rows(name: str, field: jax.Array, seq: int, batch: int | None = None) -> None:
+    if field.ndim != 2 or field.shape[1] != seq or (batch is not None and field.shape[0] != batch):
+        rows = f"[{batch if batch is not None else 'batch'}, {seq}]"
+        raise ValueError(f"the packed documents' {name} have shape {tuple(field.shape)}, but attention runs on "
+                         f"rows {rows}: they must hold the same rows as the tokens the model is called with")
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
+                     softcap: float | None = None, scale: float | None = None) -> jax.Array:
     """Causal grouped-query attention: q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim].
 
-    Query head h reads key/value head h // (heads / kv_heads). The sequence is
-    in the order `positions` gives; under context > 1 it is split over
-    `context` and the plan's `context_form` gathers the keys and values.
+    Query head h reads key/value head h // (heads / kv_heads). `window` None (every earlier key) or
+    W: query i sees key j iff j <= i and i - j < W, by sequence index (Mistral's sliding window);
+    `softcap` c: scores -> c * tanh(scores / c) after scaling, before masking (Gemma 2); `scale`:
+    the multiplier of q . k (None: head_dim ** -0.5). When the rows are packed documents
+    (`jaxpar.parallel.documents` segment ids) a query sees only keys of its own document, and a
+    padding query (segment 0) none: its output is 0.
+
+    The sequence is in the order `positions` gives; under context > 1 it is split over `context`
+    and the plan's `context_form` gathers the keys and values.
     """
+    scoring = Scoring(window, softcap, scale)
+    segments = documents.get("segment_ids")
+    if segments is not None:
+        _check_rows("segment_ids", segments, q.shape[1], q.shape[0])
     ways = context_ways()
     if ways == 1:
         pos = jnp.arange(q.shape[1])
-        return _attend(q, k, v, pos, pos)
+        return attend(q, k, v, pos, pos, scoring, segments, segments)
     usage.mark(usage.CONTEXT_ATTENTION)
     check_sequence(q.shape[1], ways)
-    local = functools.partial(_ring if active_plan().context_form == "ring" else _gathered, ways=ways)
-    return _context_parallel(local, q, k, v, _head_axes(q, k))
+    if active_plan().context_form == "ring":
+        local = functools.partial(attention_ring.ring, ways=ways, axis=AXIS, scoring=scoring)
+    else:
+        local = functools.partial(_gathered, ways=ways, scoring=scoring)
+    segments = None if segments is None else _in_context_order(segments)
+    return _context_parallel(local, q, k, v, _head_axes(q, k), segments)
 
 
 def _head_axes(q, k) -> tuple[str, ...]:
@@ -131,122 +173,50 @@ def _head_axes(q, k) -> tuple[str, ...]:
     return axes if q.shape[2] % ways == 0 and k.shape[2] % ways == 0 else ()
 
 
-def _attend(q, k, v, q_pos, k_pos):
-    """Plain masked softmax attention of queries at `q_pos` to keys at `k_pos` (a key attends if not later)."""
-    scores = _scores(q, k, q_pos, k_pos)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return _weighted(weights, v, q.shape)
-
-
-def _scores(q, k, q_pos, k_pos):
-    """Masked scores [batch, kv_heads, group, queries, keys] in fp32; masked entries are fp32's minimum."""
-    return jnp.where(q_pos[:, None] >= k_pos[None, :], _raw_scores(q, k), jnp.finfo(jnp.float32).min)
-
-
-def _raw_scores(q, k):
-    """Scaled scores [batch, kv_heads, group, queries, keys] in fp32, unmasked."""
-    b, s, h, d = q.shape
-    grouped = q.reshape(b, s, k.shape[2], h // k.shape[2], d)
-    return jnp.einsum("bqngk,bsnk->bngqs", grouped, k).astype(jnp.float32) / jnp.sqrt(d).astype(jnp.float32)
-
-
-def _weighted(weights, v, q_shape):
-    return jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(q_shape)
-
-
-def _local_positions(ways: int, chunk: int):
-    """Positions of this context rank's two chunks (inside the shard_map over `context`)."""
-    rank = jax.lax.axis_index(AXIS)
-    return _rank_positions(rank, ways, chunk)
-
-
-def _rank_positions(rank, ways: int, chunk: int):
-    steps = jnp.arange(chunk)
-    return jnp.concatenate([rank * chunk + steps, (2 * ways - 1 - rank) * chunk + steps])
-
-
-def _gathered(q, k, v, ways: int):
+def _gathered(q, k, v, segments=None, *, ways: int, scoring: Scoring):
     """All-gather form on one rank's shard: every key and value gathered, then plain masked attention."""
     chunk = q.shape[1] // 2
     k_all, v_all = (bits.all_gather(x, AXIS, axis=1) for x in (k, v))
     k_pos = jnp.asarray(balanced_order(2 * chunk * ways, ways))
-    return _attend(q, k_all, v_all, _local_positions(ways, chunk), k_pos)
+    k_seg = None if segments is None else jax.lax.all_gather(segments, AXIS, axis=1, tiled=True)
+    q_pos = attention_ring.rank_positions(jax.lax.axis_index(AXIS), ways, chunk)
+    return attend(q, k_all, v_all, q_pos, k_pos, scoring, segments, k_seg)
 
 
-def _ring(q, k, v, ways: int):
-    """Ring form on one rank's shard: K/V blocks from rank c, c − 1, ... folded into an online softmax.
-
-    Mirrored chunks make every block after the rank's own half-visible in a
-    fixed way: one from an earlier rank j < c is seen whole by both query
-    chunks in its first chunk only (its second, 2C − 1 − j, lies beyond both);
-    one from a later rank is seen whole by the second query chunk only. So each
-    of those steps multiplies half the pairs, unmasked, on every rank alike.
-    """
-    chunk = q.shape[1] // 2
-    rank = jax.lax.axis_index(AXIS)
-    shift = [(j, (j + 1) % ways) for j in range(ways)]
-    own = _rank_positions(rank, ways, chunk)
-    # The rank's own block first: every query sees at least itself, so the running peak is finite from the start.
-    scores = _scores(q, k, own, own)
-    peak = jnp.max(scores, axis=-1)
-    weights = jnp.exp(scores - peak[..., None])
-    state = (peak, jnp.sum(weights, axis=-1), _values(weights, v))
-    block = (k, v)
-    for step in range(1, ways):
-        block = bits.ppermute(block, AXIS, shift)  # depends on the last block only: free to overlap its use
-        state = jax.lax.cond((rank - step) % ways < rank, _from_earlier, _from_later, state, q, *block)
-    _, total, acc = state
-    out = (acc / total[..., None]).astype(v.dtype)  # [b, kv_heads, group, q, head_dim]
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(q.shape)
-
-
-def _from_earlier(state, q, k, v):
-    """A block of an earlier rank: every query sees its first chunk, none its second."""
-    chunk = q.shape[1] // 2
-    return _fold(state, _raw_scores(q, k[:, :chunk]), v[:, :chunk])
-
-
-def _from_later(state, q, k, v):
-    """A block of a later rank: the second query chunk sees all of it, the first none."""
-    chunk = q.shape[1] // 2
-    folded = _fold(tuple(x[:, :, :, chunk:] for x in state), _raw_scores(q[:, chunk:], k), v)
-    return tuple(x.at[:, :, :, chunk:].set(f) for x, f in zip(state, folded))
-
-
-def _values(weights, v):
-    """Softmax weights [b, kv_heads, group, q, s] times values [b, s, kv_heads, head_dim], in fp32."""
-    return jnp.einsum("bngqs,bsnk->bngqk", weights.astype(v.dtype), v).astype(jnp.float32)
-
-
-def _fold(state, scores, v):
-    """The online-softmax state (running peak, weight total, weighted values) with one more block of keys."""
-    peak, total, acc = state
-    new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
-    weights, fade = jnp.exp(scores - new_peak[..., None]), jnp.exp(peak - new_peak)
-    return new_peak, total * fade + jnp.sum(weights, axis=-1), acc * fade[..., None] + _values(weights, v)
-
-
-def _context_parallel(local, q, k, v, head_axes: tuple[str, ...]):
-    """`local(q, k, v)` on each context rank's shard (and its heads over `head_axes`), as a custom VJP:
-    forward and backward one shard_map each.
+def _context_parallel(local, q, k, v, head_axes: tuple[str, ...], segments=None):
+    """`local(q, k, v[, segments])` on each context rank's shard (and its heads over `head_axes`), as a custom
+    VJP: forward and backward one shard_map each.
 
     The forward does not track replication (check_vma=False), as the MoE
     layer's does (jaxpar.parallel.experts): it is never differentiated, and under a
     caller's manual axes (the step's `data`) a remat policy would otherwise
     save values from inside it under specs naming those axes, which fails to
     lower. Its output is typed as varying over those axes, as it is.
+    Segment ids (integers, [batch, seq] in context order) are split like q's
+    sequence and get no cotangent.
     """
     spec = P(None, AXIS, head_axes or None)
     manual = {AXIS, *head_axes}
-    outer = tuple(sorted(set().union(*(varying_axes(x) for x in (q, k, v)))))
-    untracked = jax.shard_map(local, in_specs=(spec,) * 3, out_specs=spec, axis_names=manual, check_vma=False)
-    backward = jax.shard_map(lambda q, k, v, ct: jax.vjp(local, q, k, v)[1](ct), in_specs=(spec,) * 4,
-                             out_specs=(spec,) * 3, axis_names=manual)
+    extra = () if segments is None else (segments,)
+    extra_specs = () if segments is None else (P(None, AXIS),)
+    outer = tuple(sorted(set().union(*(varying_axes(x) for x in (q, k, v, *extra)))))
+    untracked = jax.shard_map(local, in_specs=(spec,) * 3 + extra_specs, out_specs=spec, axis_names=manual,
+                              check_vma=False)
 
-    def forward(q, k, v):
-        out = untracked(q, k, v)
+    def pullback(q, k, v, *rest):
+        *fixed, ct = rest
+        return jax.vjp(lambda q, k, v: local(q, k, v, *fixed), q, k, v)[1](ct)
+
+    backward = jax.shard_map(pullback, in_specs=(spec,) * 3 + extra_specs + (spec,), out_specs=(spec,) * 3,
+                             axis_names=manual)
+
+    def forward(q, k, v, *fixed):
+        out = untracked(q, k, v, *fixed)
         return jax.lax.pcast(out, outer, to="varying") if outer else out
 
+    def backward_rule(saved, ct):
+        return (*backward(*saved, ct), *(None for _ in extra))
+
     layer = jax.custom_vjp(forward)
-    layer.defvjp(lambda q, k, v: (forward(q, k, v), (q, k, v)), lambda saved, ct: backward(*saved, ct))
-    return layer(q, k, v)
+    layer.defvjp(lambda *args: (forward(*args), args), backward_rule)
+    return layer(q, k, v, *extra)

@@ -1,0 +1,136 @@
+"""The arithmetic of masked softmax attention, shared by every form of `jaxpar.parallel.attention`.
+
+What decides which key a query sees and how a score is formed is one small
+value, `Scoring` (the sliding window, the logit soft cap, the scale); the
+document segment ids are arrays beside it. The plain and all-gather forms
+call `attend`; the ring form folds key blocks into an online softmax
+(`fold`) one at a time. Masked entries carry fp32's minimum as their score
+and, wherever a query row may see no key at all (padding of packed
+documents, a block the window hides from part of its rows), an exact zero
+weight: exp(min - peak) is 1, not 0, when the row's peak is that minimum too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+MASKED = jnp.finfo(jnp.float32).min  # the score of a key a query does not see
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """How a query's scores are formed (static: Python values, part of the compiled function).
+
+    window: None (every earlier key) or W: query i sees key j iff j <= i and i - j < W (Hugging Face's
+    sliding window; W = 1 sees only itself). softcap: None or c, scores -> c * tanh(scores / c) after
+    scaling, before masking (Gemma 2). scale: None (head_dim ** -0.5) or the multiplier of q . k.
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
+
+    def __post_init__(self):
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):
+            raise ValueError(f"window must be None or a Python int >= 1, got {self.window!r}")
+        if self.softcap is not None and not float(self.softcap) > 0:
+            raise ValueError(f"softcap must be None or a float > 0, got {self.softcap!r}")
+        if self.scale is not None and not float(self.scale) > 0:
+            raise ValueError(f"scale must be None or a float > 0, got {self.scale!r}")
+
+
+def raw_scores(q, k, scoring: Scoring):
+    """Scaled (and soft-capped) scores [batch, kv_heads, group, queries, keys] in fp32, unmasked.
+
+    q [batch, queries, heads, head_dim], k [batch, keys, kv_heads, head_dim]; query head h reads
+    key head h // (heads / kv_heads).
+    """
+    b, s, h, d = q.shape
+    grouped = q.reshape(b, s, k.shape[2], h // k.shape[2], d)
+    scores = jnp.einsum("bqngk,bsnk->bngqs", grouped, k).astype(jnp.float32)
+    if scoring.scale is None:
+        scores = scores / jnp.sqrt(d).astype(jnp.float32)
+    else:
+        scores = scores * jnp.float32(scoring.scale)
+    if scoring.softcap is not None:
+        cap = jnp.float32(scoring.softcap)
+        scores = cap * jnp.tanh(scores / cap)
+    return scores
+
+
+def visible(q_pos, k_pos, window: int | None, q_seg=None, k_seg=None):
+    """Which keys each query sees: [queries, keys], or [batch, queries, keys] with segment ids [batch, *].
+
+    Causal (and within the window) by sequence index; with segment ids also in the same document,
+    and a padding query (segment 0) sees nothing.
+    """
+    mask = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+    if q_seg is not None:
+        same = (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg[:, :, None] != 0)
+        mask = mask[None] & same
+    return mask
+
+
+def on_scores(mask):
+    """A `visible` mask broadcast against scores [batch, kv_heads, group, queries, keys]."""
+    return mask if mask.ndim == 2 else mask[:, None, None]
+
+
+def attend(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=None):
+    """Plain masked softmax attention of queries at `q_pos` to keys at `k_pos`; a query seeing no key gives 0."""
+    mask = on_scores(visible(q_pos, k_pos, scoring.window, q_seg, k_seg))
+    scores = jnp.where(mask, raw_scores(q, k, scoring), MASKED)
+    weights = jax.nn.softmax(scores, axis=-1)
+    if q_seg is not None:  # padding rows see nothing: their softmax is uniform, their weights must be 0
+        weights = jnp.where(mask, weights, 0.0)
+    return weighted(weights.astype(v.dtype), v, q.shape)
+
+
+def weighted(weights, v, q_shape):
+    """Weights [b, kv_heads, group, q, s] times values [b, s, kv_heads, head_dim], as [b, q, heads, head_dim]."""
+    return jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(q_shape)
+
+
+def values(weights, v):
+    """Softmax weights [b, kv_heads, group, q, s] times values [b, s, kv_heads, head_dim], in fp32."""
+    return jnp.einsum("bngqs,bsnk->bngqk", weights.astype(v.dtype), v).astype(jnp.float32)
+
+
+def start(scores, v, mask=None):
+    """The online-softmax state (running peak, weight total, weighted values) of a first block of keys.
+
+    `mask` (None: every row sees a key of this block) zeroes the weights of masked entries.
+    """
+    peak = jnp.max(scores, axis=-1)
+    weights = jnp.exp(scores - peak[..., None])
+    if mask is not None:
+        weights = jnp.where(mask, weights, 0.0)
+    return peak, jnp.sum(weights, axis=-1), values(weights, v)
+
+
+def fold(state, scores, v, mask=None):
+    """The online-softmax state with one more block of keys (`mask` as in `start`)."""
+    peak, total, acc = state
+    new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+    weights, fade = jnp.exp(scores - new_peak[..., None]), jnp.exp(peak - new_peak)
+    if mask is not None:
+        weights = jnp.where(mask, weights, 0.0)
+    return new_peak, total * fade + jnp.sum(weights, axis=-1), acc * fade[..., None] + values(weights, v)
+
+
+def finish(state, dtype, guarded: bool):
+    """The attention output [b, kv_heads, group, q, head_dim] of a folded state.
+
+    `guarded`: some row may have seen no key (total 0, acc 0): its output is 0, and no 0/0 reaches
+    the gradient either.
+    """
+    _, total, acc = state
+    if guarded:
+        total = jnp.where(total > 0, total, 1.0)
+    return (acc / total[..., None]).astype(dtype)

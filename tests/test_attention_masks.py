@@ -1,0 +1,204 @@
+"""Attention options (sliding window, logit soft cap, query scale) against an independent plain-JAX reference.
+
+The reference below is its own few lines of masked softmax attention (Hugging Face's semantics:
+query i sees key j iff j <= i and i - j < window; scores * scale, then c * tanh(scores / c), then
+the mask), sharing no code with jaxpar. Each form compiles once per option set (module fixtures).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import reference as ref
+from helpers import copy_state, gradients, max_relative_error, reference_state, single_device_plan
+from jaxpar.models import llama
+from jaxpar.core.plan import Plan
+from jaxpar.parallel import attention
+from jaxpar.train.state import abstract_state
+from jaxpar.train.step import make_train_step
+
+OPTIONS = [
+    {"window": 5},
+    {"window": 1},
+    {"softcap": 1.5, "scale": 0.6},
+    {"window": 10, "softcap": 2.0, "scale": 0.25},
+]
+OPTION_IDS = ["-".join(f"{k}={v}" for k, v in o.items()) for o in OPTIONS]
+
+
+def reference_attention(q, k, v, window=None, softcap=None, scale=None):
+    """Masked softmax attention in plain JAX: q [b, s, heads, d], k and v [b, s, kv_heads, d]."""
+    s, d = q.shape[1], q.shape[-1]
+    repeat = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d**-0.5 if scale is None else scale)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    seen = (j <= i) & ((i - j < window) if window is not None else True)
+    logits = jnp.where(seen, logits, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    keys = iter(jax.random.split(jax.random.key(7), 4))
+    q = jax.random.normal(next(keys), (4, 32, 4, 8))
+    k, v = (jax.random.normal(next(keys), (4, 32, 2, 8)) for _ in range(2))
+    return q, k, v, jax.random.normal(next(keys), q.shape)
+
+
+def value_and_grads(attend, q, k, v, weights):
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(attend(q, k, v) * weights), argnums=(0, 1, 2)))(q, k, v)
+
+
+@pytest.fixture(scope="module")
+def reference_of(inputs):
+    """options -> the reference's (value, grads) on `inputs`, each computed once."""
+    done = {}
+
+    def get(options: dict):
+        key = tuple(sorted(options.items()))
+        if key not in done:
+            done[key] = jax.device_get(value_and_grads(functools.partial(reference_attention, **options), *inputs))
+        return done[key]
+
+    return get
+
+
+def relative_errors(got, want) -> tuple[float, float]:
+    (value, grads), (ref_value, ref_grads) = got, want
+    return abs(float(value) / float(ref_value) - 1), max_relative_error(grads, ref_grads)
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_plain_form_matches_reference_forward_and_backward(inputs, reference_of, options):
+    got = jax.device_get(value_and_grads(functools.partial(attention.causal_attention, **options), *inputs))
+    value_error, grad_error = relative_errors(got, reference_of(options))
+    assert value_error <= 1e-5 and grad_error <= 1e-5, (value_error, grad_error)
+
+
+def test_the_options_change_the_result(reference_of):
+    """The reference itself tells the options apart (so the comparisons above test them)."""
+    plain = reference_of({})[0]
+    assert all(abs(float(reference_of(o)[0]) - float(plain)) > 1e-3 * abs(float(plain)) for o in OPTIONS)
+
+
+def test_window_of_the_whole_sequence_is_global(inputs):
+    q, k, v, _ = inputs
+    assert np.array_equal(attention.causal_attention(q, k, v, window=32), attention.causal_attention(q, k, v))
+
+
+@pytest.mark.parametrize("bad, match", [({"window": 0}, "window must be None or a Python int >= 1"),
+                                        ({"window": 2.5}, "window must be"),
+                                        ({"softcap": 0.0}, "softcap must be"), ({"scale": -1.0}, "scale must be")])
+def test_bad_options_are_refused(inputs, bad, match):
+    q, k, v, _ = inputs
+    with pytest.raises(ValueError, match=match):
+        attention.causal_attention(q, k, v, **bad)
+
+
+# -- the model: Mistral's uniform window and Gemma 2's alternating local/global layers ---------------------------
+
+GEMMA_LIKE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                               seq_len=16, sliding_window=3, sliding_pattern=2, attn_softcap=2.0, query_scale=0.3)
+
+
+def test_layer_pattern():
+    assert [llama.layer_window(GEMMA_LIKE, i) for i in range(4)] == [3, None, 3, None]
+    mistral = llama.LlamaConfig(sliding_window=5)
+    assert [llama.layer_window(mistral, i) for i in range(4)] == [5] * 4
+    assert llama.layer_config(mistral, 1) is mistral
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"sliding_pattern": 2}, "sliding_window is None"),
+    ({"sliding_window": 4, "sliding_pattern": 3}, "n_layers=4 is not a multiple of sliding_pattern=3"),
+    ({"sliding_window": 0}, "sliding_window must be"),
+    ({"sliding_pattern": 0}, "sliding_pattern must be"),
+    ({"attn_softcap": -1.0}, "attn_softcap must be"),
+])
+def test_config_refuses_bad_attention_fields(fields, match):
+    with pytest.raises(ValueError, match=match):
+        llama.LlamaConfig(**fields)
+
+
+def reference_loss(params, batch, cfg):
+    """The dense model with per-layer windows, soft cap and scale, from tests/reference.py's parts."""
+    x = ref.embed(params, batch["inputs"])
+    for i in range(cfg.n_layers):
+        p = ref.layer(params["blocks"], i)
+        h = ref.norm(x, p["attn_norm"], cfg.norm_eps)
+        q, k, v = (jnp.einsum("bsd,dhk->bshk", h, p[w]) for w in ("wq", "wk", "wv"))
+        q, k = ref.rope(q, cfg.rope_theta), ref.rope(k, cfg.rope_theta)
+        window = cfg.sliding_window if (i + 1) % cfg.sliding_pattern else None
+        out = reference_attention(q, k, v, window, cfg.attn_softcap, cfg.query_scale)
+        x = x + jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
+        x = x + ref.swiglu(ref.norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate"], p["w_up"], p["w_down"])
+    return ref.cross_entropy(params, x, batch["targets"], cfg)
+
+
+@pytest.fixture(scope="module")
+def gemma_like():
+    """The model definition, its initial parameters and a batch."""
+    model, state, _ = reference_state(GEMMA_LIKE)
+    tokens = jax.random.randint(jax.random.key(1), (4, GEMMA_LIKE.seq_len + 1), 0, GEMMA_LIKE.vocab)
+    return model, copy_state(state.params), {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@pytest.fixture(scope="module")
+def gemma_like_reference(gemma_like):
+    _, params, batch = gemma_like
+    return jax.device_get(jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)(params, batch, GEMMA_LIKE))
+
+
+def test_layers_run_their_own_windows_forward_and_backward(gemma_like, gemma_like_reference):
+    model, params, batch = gemma_like
+    loss, grads = gradients(model, params, batch, single_device_plan())
+    want_loss, want_grads = gemma_like_reference
+    assert abs(float(loss) / float(want_loss) - 1) <= 1e-5
+    assert max_relative_error(grads, want_grads) <= 1e-5
+
+
+def test_decode_with_a_window_equals_the_full_forward(gemma_like):
+    """Token-by-token decode through the KV cache (keys beyond a local layer's window masked) gives the logits
+    of the inference forward over the whole sequence, and those equal the training path's blocks."""
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(llama.Llama(GEMMA_LIKE, nnx.Rngs(0)))
+    tokens = gemma_like[2]["inputs"][:2, :12]
+    decode = jax.jit(lambda state, tokens, cache: nnx.merge(graphdef, state).decode(tokens, cache))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def forwards(state, tokens, cfg):
+        model = nnx.merge(graphdef, state)
+        model.cfg = cfg
+        trained = llama._logits_of(model, llama.run_layers(model.blocks.stacked(), model.embed(tokens), cfg))
+        return model.logits(tokens), trained
+
+    full, trained = forwards(state, tokens, GEMMA_LIKE)
+    assert max_relative_error(trained, full) <= 1e-5
+    logits, cache = decode(state, tokens[:, :4], llama.init_cache(GEMMA_LIKE, 2, 12))
+    steps = [logits]
+    for t in range(4, 12):
+        logits, cache = decode(state, tokens[:, t:t + 1], cache)
+        steps.append(logits)
+    assert max_relative_error(jnp.concatenate(steps, axis=1), full) <= 1e-5
+    unwindowed, _ = forwards(state, tokens, dataclasses.replace(GEMMA_LIKE, sliding_window=None, sliding_pattern=1))
+    assert max_relative_error(unwindowed[:, 4:], full[:, 4:]) > 1e-3  # the window does act
+
+
+def test_pipeline_chunks_that_would_break_the_layer_pattern_are_refused_before_compiling(gemma_like):
+    """pipe=2 x virtual_stages=2 cuts 4 layers into chunks of 1: a chunk's first layer would not keep its
+    global layer index's parity."""
+    model, _, batch = gemma_like
+    plan = Plan.create("pipe=2", devices=jax.devices()[:2], schedule="interleaved", microbatches=2, virtual_stages=2)
+    step = make_train_step(model, lambda m, b: m(b), optax.sgd(0.1), plan)
+    with pytest.raises(ValueError, match=r"chunk of 1 layers \(pipe=2 x virtual_stages=2 chunks\) is not a multiple "
+                                         r"of sliding_pattern=2"):
+        step.lower(abstract_state(model, optax.sgd(0.1), plan), batch)
