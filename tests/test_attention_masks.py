@@ -19,7 +19,7 @@ import reference as ref
 from helpers import copy_state, gradients, max_relative_error, reference_state, single_device_plan
 from jaxpar.models import llama
 from jaxpar.core.plan import Plan
-from jaxpar.parallel import attention
+from jaxpar.parallel import attention, attention_ring
 from jaxpar.train.state import abstract_state
 from jaxpar.train.step import make_train_step
 
@@ -104,6 +104,52 @@ def test_bad_options_are_refused(inputs, bad, match):
         attention.causal_attention(q, k, v, **bad)
 
 
+# -- context parallelism: both forms, alone with data and with the heads over tensor -------------------------------
+
+CONTEXT_CASES = [
+    ("data=2,context=4", "all-gather", {"window": 10, "softcap": 2.0, "scale": 0.25}),
+    ("data=2,context=4", "ring", {"window": 10, "softcap": 2.0, "scale": 0.25}),
+    ("data=2,context=4", "ring", {"window": 5}),  # ring step 2 is hidden from every rank: skipped
+    ("data=2,context=2,tensor=2", "all-gather", {"window": 6, "softcap": 1.5}),
+    ("data=2,context=2,tensor=2", "ring", {"window": 6, "softcap": 1.5}),
+]
+CONTEXT_IDS = [f"{mesh}-{form}-" + "-".join(f"{k}={v}" for k, v in o.items()) for mesh, form, o in CONTEXT_CASES]
+
+
+def context_value_and_grads(mesh: str, form: str, options: dict, inputs):
+    """(value, grads) under the plan, the inputs in its sequence order and the gradients back in natural order."""
+    plan = Plan.create(mesh, context_form=form)
+    with plan.activate():
+        order = np.asarray(attention.positions(inputs[0].shape[1]))
+        value, grads = jax.device_get(value_and_grads(functools.partial(attention.causal_attention, **options),
+                                                      *(x[:, order] for x in inputs)))
+    inverse = np.argsort(order)
+    return value, tuple(g[:, inverse] for g in grads)
+
+
+@pytest.mark.parametrize("mesh, form, options", CONTEXT_CASES, ids=CONTEXT_IDS)
+def test_context_forms_match_reference_forward_and_backward(inputs, reference_of, mesh, form, options):
+    got = context_value_and_grads(mesh, form, options, inputs)
+    value_error, grad_error = relative_errors(got, reference_of(options))
+    assert value_error <= 1e-5 and grad_error <= 1e-5, (value_error, grad_error)
+
+
+@pytest.mark.parametrize("ways, chunk, window", [(4, 4, 10), (4, 4, 5), (4, 3, 1), (8, 2, 7), (3, 5, None), (2, 4, 6)])
+def test_ring_block_plan_is_what_the_mask_says(ways, chunk, window):
+    """Each rank's static plan per step names exactly the visible (query chunk, key chunk) pairs, and marks
+    as cut exactly those the window hides in part."""
+    order = attention.balanced_order(2 * ways * chunk, ways).reshape(ways, 2, chunk)
+    plan = attention_ring.block_plan(ways, chunk, window)
+    for step in range(1, ways):
+        for rank in range(ways):
+            queries, keys = order[rank], order[(rank - step) % ways]
+            seen = [[(q[:, None] >= k[None, :]) & ((q[:, None] - k[None, :] < window) if window else True)
+                     for k in keys] for q in queries]
+            fold = plan[step][rank]
+            assert fold.keys == tuple(tuple(i for i in range(2) if row[i].any()) for row in seen)
+            assert fold.cut == tuple(any(row[i].any() and not row[i].all() for i in range(2)) for row in seen)
+
+
 # -- the model: Mistral's uniform window and Gemma 2's alternating local/global layers ---------------------------
 
 GEMMA_LIKE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
@@ -158,9 +204,18 @@ def gemma_like_reference(gemma_like):
     return jax.device_get(jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)(params, batch, GEMMA_LIKE))
 
 
-def test_layers_run_their_own_windows_forward_and_backward(gemma_like, gemma_like_reference):
+MODEL_PLANS = {
+    "one-device": lambda: single_device_plan(),
+    # each stage a contiguous pair of layers (local, global)
+    "pipe=2-1f1b": lambda: Plan.create("pipe=2", devices=jax.devices()[:2], schedule="1f1b", microbatches=2),
+    "data=2,context=4-ring": lambda: Plan.create("data=2,context=4", context_form="ring"),
+}
+
+
+@pytest.mark.parametrize("plan", [*MODEL_PLANS][:2] + [pytest.param(p, marks=pytest.mark.slow) for p in [*MODEL_PLANS][2:]])
+def test_layers_run_their_own_windows_forward_and_backward(gemma_like, gemma_like_reference, plan):
     model, params, batch = gemma_like
-    loss, grads = gradients(model, params, batch, single_device_plan())
+    loss, grads = gradients(model, params, batch, MODEL_PLANS[plan]())
     want_loss, want_grads = gemma_like_reference
     assert abs(float(loss) / float(want_loss) - 1) <= 1e-5
     assert max_relative_error(grads, want_grads) <= 1e-5
