@@ -12,13 +12,21 @@ from typing import Any, Callable
 from flax import nnx
 
 from jaxpar.models.llama import CONFIGS as LLAMA_CONFIGS
-from jaxpar.models.llama import Llama
+from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
 from jaxpar.models.moe import MoeLlama
+
+# Gemma 2 9B's published shape (google/gemma-2-9b): local (4096-token window) and global layers alternating,
+# soft caps 50 (attention) and 30 (logits), query_pre_attn_scalar 256 = head_dim (the default scale)
+GEMMA2_9B = LlamaConfig(vocab=256000, d_model=3584, n_layers=42, n_heads=16, n_kv_heads=8, head_dim=256, d_ff=14336,
+                        seq_len=8192, tie_embeddings=True, norm_eps=1e-6, mlp_activation="gelu_tanh",
+                        norm_plus_one=True, embed_scale=True, post_norms=True, final_softcap=30.0, attn_softcap=50.0,
+                        sliding_window=4096, sliding_pattern=2)
 
 MODELS: dict[str, tuple[Callable[..., nnx.Module], Any]] = {
     **{name: (Llama, config) for name, config in LLAMA_CONFIGS.items()},
     **{name: (MoeLlama, config) for name, config in MOE_CONFIGS.items()},
+    "gemma2-9b": (Llama, GEMMA2_9B),
 }
 
 

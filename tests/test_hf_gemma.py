@@ -176,7 +176,7 @@ def test_refuses_what_gemma_cannot_represent(fields, message):
 
 # -- Gemma 2 training equals the plain-JAX reference (tests/reference.py writes Gemma's options out on its own) ----
 
-GEMMA2 = LlamaConfig(vocab=250, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16,
+GEMMA2 = LlamaConfig(vocab=250, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16,
                      tie_embeddings=True, final_softcap=2.0, attn_softcap=1.0, query_scale=0.5, sliding_window=4,
                      sliding_pattern=2, **hf_config.family_options("gemma2"))
 # (mesh, plan options, in the default run). The cells off by default (-m slow; they pass) keep the suite's time:
@@ -190,7 +190,7 @@ STRATEGIES = {
     "context4-all-gather": ("data=2,context=4", {"context_form": "all-gather"}, True),
     "context4-ring": ("data=2,context=4", {"context_form": "ring"}, False),
     "pipe2-1f1b": ("data=2,pipe=2", {"schedule": "1f1b"}, False),
-    "pipe2-interleaved": ("data=2,pipe=2", {"schedule": "interleaved", "virtual_stages": 2}, False),
+    "pipe2-interleaved": ("data=2,pipe=2", {"schedule": "interleaved", "virtual_stages": 2}, False),  # 8 layers
     "zero1": ("data=8", {"zero": 1}, False),
     "zero2": ("data=8", {"zero": 2}, False),
     "zero3": ("data=8", {"zero": 3}, True),
@@ -199,18 +199,29 @@ STRATEGIES = {
 
 @pytest.fixture(scope="module")
 def gemma2_reference():
-    """The initial state, 2 batches and the reference's losses and parameters after 2 SGD steps."""
+    """n_layers -> (model, initial state, optimizer, 2 batches, the reference's result after 2 SGD steps), made once."""
+    made = {}
+
+    def of(n_layers: int):
+        if n_layers not in made:
+            made[n_layers] = _reference(dataclasses.replace(GEMMA2, n_layers=n_layers))
+        return made[n_layers]
+
+    return of
+
+
+def _reference(cfg: LlamaConfig):
     optimizer = optax.sgd(0.5)
-    model, state = init_state(lambda: Llama(GEMMA2, nnx.Rngs(0)), optimizer, single_device_plan())
+    model, state = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optimizer, single_device_plan())
     params = jax.tree.map(np.array, state.params)  # (1 + w) norms start at w = 0: move them so the convention matters
     rng = np.random.default_rng(1)
     for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
         params["blocks"][name] = rng.normal(0, 0.3, params["blocks"][name].shape).astype(np.float32)
     params["final_norm"] = rng.normal(0, 0.3, params["final_norm"].shape).astype(np.float32)
     state = dataclasses.replace(state, params=params)
-    batches = [{"inputs": jnp.asarray(rng.integers(0, GEMMA2.vocab, (8, GEMMA2.seq_len)), jnp.int32),
-                "targets": jnp.asarray(rng.integers(0, GEMMA2.vocab, (8, GEMMA2.seq_len)), jnp.int32)} for _ in range(2)]
-    expected = reference_lib.train(reference_lib.loss_fn(GEMMA2), copy_state(state).params, batches, optimizer)
+    batches = [{"inputs": jnp.asarray(rng.integers(0, cfg.vocab, (8, cfg.seq_len)), jnp.int32),
+                "targets": jnp.asarray(rng.integers(0, cfg.vocab, (8, cfg.seq_len)), jnp.int32)} for _ in range(2)]
+    expected = reference_lib.train(reference_lib.loss_fn(cfg), copy_state(state).params, batches, optimizer)
     return model, state, optimizer, batches, expected
 
 
@@ -219,8 +230,9 @@ def gemma2_reference():
 def test_gemma2_training_matches_the_single_device_reference(strategy, gemma2_reference):
     """2 SGD steps of Gemma 2: GeGLU, (1 + w) norms, post-norms, scaled tied embeddings, capped logits and scores,
     its query scale and local (window 4) / global layers."""
-    model, state, optimizer, batches, expected = gemma2_reference
     mesh, options, _ = STRATEGIES[strategy]
+    # interleaved: 2 stages x 2 virtual stages, each chunk one whole local/global pattern of 2 layers
+    model, state, optimizer, batches, expected = gemma2_reference(8 if "virtual_stages" in options else 4)
     plan = Plan.create(mesh, devices=jax.devices()[: 4 if mesh.endswith("2") else 8], **options)
     placed = place_state(copy_state(state), model, optimizer, plan)
     step = make_train_step(model, lambda m, b: m(b), optimizer, plan)

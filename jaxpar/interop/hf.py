@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Qwen3) in and out: weights read shard by shard, safetensors written back.
+"""Hugging Face checkpoints (the families of hf_config.FAMILIES) in and out: read shard by shard, written as safetensors.
 
 The built-in Llama computes the same function as `transformers.LlamaForCausalLM`
 (half-split rotary, so q/k need no permutation); only layouts differ. A jaxpar
@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxpar.interop.export import unflatten
-from jaxpar.interop.hf_families import LAYER_PARAMS, TOP_PARAMS, expected_hf_shapes, jaxpar_shapes, layer_params
+from jaxpar.interop.hf_families import TOP_PARAMS, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
                                       resolve_source)
 from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader, on_host

@@ -166,12 +166,23 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     model = describe(make_model)
     optimizer = make_optimizer(config)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
+    _check_layer_pattern(mcfg, plan)
     streams = training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
     batches, heldout = _batches(config, mcfg.vocab, name, streams)
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
     return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn, mfu, heldout)
+
+
+def _check_layer_pattern(mcfg, plan: Plan) -> None:
+    """Each pipeline chunk must hold whole local/global attention patterns (Gemma 2's pairs), checked before tracing."""
+    pattern = getattr(mcfg, "sliding_pattern", 1) if getattr(mcfg, "sliding_window", None) else 1
+    chunks = plan.shape["pipe"] * plan.virtual_stages if plan.shape["pipe"] > 1 else 1
+    if pattern > 1 and mcfg.n_layers % (chunks * pattern):
+        raise ValueError(f"n_layers={mcfg.n_layers} do not cut into pipe={plan.shape['pipe']} x virtual_stages="
+                         f"{plan.virtual_stages} chunks of whole local/global patterns (sliding_pattern={pattern}); "
+                         f"choose pipe x virtual_stages dividing n_layers / {pattern} = {mcfg.n_layers // pattern}")
 
 
 def scalar_metrics(metrics: dict) -> dict[str, Any]:
