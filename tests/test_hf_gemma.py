@@ -243,3 +243,28 @@ def test_gemma2_training_matches_the_single_device_reference(strategy, gemma2_re
     assert np.max(np.abs(np.array(losses) / expected.losses - 1)) <= 1e-5, (losses, expected.losses)
     params = to_natural_order(jax.device_get(placed.params), model.logical, plan)
     assert max_relative_error(params, expected.params) <= 1e-5
+
+
+def test_planner_counts_the_gemma2_parameters():
+    """The planner's inventory and param_count include the post-norms; gemma2-9b has the published 9,241,705,984."""
+    from jaxpar.models import MODELS
+    from jaxpar.planner.model import leaves_of, llama_leaves
+    from jaxpar.train.state import describe
+
+    counted = llama_leaves(GEMMA2)
+    traced = leaves_of(describe(lambda: Llama(GEMMA2, nnx.Rngs(0))).logical)
+    assert sorted((a.shape, a.names) for a in counted) == sorted((a.shape, a.names) for a in traced)
+    assert sum(a.size for a in counted) == GEMMA2.param_count()
+    assert MODELS["gemma2-9b"][1].param_count() == 9_241_705_984
+
+
+def test_a_checkpoint_from_before_the_gemma_options_is_the_same_llama():
+    """Resuming a checkpoint written before these options existed reads them as off (mlp_activation: 'silu')."""
+    from jaxpar.train.checkpoint import _with_later_options_off, differences
+
+    current = dataclasses.asdict(LlamaConfig())
+    new = ("mlp_activation", "norm_plus_one", "embed_scale", "post_norms", "final_softcap")
+    saved = {k: v for k, v in current.items() if k not in new}
+    assert differences(_with_later_options_off(saved, current), current) == []
+    gemma = {**current, "mlp_activation": "gelu_tanh"}
+    assert differences(_with_later_options_off(saved, gemma), gemma) == ["mlp_activation: (absent) -> gelu_tanh"]
