@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.core.trace import active_plan
+from jaxpar.models import layer_pattern
+from jaxpar.models.layer_pattern import layer_config, layer_window  # noqa: F401 (the families' API)
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import attention_math
-from jaxpar.parallel import tensor, zero
+from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
 from jaxpar.parallel.vocab import softcap
@@ -86,7 +87,7 @@ class LlamaConfig:
             raise ValueError(f"mlp_activation must be one of {tuple(ACTIVATIONS)}, got {self.mlp_activation!r}")
         if self.final_softcap is not None and not self.final_softcap > 0:
             raise ValueError(f"final_softcap must be None or > 0, got {self.final_softcap}")
-        _check_attention_options(self)
+        layer_pattern.check(self)
 
     @property
     def padded_vocab(self) -> int:
@@ -103,47 +104,6 @@ class LlamaConfig:
         block = 2 * d + d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f
         block += hd * (h + 2 * kv) * self.qkv_bias + 2 * hd * self.qk_norm + 2 * d * self.post_norms
         return n * block + v * d * (1 if self.tie_embeddings else 2) + d
-
-
-def _check_attention_options(cfg: LlamaConfig) -> None:
-    if cfg.sliding_window is not None and (isinstance(cfg.sliding_window, bool) or not isinstance(cfg.sliding_window, int)
-                                           or cfg.sliding_window < 1):
-        raise ValueError(f"sliding_window must be None or an int >= 1, got {cfg.sliding_window!r}")
-    if isinstance(cfg.sliding_pattern, bool) or not isinstance(cfg.sliding_pattern, int) or cfg.sliding_pattern < 1:
-        raise ValueError(f"sliding_pattern must be an int >= 1, got {cfg.sliding_pattern!r}")
-    if cfg.sliding_pattern > 1 and cfg.sliding_window is None:
-        raise ValueError(f"sliding_pattern={cfg.sliding_pattern} alternates local and global layers but "
-                         "sliding_window is None: set the local layers' window")
-    if cfg.sliding_pattern > 1 and cfg.n_layers % cfg.sliding_pattern:
-        raise ValueError(f"n_layers={cfg.n_layers} is not a multiple of sliding_pattern={cfg.sliding_pattern}: "
-                         "the layers run in groups of one pattern each")
-    for name in ("attn_softcap", "query_scale"):
-        value = getattr(cfg, name)
-        if value is not None and not (isinstance(value, (int, float)) and value > 0):
-            raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
-
-
-def layer_window(cfg: LlamaConfig, layer: int) -> int | None:
-    """The sliding window of layer `layer` (None: a global layer); see LlamaConfig.sliding_pattern."""
-    if cfg.sliding_window is None or (cfg.sliding_pattern > 1 and (layer + 1) % cfg.sliding_pattern == 0):
-        return None
-    return cfg.sliding_window
-
-
-def layer_config(cfg: LlamaConfig, layer: int) -> LlamaConfig:
-    """`cfg` for one layer of its pattern: its own window (or none), sliding_pattern 1; `cfg` itself if uniform."""
-    if cfg.sliding_pattern == 1:
-        return cfg
-    return dataclasses.replace(cfg, sliding_window=layer_window(cfg, layer), sliding_pattern=1)
-
-
-def attention_options(cfg: LlamaConfig) -> dict:
-    """`causal_attention`'s keyword options for a layer of `cfg` (one whose pattern `layer_config` resolved)."""
-    if cfg.sliding_pattern > 1:
-        raise ValueError(f"sliding_pattern={cfg.sliding_pattern}: which layers are local depends on the layer "
-                         "index; run the blocks with models.llama.run_layers (or give each block "
-                         "layer_config(cfg, i))")
-    return {"window": cfg.sliding_window, "softcap": cfg.attn_softcap, "scale": cfg.query_scale}
 
 
 CONFIGS: dict[str, LlamaConfig] = {
@@ -254,7 +214,7 @@ def attention(p, x, cfg: LlamaConfig):
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
     # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
     q, k, v = query_key_value(p, x, cfg, positions=None)
-    out = constrain(attention_lib.causal_attention(q, k, v, **attention_options(cfg)), Q_NAMES)
+    out = constrain(attention_lib.causal_attention(q, k, v, **layer_pattern.attention_options(cfg)), Q_NAMES)
     return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
 
 
@@ -326,24 +286,9 @@ def run_layers(stacked: dict[str, jax.Array], x, cfg: LlamaConfig, remat: Callab
     `remat` defaults to the active plan's policy; under ZeRO-2/3 each layer's
     parameters are gathered inside the scan, just before the block uses them.
     """
-    pattern = cfg.sliding_pattern
-    if pattern == 1:
-        return scan_layers(lambda p, h: block(p, h, cfg), stacked, x, remat=remat)
-    layers = jax.tree.leaves(stacked)[0].shape[0]
-    if layers % pattern:
-        plan = active_plan()
-        cut = "" if plan is None else f" (pipe={plan.shape['pipe']} x virtual_stages={plan.virtual_stages} chunks)"
-        raise ValueError(f"a pipeline chunk of {layers} layers{cut} is not a multiple of sliding_pattern={pattern}: "
-                         f"each chunk must start a local/global pattern so that layer i stays global iff "
-                         f"(i + 1) % {pattern} == 0; choose pipe x virtual_stages so that n_layers={cfg.n_layers} / "
-                         f"(pipe x virtual_stages) divides by {pattern}")
-
-    def group(p, h):  # one pattern's blocks, each with its own static window
-        for i in range(pattern):
-            h = block(jax.tree.map(lambda a: a[i], p), h, layer_config(cfg, i))
-        return h
-
-    return scan_layers(group, zero.regroup(stacked, layers // pattern), x, remat=remat)
+    if cfg.sliding_pattern > 1:  # local and global layers: windows are static per layer (models.layer_pattern)
+        return layer_pattern.run_groups(block, stacked, x, cfg, remat)
+    return scan_layers(lambda p, h: block(p, h, cfg), stacked, x, remat=remat)
 
 
 def embed_tokens(table, tokens, cfg: LlamaConfig | None = None):
@@ -435,7 +380,7 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
     kv = (k, v) [batch, slots, kv_heads, head_dim] the new keys and values are
     written at slots index..index+seq and the queries attend to every earlier
     slot (key_mask [batch, slots]). `window` (None: global; an int or a traced
-    scalar, see `layer_window`) hides keys W or more slots older than the query,
+    scalar, see `layer_pattern.layer_window`) hides keys W or more slots older than the query,
     as Hugging Face measures it (cache positions: left padding counts). cfg's
     soft cap and query scale apply. Returns (output, (k, v)).
     """
@@ -464,7 +409,7 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
 def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None):
     """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer)."""
 
-    windows = _layer_windows(cfg)
+    windows = layer_pattern.layer_windows(cfg)
 
     def body(h, layer):
         p, kv, *window = layer
@@ -475,14 +420,6 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
         return residual_add(p, h, out, "post_mlp_norm", cfg), kv
 
     return jax.lax.scan(body, x, (stacked, cache, *windows))
-
-
-def _layer_windows(cfg: LlamaConfig) -> tuple:
-    """() without a window; else (each layer's window [n_layers], a global layer's beyond any distance)."""
-    if cfg.sliding_window is None:
-        return ()
-    wide = np.iinfo(np.int32).max
-    return (jnp.asarray([wide if (w := layer_window(cfg, i)) is None else w for i in range(cfg.n_layers)], jnp.int32),)
 
 
 def padded_positions(mask):

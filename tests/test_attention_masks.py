@@ -1,8 +1,10 @@
-"""Attention options (sliding window, logit soft cap, query scale) against an independent plain-JAX reference.
+"""Attention options (sliding window, logit soft cap, query scale) and packed documents, in every form.
 
 The reference below is its own few lines of masked softmax attention (Hugging Face's semantics:
 query i sees key j iff j <= i and i - j < window; scores * scale, then c * tanh(scores / c), then
-the mask), sharing no code with jaxpar. Each form compiles once per option set (module fixtures).
+the mask), sharing no code with jaxpar; packed rows are checked against each document attended
+alone by it. The model-level checks run tests/reference.py's parts with per-layer windows. The
+context forms run under data=2,context=4 and with the heads over tensor; each case compiles once.
 """
 
 import dataclasses
@@ -19,7 +21,7 @@ import reference as ref
 from helpers import copy_state, gradients, max_relative_error, reference_state, single_device_plan
 from jaxpar.models import llama
 from jaxpar.core.plan import Plan
-from jaxpar.parallel import attention, attention_ring
+from jaxpar.parallel import attention, attention_ring, documents
 from jaxpar.train.state import abstract_state
 from jaxpar.train.step import make_train_step
 
@@ -95,7 +97,7 @@ def test_window_of_the_whole_sequence_is_global(inputs):
     assert np.array_equal(attention.causal_attention(q, k, v, window=32), attention.causal_attention(q, k, v))
 
 
-@pytest.mark.parametrize("bad, match", [({"window": 0}, "window must be None or a Python int >= 1"),
+@pytest.mark.parametrize("bad, match", [({"window": 0}, "window must be None or an int >= 1"),
                                         ({"window": 2.5}, "window must be"),
                                         ({"softcap": 0.0}, "softcap must be"), ({"scale": -1.0}, "scale must be")])
 def test_bad_options_are_refused(inputs, bad, match):
@@ -148,6 +150,105 @@ def test_ring_block_plan_is_what_the_mask_says(ways, chunk, window):
             fold = plan[step][rank]
             assert fold.keys == tuple(tuple(i for i in range(2) if row[i].any()) for row in seen)
             assert fold.cut == tuple(any(row[i].any() and not row[i].all() for i in range(2)) for row in seen)
+
+
+# -- packed documents: attention never crosses a document boundary, in every form ---------------------------------
+
+LAYOUT = [[10, 7, 11], [5, 20, 3], [32], [1, 2, 25]]  # each row's documents, padding after them (segment 0)
+PACKED_CASES = [
+    (None, None, {"window": 6, "softcap": 2.0}),
+    ("data=2,context=4", "all-gather", {"window": 6, "softcap": 2.0}),
+    ("data=2,context=4", "ring", {"window": 6, "softcap": 2.0}),  # blocks the window cuts or hides, per rank
+    ("tensor=2", None, {}),
+    ("data=2,context=2,tensor=2", "ring", {}),  # whole blocks, masked by the documents only
+]
+PACKED_IDS = [f"{mesh or 'plain'}-{form or ''}-" + "-".join(f"{k}={v}" for k, v in o.items())
+              for mesh, form, o in PACKED_CASES]
+
+
+def packed_segment_ids(seq: int = 32) -> np.ndarray:
+    ids = np.zeros((len(LAYOUT), seq), np.int32)
+    for row, lengths in enumerate(LAYOUT):
+        ends = np.cumsum(lengths)
+        for doc, (start, end) in enumerate(zip(ends - lengths, ends)):
+            ids[row, start:end] = doc + 1
+    return ids
+
+
+def reference_packed(q, k, v, **options):
+    """Each document of each row attended alone by `reference_attention`; padding rows give 0."""
+    rows = []
+    for row, lengths in enumerate(LAYOUT):
+        parts, start = [], 0
+        for n in lengths:
+            span = slice(start, start + n)
+            parts.append(reference_attention(q[row:row + 1, span], k[row:row + 1, span], v[row:row + 1, span],
+                                             **options))
+            start += n
+        parts.append(jnp.zeros_like(q[row:row + 1, start:]))
+        rows.append(jnp.concatenate(parts, axis=1))
+    return jnp.concatenate(rows, axis=0)
+
+
+def packed_value_and_grads(mesh, form, options, inputs):
+    """causal_attention under `documents.scope` (segment ids in natural order, the activations in the plan's)."""
+    segments = jnp.asarray(packed_segment_ids(inputs[0].shape[1]))
+
+    def loss(q, k, v, weights, segments):
+        with documents.scope({"segment_ids": segments}):
+            return jnp.sum(attention.causal_attention(q, k, v, **options) * weights)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    if mesh is None:
+        return jax.device_get(run(*inputs, segments))
+    size = int(np.prod([int(part.split("=")[1]) for part in mesh.split(",")]))
+    plan = Plan.create(mesh, devices=jax.devices()[:size], **({"context_form": form} if form else {}))
+    with plan.activate():
+        order = np.asarray(attention.positions(inputs[0].shape[1]))
+        value, grads = jax.device_get(run(*(x[:, order] for x in inputs), segments))
+    return value, tuple(g[:, np.argsort(order)] for g in grads)
+
+
+@pytest.fixture(scope="module")
+def packed_reference_of(inputs):
+    """options -> the per-document reference's (value, grads) on `inputs`, each computed once."""
+    done = {}
+
+    def get(options: dict):
+        key = tuple(sorted(options.items()))
+        if key not in done:
+            done[key] = jax.device_get(value_and_grads(functools.partial(reference_packed, **options), *inputs))
+        return done[key]
+
+    return get
+
+
+@pytest.mark.parametrize("mesh, form, options", PACKED_CASES, ids=PACKED_IDS)
+def test_packed_documents_attend_as_if_alone(inputs, packed_reference_of, mesh, form, options):
+    """Forward and gradients of a packed batch (3 documents + padding, one whole row, 1-token documents)
+    equal those of each document alone; padding outputs 0, and no NaN anywhere."""
+    want = packed_reference_of(options)
+    got = packed_value_and_grads(mesh, form, options, inputs)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(got))
+    value_error, grad_error = relative_errors(got, want)
+    assert value_error <= 1e-5 and grad_error <= 1e-5, (value_error, grad_error)
+    padding = packed_segment_ids() == 0
+    assert not np.any(got[1][0][padding]), "a padding query's gradient (its output) must be 0"
+
+
+def test_positions_are_the_documents_in_context_order():
+    packed = jnp.asarray(np.tile(np.arange(16), (2, 1)) % 5)
+    with documents.scope({"positions": packed}):
+        assert np.array_equal(attention.positions(16), packed)
+        with Plan.create("data=2,context=4").activate():
+            assert np.array_equal(attention.positions(16), packed[:, attention.balanced_order(16, 4)])
+
+
+def test_segment_ids_of_other_rows_are_refused(inputs):
+    q, k, v, _ = inputs
+    with documents.scope({"segment_ids": jnp.ones((2, 32), jnp.int32)}):
+        with pytest.raises(ValueError, match=r"segment_ids have shape \(2, 32\), but attention runs on rows \[4, 32\]"):
+            attention.causal_attention(q, k, v)
 
 
 # -- the model: Mistral's uniform window and Gemma 2's alternating local/global layers ---------------------------
@@ -212,11 +313,29 @@ MODEL_PLANS = {
 }
 
 
-@pytest.mark.parametrize("plan", [*MODEL_PLANS][:2] + [pytest.param(p, marks=pytest.mark.slow) for p in [*MODEL_PLANS][2:]])
+@pytest.mark.parametrize("plan", ["one-device", *(pytest.param(p, marks=pytest.mark.slow)
+                                                  for p in ("pipe=2-1f1b", "data=2,context=4-ring"))])
 def test_layers_run_their_own_windows_forward_and_backward(gemma_like, gemma_like_reference, plan):
     model, params, batch = gemma_like
     loss, grads = gradients(model, params, batch, MODEL_PLANS[plan]())
     want_loss, want_grads = gemma_like_reference
+    assert abs(float(loss) / float(want_loss) - 1) <= 1e-5
+    assert max_relative_error(grads, want_grads) <= 1e-5
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_chunks_keep_the_global_layer_pattern():
+    """pipe=2 x virtual_stages=2 on 8 layers: device i runs chunks i and i + 2 (layers 2i, 2i+1 and 2i+4, 2i+5),
+    stored in pipeline order; each chunk starts a (local, global) pair, so every layer keeps its own window."""
+    cfg = dataclasses.replace(GEMMA_LIKE, n_layers=8)
+    model, state, _ = reference_state(cfg)
+    params = copy_state(state.params)
+    tokens = jax.random.randint(jax.random.key(2), (4, cfg.seq_len + 1), 0, cfg.vocab)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    want_loss, want_grads = jax.device_get(jax.jit(jax.value_and_grad(reference_loss), static_argnums=2)(
+        params, batch, cfg))
+    plan = Plan.create("pipe=2", devices=jax.devices()[:2], schedule="interleaved", microbatches=2, virtual_stages=2)
+    loss, grads = gradients(model, params, batch, plan)
     assert abs(float(loss) / float(want_loss) - 1) <= 1e-5
     assert max_relative_error(grads, want_grads) <= 1e-5
 
@@ -229,14 +348,13 @@ def test_decode_with_a_window_equals_the_full_forward(gemma_like):
     tokens = gemma_like[2]["inputs"][:2, :12]
     decode = jax.jit(lambda state, tokens, cache: nnx.merge(graphdef, state).decode(tokens, cache))
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def forwards(state, tokens, cfg):
+    @jax.jit
+    def forwards(state, tokens):
         model = nnx.merge(graphdef, state)
-        model.cfg = cfg
-        trained = llama._logits_of(model, llama.run_layers(model.blocks.stacked(), model.embed(tokens), cfg))
+        trained = llama._logits_of(model, llama.run_layers(model.blocks.stacked(), model.embed(tokens), GEMMA_LIKE))
         return model.logits(tokens), trained
 
-    full, trained = forwards(state, tokens, GEMMA_LIKE)
+    full, trained = forwards(state, tokens)
     assert max_relative_error(trained, full) <= 1e-5
     logits, cache = decode(state, tokens[:, :4], llama.init_cache(GEMMA_LIKE, 2, 12))
     steps = [logits]
@@ -244,8 +362,6 @@ def test_decode_with_a_window_equals_the_full_forward(gemma_like):
         logits, cache = decode(state, tokens[:, t:t + 1], cache)
         steps.append(logits)
     assert max_relative_error(jnp.concatenate(steps, axis=1), full) <= 1e-5
-    unwindowed, _ = forwards(state, tokens, dataclasses.replace(GEMMA_LIKE, sliding_window=None, sliding_pattern=1))
-    assert max_relative_error(unwindowed[:, 4:], full[:, 4:]) > 1e-3  # the window does act
 
 
 def test_pipeline_chunks_that_would_break_the_layer_pattern_are_refused_before_compiling(gemma_like):
@@ -257,3 +373,31 @@ def test_pipeline_chunks_that_would_break_the_layer_pattern_are_refused_before_c
     with pytest.raises(ValueError, match=r"chunk of 1 layers \(pipe=2 x virtual_stages=2 chunks\) is not a multiple "
                                          r"of sliding_pattern=2"):
         step.lower(abstract_state(model, optax.sgd(0.1), plan), batch)
+
+
+def test_packed_rows_run_each_document_as_if_alone():
+    """The model's blocks on packed rows (segment ids and per-document positions in the documents' scope:
+    attention stays in each document, rotary embeddings restart) give each document the hidden states it
+    has alone at the start of a row."""
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(llama.Llama(GEMMA_LIKE, nnx.Rngs(0)))
+    docs = [np.arange(5) + 3, np.arange(7) + 20, (np.arange(16) * 7) % 64]
+    filler = np.full(16, 1)
+    packed = np.stack([np.concatenate([docs[0], docs[1], filler[:4]]), docs[2]])
+    segments = np.array([[1] * 5 + [2] * 7 + [0] * 4, [1] * 16], np.int32)
+    positions = np.array([list(range(5)) + list(range(7)) + [0] * 4, list(range(16))], np.int32)
+    alone = np.stack([np.concatenate([d, filler[len(d):]]) for d in docs])
+
+    @jax.jit
+    def hidden(state, tokens, fields):
+        model = nnx.merge(graphdef, state)
+        with documents.scope(fields):
+            return llama.run_layers(model.blocks.stacked(), model.embed(tokens), GEMMA_LIKE)
+
+    got = hidden(state, jnp.asarray(packed), {"segment_ids": jnp.asarray(segments),
+                                              "positions": jnp.asarray(positions)})
+    want = hidden(state, jnp.asarray(alone), {})
+    assert max_relative_error(got[0, :5], want[0, :5]) <= 1e-5
+    assert max_relative_error(got[0, 5:12], want[1, :7]) <= 1e-5
+    assert max_relative_error(got[1], want[2]) <= 1e-5
+    assert np.isfinite(got).all()

@@ -13,6 +13,7 @@ weight: exp(min - peak) is 1, not 0, when the row's peak is that minimum too.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,12 @@ class Scoring:
     scale: float | None = None
 
     def __post_init__(self):
-        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, numbers.Integral)
                                         or self.window < 1):
-            raise ValueError(f"window must be None or a Python int >= 1, got {self.window!r}")
+            raise ValueError(f"window must be None or an int >= 1 (a Python value: masks are static), "
+                             f"got {self.window!r}")
+        if self.window is not None:
+            object.__setattr__(self, "window", int(self.window))
         if self.softcap is not None and not float(self.softcap) > 0:
             raise ValueError(f"softcap must be None or a float > 0, got {self.softcap!r}")
         if self.scale is not None and not float(self.scale) > 0:

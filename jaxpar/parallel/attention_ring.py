@@ -122,8 +122,8 @@ def _fold_block(plan: Fold, scoring: Scoring, q, q_pos, q_seg, k_pos, state, blo
         scores = raw_scores(q[:, rows], k[:, cols], scoring)
         mask = None
         if cut or q_seg is not None:
-            mask = on_scores(visible(q_pos[rows], k_pos[cols], scoring.window,
-                                     None if q_seg is None else q_seg[:, rows], None if k_seg is None else k_seg[:, cols]))
+            segments = () if q_seg is None else (q_seg[:, rows], k_seg[:, cols])
+            mask = on_scores(visible(q_pos[rows], k_pos[cols], scoring.window, *segments))
             scores = jnp.where(mask, scores, MASKED)
         if rows == slice(None):
             state = fold(state, scores, v[:, cols], mask)
