@@ -79,6 +79,10 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     assert imported <= 1e-5, imported
     if family == "gemma2":
         assert np.max(np.abs(theirs)) > 0.5 * 0.5  # logits where tanh is far from linear: the cap acts
+        for off in ({"final_softcap": None}, {"attn_softcap": None}, {"query_scale": None},
+                    {"sliding_window": None, "sliding_pattern": 1}):
+            model = jaxpar_model(dataclasses.replace(cfg, **off), params)
+            assert relative(np.asarray(model.logits(jnp.asarray(TOKENS))), theirs) > 1e-3, off  # each option acts
 
     with nnx.use_eager_sharding(False):
         ours = Llama(cfg, nnx.Rngs(7))
