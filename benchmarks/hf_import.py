@@ -30,7 +30,7 @@ def write_random_hf(directory: Path, cfg, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
     (directory / hf_config.HF_CONFIG).write_text(json.dumps(hf_config.config_to_hf(cfg, "bfloat16"), indent=2))
-    shapes = hf._expected_hf_shapes(cfg)
+    shapes = hf.expected_hf_shapes(cfg)
     groups: dict[str, list[str]] = {}
     for name in shapes:
         layer = name.split(".")[2] if name.startswith("model.layers.") else "rest"

@@ -25,6 +25,12 @@ FAMILY_CONFIGS: dict[str, LlamaConfig] = {
                               d_ff=18944, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
     "qwen3-8b": LlamaConfig(vocab=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
                             d_ff=12288, seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+    # Gemma 2 9B (google/gemma-2-9b): local (4096-token window) and global layers alternating, soft caps 50
+    # (attention) and 30 (logits), query_pre_attn_scalar 256 = head_dim (the default scale).
+    "gemma2-9b": LlamaConfig(vocab=256000, d_model=3584, n_layers=42, n_heads=16, n_kv_heads=8, head_dim=256,
+                             d_ff=14336, seq_len=8192, tie_embeddings=True, norm_eps=1e-6, mlp_activation="gelu_tanh",
+                             norm_plus_one=True, embed_scale=True, post_norms=True, final_softcap=30.0,
+                             attn_softcap=50.0, sliding_window=4096, sliding_pattern=2),
 }
 
 MODELS: dict[str, tuple[Callable[..., nnx.Module], Any]] = {

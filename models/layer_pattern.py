@@ -42,6 +42,16 @@ def check(cfg) -> None:
             raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
 
 
+def check_pipeline_chunks(cfg, pipe: int, virtual_stages: int) -> None:
+    """Raise ValueError, before tracing, when pipe x virtual_stages chunks cannot each hold whole patterns."""
+    pattern = getattr(cfg, "sliding_pattern", 1) if getattr(cfg, "sliding_window", None) else 1
+    chunks = pipe * virtual_stages if pipe > 1 else 1
+    if pattern > 1 and cfg.n_layers % (chunks * pattern):
+        raise ValueError(f"n_layers={cfg.n_layers} do not cut into pipe={pipe} x virtual_stages={virtual_stages} "
+                         f"chunks of whole local/global patterns (sliding_pattern={pattern}); choose pipe x "
+                         f"virtual_stages dividing n_layers / {pattern} = {cfg.n_layers // pattern}")
+
+
 def layer_window(cfg, layer: int) -> int | None:
     """The sliding window of layer `layer` (None: a global layer)."""
     if cfg.sliding_window is None or (cfg.sliding_pattern > 1 and (layer + 1) % cfg.sliding_pattern == 0):

@@ -15,19 +15,22 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxpar.models import layer_pattern
 from jaxpar.models.layer_pattern import layer_config, layer_window  # noqa: F401 (the families' API)
+from jaxpar.models.rotary import rope_frequencies, rotary
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import attention_math
 from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
+from jaxpar.parallel.vocab import softcap
 from jaxpar.pipeline import executor as pipeline
 
 ROPE_TYPES = ("default", "llama3")
+# the MLP's gate activation: SiLU (SwiGLU: Llama, Qwen, Mistral) or GELU's tanh approximation (GeGLU: Gemma)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,14 @@ class LlamaConfig:
     # qk_norm: an RMSNorm over head_dim on each query and key head before the rotation (Qwen3).
     qkv_bias: bool = False
     qk_norm: bool = False
+    # Gemma: mlp_activation="gelu_tanh"; norm_plus_one: every RMSNorm scales by (1 + w), w stored as Gemma stores it;
+    # embed_scale: embeddings times sqrt(d_model) in the compute dtype. Gemma 2 adds post_norms (an RMSNorm on the
+    # attention's and the MLP's outputs before each residual add) and final_softcap (logits = c * tanh(logits / c)).
+    mlp_activation: str = "silu"
+    norm_plus_one: bool = False
+    embed_scale: bool = False
+    post_norms: bool = False
+    final_softcap: float | None = None
     # Attention options (default off). sliding_window W: a local layer's query sees the W latest keys, itself
     # included (Mistral, Gemma 2); sliding_pattern P: with a window, every layer is local (P = 1, Mistral) or
     # layer i is global when (i + 1) % P == 0 and local otherwise (P = 2: Gemma 2's alternation);
@@ -72,6 +83,10 @@ class LlamaConfig:
             raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.mlp_activation not in ACTIVATIONS:
+            raise ValueError(f"mlp_activation must be one of {tuple(ACTIVATIONS)}, got {self.mlp_activation!r}")
+        if self.final_softcap is not None and not self.final_softcap > 0:
+            raise ValueError(f"final_softcap must be None or > 0, got {self.final_softcap}")
         layer_pattern.check(self)
 
     @property
@@ -87,7 +102,7 @@ class LlamaConfig:
         d, h, kv, hd, f, v, n = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
                                  self.d_ff, self.padded_vocab, self.n_layers)
         block = 2 * d + d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f
-        block += hd * (h + 2 * kv) * self.qkv_bias + 2 * hd * self.qk_norm
+        block += hd * (h + 2 * kv) * self.qkv_bias + 2 * hd * self.qk_norm + 2 * d * self.post_norms
         return n * block + v * d * (1 if self.tie_embeddings else 2) + d
 
 
@@ -105,56 +120,26 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 
 
-def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None) -> nnx.Param:
-    """A parameter carrying its logical axis names (truncated-normal init, or ones for norms)."""
+def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None, zeros: bool = False) -> nnx.Param:
+    """A parameter carrying its logical axis names (truncated-normal init; ones for norms, zeros for (1 + w) norms)."""
     if scale is None:
-        init = nnx.initializers.ones
+        init = nnx.initializers.zeros if zeros else nnx.initializers.ones
     else:
         init = nnx.initializers.truncated_normal(stddev=scale)
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, plus_one: bool = False):
+    """RMSNorm in fp32; `plus_one` scales by (1 + weight), as Gemma does (its weights start at 0)."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+    scale = weight.astype(jnp.float32) + 1.0 if plus_one else weight.astype(jnp.float32)
+    return (normed * scale).astype(x.dtype)
 
 
-def rope_frequencies(cfg: LlamaConfig, head_dim: int | None = None) -> np.ndarray:
-    """The rotary inverse frequencies (float32, head_dim / 2 of them), Llama-3.1-scaled under rope_type="llama3".
-
-    llama3 divides the low frequencies (wavelength beyond original/low_freq_factor)
-    by `rope_factor`, keeps the high ones (below original/high_freq_factor) and
-    interpolates smoothly between, as Meta's and Hugging Face's reference code do.
-    """
-    dim = cfg.head_dim if head_dim is None else head_dim
-    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
-    inv = inv.astype(np.float32)
-    if cfg.rope_type == "default":
-        return inv
-    factor, low, high = np.float32(cfg.rope_factor), np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
-    original = np.float32(cfg.rope_original_max_position)
-    wavelen = np.float32(2 * np.pi) / inv
-    scaled = np.where(wavelen > original / low, inv / factor, inv)
-    smooth = (original / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rotary(x, positions, theta, inv_freq=None):
-    """Rotary position embedding on the last dimension of [batch, seq, heads, head_dim].
-
-    `positions` is [seq] (shared by the batch) or [batch, seq]; `inv_freq`
-    (see `rope_frequencies`) overrides the plain theta ** (-i / half) frequencies.
-    """
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half) if inv_freq is None else jnp.asarray(inv_freq)
-    positions = positions if positions.ndim == 2 else positions[None, :]
-    angles = positions[..., None].astype(jnp.float32) * freqs
-    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+def block_norm(x, weight, cfg: LlamaConfig):
+    """The RMSNorm of the residual stream (blocks and final): the config's eps and weight convention."""
+    return rms_norm(x, weight, cfg.norm_eps, cfg.norm_plus_one)
 
 
 RESIDUAL = ("batch", "seq_residual", "embed")
@@ -196,23 +181,36 @@ def attention(p, x, cfg: LlamaConfig):
     return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
 
 
-def mlp(p, x):
+def mlp(p, x, activation: str = "silu"):
+    """The gated MLP: activation(x @ w_gate) * (x @ w_up) @ w_down (SwiGLU, or GeGLU with "gelu_tanh")."""
     hidden = ("batch", "seq", "mlp")
     gate, up = tensor.column_parallel(x, (p["w_gate"], p["w_up"]), "bsd,df->bsf", hidden)
-    return tensor.row_parallel(jax.nn.silu(gate) * up, p["w_down"], "bsf,fd->bsd", hidden)
+    return tensor.row_parallel(ACTIVATIONS[activation](gate) * up, p["w_down"], "bsf,fd->bsd", hidden)
+
+
+def dense_feed_forward(p, x, cfg: LlamaConfig):
+    """The dense blocks' feed-forward, as inference calls a block's: the MLP in the config's activation."""
+    return mlp(p, x, cfg.mlp_activation)
+
+
+def residual_add(p, x, out, post_norm: str, cfg: LlamaConfig):
+    """x + out, out first normed by p[post_norm] under `post_norms` (Gemma 2's sandwich norms)."""
+    if cfg.post_norms:
+        out = block_norm(out, p[post_norm], cfg)
+    return constrain(x + out, RESIDUAL)
 
 
 def attention_residual(p, x, cfg: LlamaConfig):
     """The first half of a block, x + attention(norm(x)), which any feed-forward layer can follow."""
-    x = x + attention(p, tensor.enter_tensor_region(rms_norm(x, p["attn_norm"], cfg.norm_eps)), cfg)
-    return constrain(x, RESIDUAL)
+    return residual_add(p, x, attention(p, tensor.enter_tensor_region(block_norm(x, p["attn_norm"], cfg)), cfg),
+                        "post_attn_norm", cfg)
 
 
 def block(p, x, cfg: LlamaConfig):
     """One pre-norm transformer block on the residual stream x: [batch, seq, embed]."""
     x = attention_residual(p, x, cfg)
-    x = x + mlp(p, tensor.enter_tensor_region(rms_norm(x, p["mlp_norm"], cfg.norm_eps)))
-    return constrain(x, RESIDUAL)
+    out = mlp(p, tensor.enter_tensor_region(block_norm(x, p["mlp_norm"], cfg)), cfg.mlp_activation)
+    return residual_add(p, x, out, "post_mlp_norm", cfg)
 
 
 class Blocks(nnx.Module):
@@ -224,12 +222,15 @@ class Blocks(nnx.Module):
         d, h, kv, hd, f, depth = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers
         dt = jnp.dtype(cfg.param_dtype)
         s_in, s_attn, s_ff = d**-0.5, (h * hd) ** -0.5 / (2 * depth) ** 0.5, f**-0.5 / (2 * depth) ** 0.5
-        self.attn_norm = _param(rngs, (n, d), ("layers", "norm"), dt)
+        norm = functools.partial(_param, rngs, (n, d), ("layers", "norm"), dt, zeros=cfg.norm_plus_one)
+        self.attn_norm = norm()
         self.wq = _param(rngs, (n, d, h, hd), ("layers", "embed", "heads", "head_dim"), dt, s_in)
         self.wk = _param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), dt, s_in)
         self.wv = _param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), dt, s_in)
         self.wo = _param(rngs, (n, h, hd, d), ("layers", "heads", "head_dim", "embed"), dt, s_attn)
-        self.mlp_norm = _param(rngs, (n, d), ("layers", "norm"), dt)
+        self.mlp_norm = norm()
+        if cfg.post_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         if dense_ffn:
             self.w_gate = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dt, s_in)
             self.w_up = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dt, s_in)
@@ -248,7 +249,7 @@ class Blocks(nnx.Module):
 
     def inference(self) -> tuple[dict[str, jax.Array], Callable]:
         """(per-layer weights, feed_forward(p, x, cfg)) for `inference_layers`; a variant's blocks give their own."""
-        return self.stacked(), lambda p, x, cfg: mlp(p, x)
+        return self.stacked(), dense_feed_forward
 
 
 def run_layers(stacked: dict[str, jax.Array], x, cfg: LlamaConfig, remat: Callable | None = None):
@@ -262,14 +263,18 @@ def run_layers(stacked: dict[str, jax.Array], x, cfg: LlamaConfig, remat: Callab
     return scan_layers(lambda p, h: block(p, h, cfg), stacked, x, remat=remat)
 
 
-def embed_tokens(table, tokens):
-    return constrain(tensor.embedding_lookup(tokens, table), RESIDUAL)
+def embed_tokens(table, tokens, cfg: LlamaConfig | None = None):
+    """The tokens' rows, times sqrt(d_model) under `embed_scale` (cast to the rows' dtype first, as Gemma does)."""
+    rows = tensor.embedding_lookup(tokens, table)
+    if cfg is not None and cfg.embed_scale:
+        rows = rows * jnp.asarray(cfg.d_model**0.5, jnp.float32).astype(rows.dtype)
+    return constrain(rows, RESIDUAL)
 
 
 def head_loss(p, x, targets, cfg: LlamaConfig):
-    """Mean next-token cross-entropy from the last hidden state; logits stay vocab-sharded."""
-    x = tensor.enter_tensor_region(rms_norm(x, p["final_norm"], cfg.norm_eps))
-    return tensor.vocab_parallel_cross_entropy(x, p["output"], targets, cfg.vocab)
+    """Mean next-token cross-entropy from the last hidden state; logits stay vocab-sharded (and soft-capped per shard)."""
+    x = tensor.enter_tensor_region(block_norm(x, p["final_norm"], cfg))
+    return tensor.vocab_parallel_cross_entropy(x, p["output"], targets, cfg.vocab, softcap=cfg.final_softcap)
 
 
 class Llama(nnx.Module):
@@ -280,12 +285,12 @@ class Llama(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         self.embedding = _param(rngs, (cfg.padded_vocab, cfg.d_model), ("vocab", "embed"), dt, 1.0)
         self.blocks = self.blocks_type(cfg, rngs)
-        self.final_norm = _param(rngs, (cfg.d_model,), ("norm",), dt)
+        self.final_norm = _param(rngs, (cfg.d_model,), ("norm",), dt, zeros=cfg.norm_plus_one)
         if not cfg.tie_embeddings:
             self.head = _param(rngs, (cfg.d_model, cfg.padded_vocab), ("embed", "vocab"), dt, cfg.d_model**-0.5)
 
     def embed(self, tokens):
-        return embed_tokens(self.embedding[...], tokens)
+        return embed_tokens(self.embedding[...], tokens, self.cfg)
 
     def output_weights(self):
         """[embed, vocab] weights of the output projection (the embedding's transpose if tied)."""
@@ -308,7 +313,7 @@ class Llama(nnx.Module):
     def __call__(self, batch, remat: Callable | None = None):
         """(mean loss, {}); under a plan with pipe > 1 the blocks run as a pipeline (jaxpar.pipeline.executor)."""
         stages = pipeline.Stages(
-            embed=embed_tokens,
+            embed=functools.partial(embed_tokens, cfg=self.cfg),
             layers=functools.partial(run_layers, cfg=self.cfg, remat=remat),
             head=functools.partial(head_loss, cfg=self.cfg),
         )
@@ -378,17 +383,17 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
 
     `feed_forward(p, x, cfg)` is the blocks' (`Blocks.inference`; default the dense MLP).
     """
-    feed_forward = (lambda p, x, cfg: mlp(p, x)) if feed_forward is None else feed_forward
+    feed_forward = dense_feed_forward if feed_forward is None else feed_forward
 
     windows = layer_pattern.layer_windows(cfg)
 
     def body(h, layer):
         p, kv, *window = layer
-        attn, kv = cached_attention(p, tensor.enter_tensor_region(rms_norm(h, p["attn_norm"], cfg.norm_eps)),
+        attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)),
                                     cfg, positions, key_mask, kv, index, *window)
-        h = constrain(h + attn, RESIDUAL)
-        h = h + feed_forward(p, tensor.enter_tensor_region(rms_norm(h, p["mlp_norm"], cfg.norm_eps)), cfg)
-        return constrain(h, RESIDUAL), kv
+        h = residual_add(p, h, attn, "post_attn_norm", cfg)
+        out = feed_forward(p, tensor.enter_tensor_region(block_norm(h, p["mlp_norm"], cfg)), cfg)
+        return residual_add(p, h, out, "post_mlp_norm", cfg), kv
 
     return jax.lax.scan(body, x, (stacked, cache, *windows))
 
@@ -399,8 +404,8 @@ def padded_positions(mask):
 
 
 def _logits_of(model: "Llama", x):
-    x = rms_norm(x, model.final_norm[...], model.cfg.norm_eps)
-    logits = jnp.einsum("bsd,dv->bsv", x, model.output_weights()).astype(jnp.float32)
+    x = block_norm(x, model.final_norm[...], model.cfg)
+    logits = softcap(jnp.einsum("bsd,dv->bsv", x, model.output_weights()).astype(jnp.float32), model.cfg.final_softcap)
     return constrain(logits, ("batch", "seq", "vocab"))[..., : model.cfg.vocab]
 
 

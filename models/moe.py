@@ -119,7 +119,7 @@ class MoeBlocks(nnx.Module):
 def moe_block(p, x, cfg: MoeLlamaConfig, moe_layer: MoeLayer = experts.moe_ffn):
     """Attention, then the experts in place of the MLP: (residual stream, the layer's routing statistics)."""
     x = llama.attention_residual(p, x, cfg)
-    y, stats = moe_layer(p, tensor.enter_tensor_region(llama.rms_norm(x, p["mlp_norm"], cfg.norm_eps)), cfg.moe)
+    y, stats = moe_layer(p, tensor.enter_tensor_region(llama.block_norm(x, p["mlp_norm"], cfg)), cfg.moe)
     return constrain(x + y, llama.RESIDUAL), stats
 
 

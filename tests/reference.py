@@ -1,4 +1,4 @@
-"""An independent single-device reference: the Llama (and its Qwen2/Qwen3 options) and MoE math in plain JAX + optax.
+"""An independent single-device reference: the Llama (and its Qwen2/Qwen3/Gemma options) and MoE math in plain JAX + optax.
 
 It reads the same parameter tree jaxpar's train state holds (`embedding`,
 `blocks`, `final_norm`, `head`; the MoE model's `blocks` split into `dense` and
@@ -64,8 +64,13 @@ def rope(x, theta, positions=None):
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
 
-def self_attention(p, x, cfg, positions=None):
-    """Causal attention; query head h reads key/value head h // (n_heads / n_kv_heads)."""
+def self_attention(p, x, cfg, window=None, positions=None):
+    """Causal attention; query head h reads key/value head h // (n_heads / n_kv_heads).
+
+    Gemma 2's options: scores times `query_scale` (for 1 / sqrt(head_dim)), soft-capped to
+    attn_softcap * tanh(scores / attn_softcap); with a `window` query i sees keys i - window < j <= i.
+    `positions` ([s] or [b, s]) rotate q and k (default 0, 1, ...).
+    """
     q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
     k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
@@ -77,12 +82,13 @@ def self_attention(p, x, cfg, positions=None):
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     s = x.shape[1]
-    logits = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) / np.float32(np.sqrt(q.shape[-1]))
+    logits = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32)
+    scale, cap = getattr(cfg, "query_scale", None), getattr(cfg, "attn_softcap", None)
+    logits = logits / np.float32(np.sqrt(q.shape[-1])) if scale is None else logits * np.float32(scale)
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
     seen = np.tril(np.ones((s, s), bool))
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None:  # Mistral: every layer local (sliding_pattern 1); query i sees key j iff i - j < window
-        if getattr(cfg, "sliding_pattern", 1) != 1:
-            raise ValueError("the reference's window covers every layer (sliding_pattern=1) only")
+    if window is not None:
         seen &= np.subtract.outer(np.arange(s), np.arange(s)) < window
     logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
@@ -94,42 +100,73 @@ def swiglu(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def dense_block(p, x, cfg, positions=None):
-    x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, positions)
-    return x + swiglu(norm(x, p["mlp_norm"], cfg.norm_eps), p["w_gate"], p["w_up"], p["w_down"])
+def gelu_tanh(x):
+    """GELU's tanh approximation, written out (Gemma's gelu_pytorch_tanh)."""
+    return 0.5 * x * (1.0 + jnp.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + 0.044715 * x**3)))
+
+
+def gated_mlp(p, x, cfg):
+    """SwiGLU, or GeGLU under mlp_activation='gelu_tanh' (Gemma)."""
+    if getattr(cfg, "mlp_activation", "silu") == "gelu_tanh":
+        return (gelu_tanh(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+    return swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
+
+
+def residual_norm(x, w, cfg):
+    """The blocks' and the final RMSNorm: weight w, or (1 + w) under norm_plus_one (Gemma)."""
+    return norm(x, w + 1.0 if getattr(cfg, "norm_plus_one", False) else w, cfg.norm_eps)
+
+
+def dense_block(p, x, cfg, window=None, positions=None):
+    """Pre-norm block; under post_norms (Gemma 2) each sublayer's output is normed again before its residual add."""
+    post = getattr(cfg, "post_norms", False)
+    out = self_attention(p, residual_norm(x, p["attn_norm"], cfg), cfg, window, positions)
+    x = x + (residual_norm(out, p["post_attn_norm"], cfg) if post else out)
+    out = gated_mlp(p, residual_norm(x, p["mlp_norm"], cfg), cfg)
+    return x + (residual_norm(out, p["post_mlp_norm"], cfg) if post else out)
 
 
 def layer(stacked, i):
     return {k: v[i] for k, v in stacked.items()}
 
 
-def embed(params, tokens):
-    return params["embedding"][tokens]
+def embed(params, tokens, cfg=None):
+    """The embedding rows of `tokens`, scaled by sqrt(d_model) under embed_scale (Gemma)."""
+    x = params["embedding"][tokens]
+    if getattr(cfg, "embed_scale", False):
+        x = x * jnp.asarray(np.sqrt(cfg.d_model), x.dtype)
+    return x
 
 
 def cross_entropy(params, x, targets, cfg):
-    """Mean next-token loss; logits of the padded vocabulary columns (>= cfg.vocab) are excluded."""
-    w = params["embedding"].T if cfg.tie_embeddings else params["head"]
-    logits = (norm(x, params["final_norm"], cfg.norm_eps) @ w).astype(jnp.float32)
-    logits = logits[..., : cfg.vocab]
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(jax.scipy.special.logsumexp(logits, axis=-1) - picked)
-
-
-def llama_loss(params, batch, cfg):
-    """(loss, metrics) of the dense Llama on a whole batch."""
-    x = embed(params, batch["inputs"])
-    for i in range(cfg.n_layers):
-        x = dense_block(layer(params["blocks"], i), x, cfg)
-    return cross_entropy(params, x, batch["targets"], cfg), {}
+    """Mean next-token loss."""
+    return jnp.mean(token_losses(params, x, targets, cfg))
 
 
 def token_losses(params, x, targets, cfg):
     """Per-token next-token loss [b, s]; logits of the padded vocabulary columns (>= cfg.vocab) are excluded."""
     w = params["embedding"].T if cfg.tie_embeddings else params["head"]
-    logits = (norm(x, params["final_norm"], cfg.norm_eps) @ w).astype(jnp.float32)[..., : cfg.vocab]
+    logits = (residual_norm(x, params["final_norm"], cfg) @ w).astype(jnp.float32)
+    cap = getattr(cfg, "final_softcap", None)
+    if cap is not None:  # Gemma 2: logits soft-capped to (-cap, cap)
+        logits = cap * jnp.tanh(logits / cap)
+    logits = logits[..., : cfg.vocab]
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jax.scipy.special.logsumexp(logits, axis=-1) - picked
+
+
+def llama_loss(params, batch, cfg):
+    """(loss, metrics) of the dense Llama on a whole batch; Gemma's embeddings are scaled by sqrt(d_model)."""
+    x = embed(params, batch["inputs"], cfg)
+    for i in range(cfg.n_layers):
+        x = dense_block(layer(params["blocks"], i), x, cfg, sliding_window(cfg, i))
+    return cross_entropy(params, x, batch["targets"], cfg), {}
+
+
+def sliding_window(cfg, i):
+    """Layer i's window: none, or sliding_window except on every sliding_pattern-th layer (Gemma 2: odd ones)."""
+    window, pattern = getattr(cfg, "sliding_window", None), getattr(cfg, "sliding_pattern", 1)
+    return None if window is None or (pattern > 1 and (i + 1) % pattern == 0) else window
 
 
 def documents_alone(batch) -> dict[str, np.ndarray]:
@@ -149,9 +186,9 @@ def documents_alone(batch) -> dict[str, np.ndarray]:
 
 def document_loss(params, alone, cfg):
     """(sum(w * nll) / sum(w), {}) of documents each run on its own (`documents_alone`) at its own positions."""
-    x = embed(params, jnp.asarray(alone["inputs"]))
+    x = embed(params, jnp.asarray(alone["inputs"]), cfg)
     for i in range(cfg.n_layers):
-        x = dense_block(layer(params["blocks"], i), x, cfg, alone["positions"])
+        x = dense_block(layer(params["blocks"], i), x, cfg, sliding_window(cfg, i), alone["positions"])
     nll = token_losses(params, x, jnp.asarray(alone["targets"]), cfg)
     weights = jnp.asarray(alone["loss_weights"])
     return jnp.sum(weights * nll) / jnp.sum(weights), {}
@@ -199,13 +236,14 @@ def moe_loss(params, batch, cfg):
     """(loss, metrics) of the MoE Llama: `moe_every - 1` dense blocks then one MoE block, per group."""
     blocks = params["blocks"]
     per = cfg.moe_every - 1
-    x = embed(params, batch["inputs"])
+    x = embed(params, batch["inputs"], cfg)
     aux = jnp.zeros((), jnp.float32)
     for g in range(cfg.n_layers // cfg.moe_every):
         for i in range(per):
-            x = dense_block(layer(blocks["dense"], g * per + i), x, cfg)
+            x = dense_block(layer(blocks["dense"], g * per + i), x, cfg, sliding_window(cfg, g * cfg.moe_every + i))
         p = layer(blocks["moe"], g)
-        x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg)
+        window = sliding_window(cfg, g * cfg.moe_every + per)
+        x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, window)
         y, balance, z = experts_ffn(p, norm(x, p["mlp_norm"], cfg.norm_eps), cfg)
         x = x + y
         aux = aux + cfg.load_balance_coef * balance + (cfg.router_z_coef * z if cfg.router_z_coef else 0.0)

@@ -18,7 +18,7 @@ import reference as reference_lib
 from helpers import copy_state, max_relative_error, single_device_plan
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_families
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import make_train_step
@@ -62,7 +62,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), torch_logits(reference, TOKENS))
     assert imported <= 1e-5, imported
     without = dataclasses.replace(cfg, qkv_bias=False, qk_norm=False)
-    stripped = {**params, "blocks": {k: v for k, v in params["blocks"].items() if k in hf.LAYER_PARAMS}}
+    stripped = {**params, "blocks": {k: v for k, v in params["blocks"].items() if k in hf_families.LAYER_PARAMS}}
     plain = relative(np.asarray(jaxpar_model(without, stripped).logits(jnp.asarray(TOKENS))), torch_logits(reference, TOKENS))
     assert plain > 1e-3, plain  # the family's block option matters to these logits
 
@@ -120,7 +120,7 @@ def test_import_train_export_round_trip(saved, tmp_path):
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true"),
         ({"model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
-        ({"model_type": "gemma"}, "model_type='gemma'"),
+        ({"model_type": "gemma3"}, "model_type='gemma3'"),
     ],
 )
 def test_refuses_what_the_family_cannot_represent(fields, message):

@@ -1,4 +1,4 @@
-"""Hugging Face Llama-family checkpoints (Llama, Qwen2, Qwen3, Mistral; Mixtral's experts: hf_mixtral) in and out: weights read shard by shard, safetensors written back.
+"""Hugging Face checkpoints (the families of hf_config.FAMILIES) in and out: read shard by shard, written as safetensors.
 
 The built-in Llama computes the same function as `transformers.LlamaForCausalLM`
 (half-split rotary, so q/k need no permutation); only layouts differ. A jaxpar
@@ -14,7 +14,6 @@ is `jaxpar.interop.hf_config`'s.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -26,121 +25,24 @@ import numpy as np
 
 from jaxpar.interop import hf_mixtral
 from jaxpar.interop.export import unflatten
+from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
                                       resolve_source)
+from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader, on_host
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
 
-INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most this many bytes
 JAXPAR_NAME = "tiny"  # imported checkpoints name a Llama whose every config field is given (see import_hf)
 MOE_NAME = "moe-tiny"  # ... and an MoE Llama (Mixtral) likewise
-
-# jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
-LAYER_PARAMS = {
-    "attn_norm": ("input_layernorm.weight", "vector"),
-    "wq": ("self_attn.q_proj.weight", "in_heads"),
-    "wk": ("self_attn.k_proj.weight", "in_heads"),
-    "wv": ("self_attn.v_proj.weight", "in_heads"),
-    "wo": ("self_attn.o_proj.weight", "out_heads"),
-    "mlp_norm": ("post_attention_layernorm.weight", "vector"),
-    "w_gate": ("mlp.gate_proj.weight", "transpose"),
-    "w_up": ("mlp.up_proj.weight", "transpose"),
-    "w_down": ("mlp.down_proj.weight", "transpose"),
-}
-# the families' extra block parameters: LlamaConfig option -> {jaxpar parameter: (Hugging Face name, layout)}
-FAMILY_PARAMS = {
-    "qkv_bias": {"bq": ("self_attn.q_proj.bias", "heads_vector"), "bk": ("self_attn.k_proj.bias", "heads_vector"),
-                 "bv": ("self_attn.v_proj.bias", "heads_vector")},
-    "qk_norm": {"q_norm": ("self_attn.q_norm.weight", "vector"), "k_norm": ("self_attn.k_norm.weight", "vector")},
-}
-TOP_PARAMS = {
-    "embedding": ("model.embed_tokens.weight", "vocab_rows"),
-    "final_norm": ("model.norm.weight", "vector"),
-    "head": ("lm_head.weight", "vocab_cols"),
-}
-
-
-def layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
-    """LAYER_PARAMS plus the block parameters of the options `cfg` turns on (an MoE's experts for its MLP)."""
-    extra = [params for option, params in FAMILY_PARAMS.items() if getattr(cfg, option)]
-    params = {**LAYER_PARAMS, **{k: v for params in extra for k, v in params.items()}}
-    if hf_mixtral.is_moe(cfg):
-        params = {k: v for k, v in params.items() if k not in hf_mixtral.DENSE_MLP} | hf_mixtral.LAYER_PARAMS
-    return params
-
-
-def blocks_path(cfg: LlamaConfig) -> str:
-    """Where the stacked block parameters lie in the parameter tree (an MoE Llama's under `moe`)."""
-    return "blocks/moe" if hf_mixtral.is_moe(cfg) else "blocks"
 
 
 def jaxpar_name(cfg: LlamaConfig) -> str:
     """The built-in model an imported config names (every field is given, so only its type matters)."""
     return MOE_NAME if hf_mixtral.is_moe(cfg) else JAXPAR_NAME
 
-
-# -- reading safetensors slice by slice ---------------------------------------------------------------
-
-
-class SafetensorsReader:
-    """The tensors of a model directory (one `model.safetensors`, or shards listed in the index), read as slices."""
-
-    def __init__(self, directory):
-        from safetensors import safe_open
-
-        self._open = safe_open
-        self.directory = Path(directory)
-        index = self.directory / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.directory / file for name, file in weight_map.items()}
-        else:
-            files = sorted(self.directory.glob("*.safetensors"))
-            if not files:
-                raise ValueError(f"{directory}: no *.safetensors files (pytorch_model.bin is not read; convert it first)")
-            self.files = {}
-            for file in files:
-                with safe_open(file, framework="numpy") as f:
-                    self.files.update({name: file for name in f.keys()})
-        self._handles: dict[Path, Any] = {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def _handle(self, name: str, framework: str):
-        if name not in self.files:
-            raise ValueError(f"{self.directory}: tensor {name!r} is missing from the safetensors files")
-        key = (self.files[name], framework)
-        if key not in self._handles:
-            self._handles[key] = self._open(self.files[name], framework=framework)
-        return self._handles[key]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name, "numpy").get_slice(name).get_shape())
-
-    def read(self, name: str, *index) -> np.ndarray:
-        """tensor[index] as float32 numpy; bfloat16 (which numpy lacks) goes through jax on the CPU."""
-        part = self._handle(name, "numpy").get_slice(name)
-        if part.get_dtype() != "BF16":
-            return np.asarray(part[index], dtype=np.float32)
-        with _on_host():
-            return np.asarray(self._handle(name, "flax").get_slice(name)[index], dtype=np.float32)
-
-    def close(self) -> None:
-        self._handles.clear()
-
-
-@contextlib.contextmanager
-def _on_host():
-    try:
-        cpu = jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        yield
-        return
-    with jax.default_device(cpu):
-        yield
+# -- reading safetensors slices in jaxpar layouts -----------------------------------------------------------
 
 
 def _bounds(index: slice, size: int) -> tuple[int, int]:
@@ -207,30 +109,9 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
     return sources
 
 
-def _expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab
-    layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-             "self_attn.q_proj.weight": (h * hd, d), "self_attn.k_proj.weight": (kv * hd, d),
-             "self_attn.v_proj.weight": (kv * hd, d), "self_attn.o_proj.weight": (d, h * hd),
-             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
-    if cfg.qkv_bias:
-        layer.update({"self_attn.q_proj.bias": (h * hd,), "self_attn.k_proj.bias": (kv * hd,),
-                      "self_attn.v_proj.bias": (kv * hd,)})
-    if cfg.qk_norm:
-        layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
-    if hf_mixtral.is_moe(cfg):
-        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | hf_mixtral.expected_layer_shapes(cfg)
-    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (v, d)
-    for i in range(cfg.n_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
-    return shapes
-
-
 def check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
     """ValueError listing every tensor that is missing, unexpected or of the wrong shape for `cfg`."""
-    expected = _expected_hf_shapes(cfg)
+    expected = expected_hf_shapes(cfg)
     problems = [f"{name}: missing (expected {list(shape)})" for name, shape in expected.items() if name not in reader]
     problems += [f"{name}: shape {list(reader.shape(name))}, expected {list(shape)}"
                  for name, shape in expected.items() if name in reader and reader.shape(name) != shape]
@@ -263,7 +144,7 @@ def load_hf_params(directory, cfg: LlamaConfig | None = None, shardings=None, dt
     reader = SafetensorsReader(directory)
     try:
         check_tensors(reader, cfg)
-        shapes = _jaxpar_shapes(cfg)
+        shapes = jaxpar_shapes(cfg)
         sources = _param_sources(cfg, reader)
         flat_shardings = _flat_paths(shardings) if shardings is not None else {}
         params = {}
@@ -278,26 +159,6 @@ def load_hf_params(directory, cfg: LlamaConfig | None = None, shardings=None, dt
     finally:
         reader.close()
     return cfg, unflatten(params)
-
-
-def _jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    n, d, h, kv, hd, f, vp = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                              cfg.padded_vocab)
-    shapes = {"embedding": (vp, d), "final_norm": (d,),
-              "blocks/attn_norm": (n, d), "blocks/wq": (n, d, h, hd), "blocks/wk": (n, d, kv, hd),
-              "blocks/wv": (n, d, kv, hd), "blocks/wo": (n, h, hd, d), "blocks/mlp_norm": (n, d),
-              "blocks/w_gate": (n, d, f), "blocks/w_up": (n, d, f), "blocks/w_down": (n, f, d)}
-    if cfg.qkv_bias:
-        shapes.update({"blocks/bq": (n, h, hd), "blocks/bk": (n, kv, hd), "blocks/bv": (n, kv, hd)})
-    if cfg.qk_norm:
-        shapes.update({"blocks/q_norm": (n, hd), "blocks/k_norm": (n, hd)})
-    if hf_mixtral.is_moe(cfg):  # the router and experts in place of the MLP, every block under blocks/moe
-        shapes = {k: s for k, s in shapes.items() if k.split("/")[-1] not in hf_mixtral.DENSE_MLP}
-        shapes |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
-        shapes = {k.replace("blocks/", f"{blocks_path(cfg)}/", 1): s for k, s in shapes.items()}
-    if not cfg.tie_embeddings:
-        shapes["head"] = (d, vp)
-    return shapes
 
 
 # -- writing Hugging Face checkpoints ---------------------------------------------------------------------
@@ -384,7 +245,7 @@ def _save(group: dict[str, np.ndarray], dtype: np.dtype, path: Path, metadata: d
     if dtype == np.dtype(jax.numpy.bfloat16):
         from safetensors.flax import save_file
 
-        with _on_host():
+        with on_host():
             save_file({k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in group.items()}, path, metadata=metadata)
         return
     from safetensors.numpy import save_file
@@ -491,7 +352,7 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
                           is_leaf=lambda x: hasattr(x, "names"))
     if is_hf_dir(path):
         name, cfg = saved_model_config(path)
-        expected = unflatten({k: jax.ShapeDtypeStruct(v, np.float32) for k, v in _jaxpar_shapes(cfg).items()})
+        expected = unflatten({k: jax.ShapeDtypeStruct(v, np.float32) for k, v in jaxpar_shapes(cfg).items()})
         wrong = mismatches(expected, target, dtypes=False)
         if wrong:
             raise ValueError(f"the Hugging Face model in {path} does not fit the model:{listing(wrong)}")

@@ -1,7 +1,9 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
-other activations, `pretraining_tp`, rope scaling other than Llama 3's, Qwen's sliding windows) is refused with
-the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); `mistral` (a
-Llama, with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`).
+other activations, `pretraining_tp`, rope scaling other than Llama 3's, sliding windows) is refused with the
+config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); `mistral` (a
+Llama with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`);
+`gemma` (GeGLU, (1 + w) RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit
+soft-capping and local/global layers).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import json
 from pathlib import Path
 
 from jaxpar.interop import hf_mixtral
-from jaxpar.models.llama import LlamaConfig
+from jaxpar.models.llama import LlamaConfig, layer_window
 from jaxpar.models.moe import MoeLlamaConfig
 
 HF_CONFIG = "config.json"
@@ -20,10 +22,31 @@ FAMILIES = {
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Mistral and Mixtral: Llama blocks (Mixtral's feed-forwards the experts of jaxpar.models.moe)
-FAMILIES.update({"mistral": {"qkv_bias": False, "qk_norm": False}, "mixtral": {"qkv_bias": False, "qk_norm": False}})
-ARCHITECTURES.update({"mistral": "MistralForCausalLM", hf_mixtral.MODEL_TYPE: hf_mixtral.ARCHITECTURE})
+# Mistral and Mixtral: Llama blocks with a window on every layer (Mixtral's feed-forwards the experts of
+# jaxpar.models.moe); `family_of` tells them from a Llama by the window and the experts
+WINDOWED = ("mistral", hf_mixtral.MODEL_TYPE)
+FAMILIES.update({name: {"qkv_bias": False, "qk_norm": False} for name in WINDOWED})
+GEMMA = {"qkv_bias": False, "qk_norm": False, "mlp_activation": "gelu_tanh", "norm_plus_one": True, "embed_scale": True}
+FAMILIES.update({"gemma": {**GEMMA, "post_norms": False}, "gemma2": {**GEMMA, "post_norms": True}})
+# the options a family's entry leaves out are off (a Llama's)
+LLAMA_OPTIONS = {"mlp_activation": "silu", "norm_plus_one": False, "embed_scale": False, "post_norms": False}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM",
+                 hf_mixtral.MODEL_TYPE: hf_mixtral.ARCHITECTURE}
+# Hugging Face activation names -> LlamaConfig.mlp_activation (Gemma's config field, and its legacy "gelu", as
+# transformers reads them: GemmaConfig turns hidden_act="gelu" into the tanh approximation)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+GEMMA_ACTIVATIONS = {"gemma": ("hidden_act", {**ACTIVATIONS, "gelu": "gelu_tanh"}),
+                     "gemma2": ("hidden_activation", ACTIVATIONS)}
+# LlamaConfig fields beyond the block options -> the families whose Hugging Face config can express them when on
+FAMILY_FIELDS = {"final_softcap": ("gemma2",), "attn_softcap": ("gemma2",), "query_scale": ("gemma2",),
+                 "sliding_pattern": ("gemma2",), "sliding_window": ("gemma2", *WINDOWED)}
+FIELD_OFF = {"sliding_pattern": 1}  # the others are off at None
+
+
+def family_options(model_type: str) -> dict:
+    """Every block option of a family, those its FAMILIES entry leaves out off."""
+    return {**LLAMA_OPTIONS, **FAMILIES[model_type]}
 
 
 def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
@@ -34,10 +57,17 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     for field in ("attention_bias", "mlp_bias"):
         if hf.get(field):
             raise ValueError(f"config.json: {field}=true is not supported: jaxpar's {model_type} has no such bias terms")
-    _refuse_sliding_window(hf)
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json: hidden_act={act!r} is not supported: jaxpar's Llama MLP uses SiLU (SwiGLU)")
+    options = family_options(model_type)
+    act_field, activations = GEMMA_ACTIVATIONS.get(model_type, ("hidden_act", {"silu": "silu"}))
+    act = hf.get(act_field, "gelu_pytorch_tanh" if model_type in GEMMA_ACTIVATIONS else "silu")
+    if activations.get(act) != options["mlp_activation"]:
+        raise ValueError(f"config.json: {act_field}={act!r} is not supported: jaxpar's {model_type} MLP uses "
+                         f"{[name for name, ours in activations.items() if ours == options['mlp_activation']]}")
+    if model_type in GEMMA_ACTIVATIONS:
+        extra = _gemma_fields(hf, model_type)
+    else:
+        _refuse_sliding_window(hf)
+        extra = _window_from_hf(hf, model_type)
     if hf.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
     for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -49,9 +79,10 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     fields = dict(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, d_ff=hf["intermediate_size"],
-        seq_len=min(hf.get("max_position_embeddings", 2048), 2048), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        seq_len=min(hf.get("max_position_embeddings", 2048), 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", model_type in GEMMA_ACTIVATIONS)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
-        **FAMILIES[model_type], **_window_from_hf(hf, model_type),
+        **options, **extra,
     )
     if model_type == hf_mixtral.MODEL_TYPE:
         return MoeLlamaConfig(**fields, **hf_mixtral.moe_fields_from_hf(hf))
@@ -69,25 +100,70 @@ def _refuse_sliding_window(hf: dict) -> None:
 
 def _window_from_hf(hf: dict, model_type: str) -> dict:
     """Mistral's and Mixtral's `sliding_window` (null: full causal attention) on every layer; others' refused above."""
-    if model_type not in ("mistral", "mixtral") or hf.get("sliding_window") is None:
+    if model_type not in WINDOWED or hf.get("sliding_window") is None:
         return {}
     return {"sliding_window": int(hf["sliding_window"]), "sliding_pattern": 1}
 
 
+def _gemma_fields(hf: dict, model_type: str) -> dict:
+    """The LlamaConfig fields of a Gemma config beyond the block options: Gemma 2's attention and logit soft-caps."""
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("config.json: use_bidirectional_attention=true is not supported: jaxpar's attention is causal")
+    if model_type == "gemma":
+        return {}
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    final, attn = hf.get("final_logit_softcapping", 30.0), hf.get("attn_logit_softcapping", 50.0)
+    return {"final_softcap": None if final is None else float(final),
+            "attn_softcap": None if attn is None else float(attn),
+            "query_scale": None if scalar == head_dim else float(scalar) ** -0.5, **_sliding_pattern(hf)}
+
+
+def _sliding_pattern(hf: dict) -> dict:
+    """sliding_window and sliding_pattern P (layer i global iff (i + 1) % P == 0) of Gemma 2's `layer_types`.
+
+    Without `layer_types`, transformers alternates (sliding first), as Gemma 2 was
+    released. Layer types of no such period are refused by name.
+    """
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n:
+        raise ValueError(f"config.json: layer_types {unknown or types} are not supported: jaxpar knows "
+                         f"'sliding_attention' and 'full_attention', one per layer (num_hidden_layers={n})")
+    if "sliding_attention" not in types:
+        return {}
+    window = hf.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json: sliding_window={window!r} with sliding_attention layers: expected an int >= 1")
+    period = types.index("full_attention") + 1 if "full_attention" in types else 1
+    expected = ["full_attention" if period > 1 and (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
+    if types != expected or n % period:
+        raise ValueError(f"config.json: layer_types {types} are not supported: jaxpar's local layers repeat with a "
+                         f"period P dividing num_hidden_layers={n}, layer i global iff (i + 1) % P == 0")
+    return {"sliding_window": window, "sliding_pattern": period}
+
+
 def family_of(cfg: LlamaConfig) -> str:
-    """The Hugging Face model_type whose block `cfg`'s options describe (a dense Llama block: `llama`)."""
-    if hf_mixtral.is_moe(cfg):
-        return hf_mixtral.MODEL_TYPE
-    matches = [name for name, options in FAMILIES.items() if name not in ("mistral", "mixtral")
-               and all(getattr(cfg, option) == value for option, value in options.items())]
+    """The Hugging Face model_type whose block `cfg`'s options describe (a Llama block with a window on every layer:
+    Mistral's; with experts: Mixtral's)."""
+    matches = [name for name in FAMILIES if name not in WINDOWED
+               and all(getattr(cfg, option) == value for option, value in family_options(name).items())]
     if not matches:
-        raise ValueError(f"no Hugging Face family has qkv_bias={cfg.qkv_bias} and qk_norm={cfg.qk_norm}")
-    if cfg.sliding_window is not None:  # a window on every layer: Mistral's (a windowless Mistral is a Llama)
-        if matches[0] != "llama" or cfg.sliding_pattern != 1:
-            raise ValueError(f"no Hugging Face family has sliding_window={cfg.sliding_window} with "
-                             f"sliding_pattern={cfg.sliding_pattern} on a {matches[0]} block")
-        return "mistral"
-    return matches[0]
+        options = ", ".join(f"{option}={getattr(cfg, option)!r}" for option in family_options("gemma"))
+        raise ValueError(f"no Hugging Face family has the block options {options}")
+    family = matches[0]
+    if hf_mixtral.is_moe(cfg):
+        if family != "llama":
+            raise ValueError(f"no Hugging Face family has experts on a {family} block (Mixtral's are Llama blocks)")
+        family = hf_mixtral.MODEL_TYPE
+    elif family == "llama" and cfg.sliding_window is not None and cfg.sliding_pattern == 1:
+        family = "mistral"  # a windowless Mistral is a Llama
+    for field, families in FAMILY_FIELDS.items():
+        if getattr(cfg, field) != FIELD_OFF.get(field) and family not in families:
+            raise ValueError(f"{field}={getattr(cfg, field)}: a {family} Hugging Face config cannot express it "
+                             f"(only {list(families)} can)")
+    return family
 
 
 def _rope_from_hf(hf: dict) -> dict:
@@ -130,9 +206,23 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
         **({"use_sliding_window": False, "sliding_window": None} if family in ("qwen2", "qwen3") else {}),
-        **({"sliding_window": cfg.sliding_window} if family in ("mistral", hf_mixtral.MODEL_TYPE) else {}),
+        **({"sliding_window": cfg.sliding_window} if family in WINDOWED else {}),
         **(hf_mixtral.moe_fields_to_hf(cfg) if family == hf_mixtral.MODEL_TYPE else {}),
+        **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }
+
+
+def _gemma_to_hf(cfg: LlamaConfig, family: str) -> dict:
+    """A Gemma config's own fields: its activation field, and Gemma 2's scaling, soft-capping and layer types."""
+    fields = {"hidden_act": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
+    if family == "gemma2":
+        scalar = cfg.head_dim if cfg.query_scale is None else round(cfg.query_scale ** -2, 6)
+        scalar = int(scalar) if float(scalar).is_integer() else scalar
+        types = ["full_attention" if layer_window(cfg, i) is None else "sliding_attention" for i in range(cfg.n_layers)]
+        fields.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=scalar,
+                      attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap,
+                      sliding_window=cfg.sliding_window or cfg.seq_len, layer_types=types)  # window unused if global
+    return fields
 
 
 def read_hf_config(directory) -> dict:

@@ -168,7 +168,8 @@ def _gather_is_cheaper(tokens, held) -> bool:
                                                shard.dtype.itemsize, tokens.dtype.itemsize)
 
 
-def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, in_logical=RESIDUAL):
+def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, in_logical=RESIDUAL,
+                                 softcap: float | None = None):
     """Mean cross-entropy of x @ w against targets; the [batch, seq, vocab] logits stay split along vocab.
 
     Only the softmax normaliser's max and sum and the target logit ([batch,
@@ -178,6 +179,8 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     gave the tokens (jaxpar.parallel.attention). A batch of packed documents'
     `loss_weights` (jaxpar.parallel.documents), in the same order, weight each
     token: the mean of weight x loss (the step normalises them over the global batch).
+    `softcap` c caps the logits to c * tanh(logits / c) (Gemma 2), elementwise
+    on each vocabulary shard.
     """
     targets = context_order(targets, usage.CONTEXT_TARGETS)
     weights = _loss_weights(targets.shape)
@@ -192,9 +195,10 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     if not 0 < vocab_size <= columns:
         raise ValueError(f"vocab_size {vocab_size} must be in 1..{columns} (the output layer's columns)")
     if axes and _explicit():
-        return _mean(tensor_explicit.cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns), weights)
+        losses = tensor_explicit.cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns, softcap)
+        return _mean(losses, weights)
     x = constrain(x, replicated_over(in_logical, axes))
-    logits = constrain(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), logits_logical)
+    logits = constrain(vocab.softcap(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), softcap), logits_logical)
     logits = vocab.mask_padding(logits, 0, vocab_size, w.shape[-1])
     if axes:  # the vocabulary split by the compiler: a where over it stays local to each shard
         target_logit = jnp.sum(jnp.where(vocab.is_target(targets, logits.shape[-1]), logits, 0.0), axis=-1)

@@ -130,15 +130,18 @@ def embedding(tokens, table, table_logical, out_logical, axes):
     )
 
 
-def cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, padded):
-    """Per-token loss [batch, seq] with Megatron's vocab-parallel softmax; saves the local probabilities."""
+def cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, padded, softcap=None):
+    """Per-token loss [batch, seq] with Megatron's vocab-parallel softmax; saves the local probabilities.
+
+    `softcap` caps each shard's logits before the softmax; the backward's vjp recomputes the cap's derivative.
+    """
     x_spec, w_spec = _manual_spec(in_logical, x.shape, axes), _manual_spec(w_names, w.shape, axes)
     dim = _split_dim(x_spec, axes, "the output layer's input")
     probs_spec = _manual_spec(("batch", "seq", "vocab"), (*targets.shape, w.shape[-1]), axes)
     saved_spec = P(axes)
 
     def logits_of(x_whole, w):
-        return weight_einsum("bsd,dv->bsv", x_whole, w, out_dtype=jnp.float32)
+        return vocab.softcap(weight_einsum("bsd,dv->bsv", x_whole, w, out_dtype=jnp.float32), softcap)
 
     def forward(x, w, targets):
         x_whole = whole(x, axes, dim)

@@ -26,6 +26,11 @@ def mask_padding(logits, start, vocab_size: int, padded: int):
     return jnp.where(start + jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
 
 
+def softcap(logits, cap: float | None):
+    """cap * tanh(logits / cap): Gemma 2's final logit soft-capping (logits unchanged when cap is None)."""
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
 def is_target(targets, vocab: int):
     """[..., vocab] booleans: True at each position's target column."""
     return targets[..., None] == jnp.arange(vocab)

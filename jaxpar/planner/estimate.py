@@ -67,8 +67,10 @@ def check(model: Model, layout: Layout, work: Workload) -> str:
     ways = layout.replica * layout.data * layout.expert * layout.grad_accum * layout.microbatches
     if work.batch_size % ways:
         return f"batch {work.batch_size} does not divide by replica x data x expert x grad_accum x microbatches = {ways}"
-    if layout.pipe > 1 and model.scan_depth % (layout.pipe * layout.virtual_stages):
-        return f"{model.scan_depth} layers do not split into pipe={layout.pipe} x virtual_stages={layout.virtual_stages}"
+    if layout.pipe > 1 and model.pipeline_units % (layout.pipe * layout.virtual_stages):
+        pattern = f" (in whole local/global patterns of {model.layer_pattern})" if model.layer_pattern > 1 else ""
+        return (f"{model.scan_depth} layers do not split{pattern} into pipe={layout.pipe} x "
+                f"virtual_stages={layout.virtual_stages}")
     if layout.pipe > 1 and work.seq_len % layout.pipe:
         return f"sequence {work.seq_len} does not divide by pipe={layout.pipe} (the loss head splits positions)"
     if layout.pipe > 1 and model.n_experts:

@@ -48,6 +48,7 @@ class Model:
     capacity_factor: float = 1.0
     dropless: bool = False
     group_size: int | None = None
+    layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
 
     @functools.cached_property
     def params(self) -> int:
@@ -61,6 +62,11 @@ class Model:
     def scan_depth(self) -> int:
         """The stacked leading dimension: layers (dense) or groups of moe_every blocks (MoE)."""
         return self.n_layers // self.moe_every if self.n_experts else self.n_layers
+
+    @property
+    def pipeline_units(self) -> int:
+        """What each pipeline chunk must hold a whole number of: scan_depth's entries in whole attention patterns."""
+        return self.scan_depth // self.layer_pattern
 
     @functools.cached_property
     def separate_head(self) -> bool:
@@ -95,8 +101,9 @@ class Model:
             moe = dict(n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every,
                        expert_d_ff=config.expert_d_ff, capacity_factor=config.capacity_factor,
                        dropless=config.dropless, group_size=config.group_size)
+        pattern = getattr(config, "sliding_pattern", 1) if getattr(config, "sliding_window", None) else 1
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
-                   config.head_dim, config.d_ff, config.padded_vocab, **moe)
+                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern)
 
 
 def llama_leaves(c) -> tuple[Leaf, ...]:
@@ -119,6 +126,9 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
         if getattr(c, "qk_norm", False):  # Qwen3
             out += [Leaf(prefix + "q_norm", (n, hd), ("layers", "head_dim")),
                     Leaf(prefix + "k_norm", (n, hd), ("layers", "head_dim"))]
+        if getattr(c, "post_norms", False):  # Gemma 2
+            out += [Leaf(prefix + "post_attn_norm", (n, d), ("layers", "norm")),
+                    Leaf(prefix + "post_mlp_norm", (n, d), ("layers", "norm"))]
         if dense_ffn:
             out += [Leaf(prefix + "w_gate", (n, d, f), ("layers", "embed", "mlp")),
                     Leaf(prefix + "w_up", (n, d, f), ("layers", "embed", "mlp")),

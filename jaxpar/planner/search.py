@@ -32,7 +32,7 @@ def layouts(model: Model, devices: int, work: Workload, device: Device, precisio
         if c > 1 and (devices % (t * e * c) or work.seq_len % (2 * c)):
             continue
         for p in _divisors(devices // (t * e * c)):
-            if model.scan_depth % p or (p > 1 and c > 1):
+            if model.pipeline_units % p or (p > 1 and c > 1):
                 continue
             n = devices // (t * e * p * c)
             local = work.batch_size / (n * e)
@@ -54,7 +54,7 @@ def layouts(model: Model, devices: int, work: Workload, device: Device, precisio
                                                       context_form=form))
                                 continue
                             for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4)):
-                                if steps < p or (sched == "interleaved" and (steps % p or model.scan_depth % (p * v))):
+                                if steps < p or (sched == "interleaved" and (steps % p or model.pipeline_units % (p * v))):
                                     continue
                                 out.append(Layout(n, t, p, e, z, sched, steps, v, remat=remat, precision=precision,
                                                   sequence_parallel=sp))

@@ -21,10 +21,11 @@ import optax
 
 from jaxpar.core.plan import Plan
 from jaxpar.interop.tokenize import training_streams
-from jaxpar.models import model_config, model_factory
+from jaxpar.models import layer_pattern, model_config, model_factory
 from jaxpar.parallel import offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
+from jaxpar.run.packed import packing_of
 from jaxpar.train import data as data_lib
 from jaxpar.train.epochs import EpochBatches, TokenWindows, check_same_order, data_order
 from jaxpar.train.mixture import MixtureBatches
@@ -200,8 +201,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     make_model = model_factory(name, mcfg, config.seed)
     model = describe(make_model)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
-    from jaxpar.run.packed import packing_of
-
+    layer_pattern.check_pipeline_chunks(mcfg, plan.shape["pipe"], plan.virtual_stages)  # Gemma 2's pairs
     by_documents = packing_of(config.data, config.packing) == "documents"
     streams = None if by_documents else training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
     batches, heldout = _batches(config, mcfg.vocab, name, streams)

@@ -38,6 +38,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from jaxpar.core.plan import Plan
+from jaxpar.models.llama import LlamaConfig
 from jaxpar.parallel import offload
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
@@ -100,9 +101,12 @@ def differences(saved: dict, current: dict) -> list[str]:
 
 
 def _with_later_options_off(saved: dict, current: dict) -> dict:
-    """`saved` with the model options a later jaxpar added (absent there) read as off (False or None), as the
-    model that wrote it ran: a checkpoint from before, say, `qkv_bias` existed is the same model, not another."""
-    later = {k: v for k, v in current.items() if k not in saved and v in (False, None)}
+    """`saved` with the model options a later jaxpar added (absent there) read as off (False, None or the Llama's
+    default, e.g. mlp_activation="silu"), as the model that wrote it ran: a checkpoint from before, say,
+    `qkv_bias` existed is the same model, not another."""
+    off = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
+    later = {k: v for k, v in current.items()
+             if k not in saved and (v in (False, None) or (k in off and v == off[k]))}
     return {**saved, **later}
 
 

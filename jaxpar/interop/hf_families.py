@@ -1,0 +1,103 @@
+"""Each Hugging Face family's tensor names and shapes: which jaxpar parameter each `model.layers.{i}.` tensor is.
+
+A family adds its block options' parameters in its own entry of FAMILY_PARAMS
+(keyed by the LlamaConfig option that builds them), and may rename a Llama one
+there: Gemma 2's `post_attention_layernorm` is the norm on the attention's
+output, so its pre-MLP norm (jaxpar's `mlp_norm`) is `pre_feedforward_layernorm`.
+`jaxpar.interop.hf` reads and writes the tensors with these maps.
+"""
+
+from __future__ import annotations
+
+from jaxpar.interop import hf_mixtral
+from jaxpar.models.llama import LlamaConfig
+
+# jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
+LAYER_PARAMS = {
+    "attn_norm": ("input_layernorm.weight", "vector"),
+    "wq": ("self_attn.q_proj.weight", "in_heads"),
+    "wk": ("self_attn.k_proj.weight", "in_heads"),
+    "wv": ("self_attn.v_proj.weight", "in_heads"),
+    "wo": ("self_attn.o_proj.weight", "out_heads"),
+    "mlp_norm": ("post_attention_layernorm.weight", "vector"),
+    "w_gate": ("mlp.gate_proj.weight", "transpose"),
+    "w_up": ("mlp.up_proj.weight", "transpose"),
+    "w_down": ("mlp.down_proj.weight", "transpose"),
+}
+
+# the families' extra (or renamed) block parameters: LlamaConfig option -> {jaxpar parameter: (HF name, layout)}
+QWEN2_PARAMS = {"bq": ("self_attn.q_proj.bias", "heads_vector"), "bk": ("self_attn.k_proj.bias", "heads_vector"),
+                "bv": ("self_attn.v_proj.bias", "heads_vector")}
+QWEN3_PARAMS = {"q_norm": ("self_attn.q_norm.weight", "vector"), "k_norm": ("self_attn.k_norm.weight", "vector")}
+GEMMA2_PARAMS = {"post_attn_norm": ("post_attention_layernorm.weight", "vector"),
+                 "mlp_norm": ("pre_feedforward_layernorm.weight", "vector"),
+                 "post_mlp_norm": ("post_feedforward_layernorm.weight", "vector")}
+FAMILY_PARAMS = {"qkv_bias": QWEN2_PARAMS, "qk_norm": QWEN3_PARAMS, "post_norms": GEMMA2_PARAMS}
+
+TOP_PARAMS = {
+    "embedding": ("model.embed_tokens.weight", "vocab_rows"),
+    "final_norm": ("model.norm.weight", "vector"),
+    "head": ("lm_head.weight", "vocab_cols"),
+}
+
+
+def layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+    """LAYER_PARAMS plus (or renamed by) the block parameters of the options `cfg` turns on (an MoE's experts for
+    its MLP)."""
+    extra = [params for option, params in FAMILY_PARAMS.items() if getattr(cfg, option)]
+    params = {**LAYER_PARAMS, **{k: v for params in extra for k, v in params.items()}}
+    if hf_mixtral.is_moe(cfg):
+        params = {k: v for k, v in params.items() if k not in hf_mixtral.DENSE_MLP} | hf_mixtral.LAYER_PARAMS
+    return params
+
+
+def blocks_path(cfg: LlamaConfig) -> str:
+    """Where the stacked block parameters lie in the parameter tree (an MoE Llama's under `moe`)."""
+    return "blocks/moe" if hf_mixtral.is_moe(cfg) else "blocks"
+
+
+def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every jaxpar parameter path ('blocks/wq') -> its shape (stacked over layers; vocabulary padded)."""
+    n, d, h, kv, hd, f, vp = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
+                              cfg.padded_vocab)
+    shapes = {"embedding": (vp, d), "final_norm": (d,),
+              "blocks/attn_norm": (n, d), "blocks/wq": (n, d, h, hd), "blocks/wk": (n, d, kv, hd),
+              "blocks/wv": (n, d, kv, hd), "blocks/wo": (n, h, hd, d), "blocks/mlp_norm": (n, d),
+              "blocks/w_gate": (n, d, f), "blocks/w_up": (n, d, f), "blocks/w_down": (n, f, d)}
+    if cfg.qkv_bias:
+        shapes.update({"blocks/bq": (n, h, hd), "blocks/bk": (n, kv, hd), "blocks/bv": (n, kv, hd)})
+    if cfg.qk_norm:
+        shapes.update({"blocks/q_norm": (n, hd), "blocks/k_norm": (n, hd)})
+    if cfg.post_norms:
+        shapes.update({"blocks/post_attn_norm": (n, d), "blocks/post_mlp_norm": (n, d)})
+    if hf_mixtral.is_moe(cfg):  # the router and experts in place of the MLP, every block under blocks/moe
+        shapes = {k: s for k, s in shapes.items() if k.split("/")[-1] not in hf_mixtral.DENSE_MLP}
+        shapes |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
+        shapes = {k.replace("blocks/", f"{blocks_path(cfg)}/", 1): s for k, s in shapes.items()}
+    if not cfg.tie_embeddings:
+        shapes["head"] = (d, vp)
+    return shapes
+
+
+def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every Hugging Face tensor name a `cfg` model's safetensors hold -> its shape (torch layout, vocab unpadded)."""
+    d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab
+    layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+             "self_attn.q_proj.weight": (h * hd, d), "self_attn.k_proj.weight": (kv * hd, d),
+             "self_attn.v_proj.weight": (kv * hd, d), "self_attn.o_proj.weight": (d, h * hd),
+             "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
+    if cfg.qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (h * hd,), "self_attn.k_proj.bias": (kv * hd,),
+                      "self_attn.v_proj.bias": (kv * hd,)})
+    if cfg.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if cfg.post_norms:
+        layer.update({"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)})
+    if hf_mixtral.is_moe(cfg):
+        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | hf_mixtral.expected_layer_shapes(cfg)
+    shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    for i in range(cfg.n_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+    return shapes
