@@ -28,7 +28,6 @@ from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.pipeline.executor import bubble_fill
 from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.train import packing, sources
-from jaxpar.train.epochs import EpochBatches
 from jaxpar.train.packing import Document
 from jaxpar.train.state import init_state
 from jaxpar.train.step import loss_and_grads, make_train_step
@@ -64,17 +63,6 @@ def test_a_long_document_is_split_into_row_sized_pieces_with_positions_continuin
     batch = packing.as_batch(rows)
     np.testing.assert_array_equal(batch["loss_weights"], [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 0, 1, 0]])
     assert batch["loss_weights"].sum() == 10 + 1  # the 10 completion targets and 20 -> 21
-
-
-def test_packed_rows_are_seen_once_per_epoch_and_are_a_function_of_the_step():
-    rng = np.random.default_rng(0)
-    docs = [Document(rng.integers(0, 50, rng.integers(2, 12))) for _ in range(40)]
-    table = packing.PackedRows(packing.pack(docs, seq_len=15))
-    batches = EpochBatches(table, batch_size=4, seq_len=15, seed=3, vocab=64)
-    seen = np.concatenate([batches.indices(step) for step in range(batches.steps_for(1))])
-    assert sorted(seen[:len(table)]) == list(range(len(table)))
-    np.testing.assert_array_equal(batches.rows(2, 1, 3)["loss_weights"], batches[2]["loss_weights"][1:3])
-    assert set(batches[0]) == {"inputs", "targets", "segment_ids", "positions", "loss_weights"}
 
 
 # -- fine-tuning records -----------------------------------------------------------------

@@ -21,41 +21,59 @@ encoded span by span, so no token straddles the edge between prompt and reply.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import numpy as np
 
-from jaxpar.interop.tokenize import Tokenizer, encode_documents, load_tokenizer, text_files
+from jaxpar.interop.tokenize import BYTES, Tokenizer, encode_documents, load_tokenizer
 from jaxpar.train import sources
+from jaxpar.train.record_index import RecordIndex
 from jaxpar.train.packing import Document, split_stream
 
 
-def source_documents(path: str, tokenizer_path: str | None, text_field: str = "text") -> list[Document]:
-    """The documents of one `--data` source: records of a document source, or each file of a text folder."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    source = Path(path)
-    if sources.is_document_source(source):
-        kind = sources.record_kind(source)
-        if kind == sources.TEXT:
-            return split_stream(*encode_documents(sources.read_documents(source, text_field), tokenizer))
-        records = sources.read_records(source, kind)
-        if kind == sources.PROMPT_COMPLETION:
-            return [prompt_completion(r["prompt"], r["completion"], tokenizer) for r in records]
-        chat = ChatTemplate.of(tokenizer_path, f"--data {path!r} holds chat records (messages)")
-        return [chat_document(r["messages"], chat, tokenizer, f"--data {path!r} record {i}")
-                for i, r in enumerate(records)]
-    try:
-        files = text_files(source)
-    except ValueError as error:
-        raise ValueError(f"--data {path!r}: {error}") from None
-    texts = []
-    for file in files:
-        try:
-            texts.append(file.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as error:
-            raise ValueError(f"{str(file)!r} is not UTF-8 text ({error.reason} at byte {error.start})") from None
-    return split_stream(*encode_documents(texts, tokenizer))
+class LazyDocuments:
+    """The documents of one `--data` source, read and tokenized by index range (`jaxpar.train.block_packing`).
+
+    Opening it reads the source's index only (`jaxpar.train.record_index`);
+    `documents(lo, hi)` reads records lo:hi and tokenizes them. `lo:hi` of a
+    view (`view(lo, hi)`) is documents lo:hi of the source, so evaluation can
+    hold out the last documents whole without reading the others.
+    """
+
+    def __init__(self, path: str, tokenizer_path: str | None, text_field: str = "text"):
+        self.path, self.tokenizer_path = path, tokenizer_path
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        source = Path(path)
+        self.kind = sources.record_kind(source) if sources.is_document_source(source) else sources.TEXT
+        self.index = RecordIndex(source, text_field if self.kind == sources.TEXT else None)
+        self.chat = (ChatTemplate.of(tokenizer_path, f"--data {path!r} holds chat records (messages)")
+                     if self.kind == sources.MESSAGES else None)
+        self.lo, self.hi = 0, len(self.index)
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def view(self, lo: int, hi: int) -> LazyDocuments:
+        """Documents lo:hi of this one, unread."""
+        out = copy.copy(self)
+        out.lo, out.hi = self.lo + lo, self.lo + hi
+        return out
+
+    def documents(self, lo: int, hi: int) -> list[Document]:
+        """Documents lo:hi, tokenized: text with BOS/EOS around each, or fine-tuning records with their masks."""
+        lo, hi = self.lo + lo, self.lo + hi
+        if self.kind == sources.TEXT:
+            texts = self.index.texts(lo, hi)
+            if self.tokenizer is BYTES and hi < len(self.index):  # bytes put "\n\n" after each document but the last
+                return split_stream(*encode_documents([*texts, ""], self.tokenizer))[:-1]
+            return split_stream(*encode_documents(texts, self.tokenizer))
+        records = self.index.records(lo, hi, self.kind)
+        if self.kind == sources.PROMPT_COMPLETION:
+            return [prompt_completion(r["prompt"], r["completion"], self.tokenizer) for r in records]
+        return [chat_document(r["messages"], self.chat, self.tokenizer, f"--data {self.path!r} record {i}")
+                for i, r in zip(range(lo, hi), records)]
 
 
 def is_fine_tuning(path: str) -> bool:

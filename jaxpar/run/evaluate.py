@@ -63,21 +63,24 @@ def holdout_cut(size: int, holdout: float = HOLDOUT, document_starts: np.ndarray
     return cut
 
 
-def split_documents(documents: list, holdout: float = HOLDOUT, source: str | None = None) -> tuple[list, list]:
-    """(training documents, held-out documents): the last documents, whole, cut as `split_tokens` cuts."""
-    sizes = np.asarray([len(d.tokens) for d in documents], np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    cut = holdout_cut(int(sizes.sum()), holdout, starts, source)
-    index = int(np.searchsorted(starts, cut))
-    return documents[:index], documents[index:]
+def split_documents(documents, holdout: float = HOLDOUT, source: str | None = None) -> tuple:
+    """(training documents, held-out documents) of a `DocumentSource` (`jaxpar.train.block_packing`), both unread:
+    the last `holdout` of the documents (at least one), whole; at least one is trained on."""
+    count = len(documents)
+    if count < 2:
+        raise ValueError(f"--data {source!r} holds {count} document: holding out whole documents for evaluation "
+                         "needs two or more; add documents or drop --eval-every")
+    cut = count - min(count - 1, max(1, int(count * holdout)))
+    return documents.view(0, cut), documents.view(cut, count)
 
 
 def eval_documents(documents: list, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
-    """Held-out documents one to a row (jaxpar.train.packing), as whole batches: inputs, targets, positions, mask
+    """Held-out documents (a `DocumentSource`; the first that fill the batches are read) one to a row
+    (jaxpar.train.packing), as whole batches: inputs, targets, positions, mask
     (real tokens), weights (the packer's loss weights; 0 on padding rows)."""
     from jaxpar.train.packing import as_batch, pack
 
-    rows = as_batch(pack(documents, seq_len, alone=True))
+    rows = as_batch(pack(documents.documents(0, min(len(documents), batch_size * max_batches)), seq_len, alone=True))
     count = min(rows["inputs"].shape[0], batch_size * max_batches)
     total = math.ceil(count / batch_size) * batch_size
     out = {name: np.zeros((total, seq_len), value.dtype) for name, value in rows.items()}

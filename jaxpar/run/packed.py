@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxpar.interop.records import is_fine_tuning, source_documents
-from jaxpar.interop.tokenize import check_covers, load_tokenizer
+from jaxpar.interop.records import LazyDocuments, is_fine_tuning
+from jaxpar.interop.tokenize import check_covers, encode_documents, load_tokenizer
 from jaxpar.train import sources
-from jaxpar.train.epochs import EpochBatches
-from jaxpar.train.packing import Document, PackedRows, pack
+from jaxpar.train.block_packing import BlockBatches, DocumentSource, InMemoryDocuments
+from jaxpar.train.packing import Document, split_stream
 
 PACKINGS = ("documents", "windows")
 
@@ -49,21 +49,24 @@ def packing_of(data: str | None, packing: str | None) -> str:
     return "documents" if by_documents else "windows"
 
 
-def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field: str = "text") -> list[Document]:
-    """The documents of the one source of `--data` (the built-in corpus or a single text file: one document)."""
+def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field: str = "text") -> DocumentSource:
+    """The documents of the one source of `--data`, unread: only the source's index is read here.
+
+    The built-in corpus and a single text file are one document each, read now.
+    """
     if tokenizer is not None:
         check_covers(load_tokenizer(tokenizer), vocab, f"--tokenizer {tokenizer!r}")
     if data is None:
         from jaxpar.train.data import default_corpus
 
-        return [Document(default_corpus())]
-    documents = source_documents(data, tokenizer, text_field)
-    if not any(len(d.tokens) > 1 for d in documents):
-        raise ValueError(f"--data {data!r} gave no document of two tokens or more: nothing to train on")
-    return documents
+        return InMemoryDocuments([Document(default_corpus())])
+    if Path(data).is_file() and not sources.is_document_source(Path(data)):
+        texts = [Path(data).read_text(encoding="utf-8")]
+        return InMemoryDocuments(split_stream(*encode_documents(texts, load_tokenizer(tokenizer))))
+    return LazyDocuments(data, tokenizer, text_field)
 
 
-def packed_batches(documents: list[Document], batch_size: int, seq_len: int, seed: int, vocab: int,
-                   source: str | None) -> EpochBatches:
+def packed_batches(documents: DocumentSource, batch_size: int, seq_len: int, seed: int, vocab: int,
+                   source: str | None) -> BlockBatches:
     """The run's batches of packed rows, each once per epoch in the seed's order, token ids checked per batch."""
-    return EpochBatches(PackedRows(pack(documents, seq_len), source), batch_size, seq_len, seed, vocab, source)
+    return BlockBatches(documents, batch_size, seq_len, seed, vocab, source)

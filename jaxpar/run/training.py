@@ -112,7 +112,7 @@ class Run:
     make_model: Callable
     step_fn: Step
     mfu: mfu_lib.Mfu
-    heldout: np.ndarray | list | None = None  # the tokens (or documents) --eval-every evaluates on, never trained on
+    heldout: Any = None  # the tokens (or a DocumentSource) --eval-every evaluates on, never trained on
 
     @property
     def batch_sharding(self):
@@ -382,8 +382,8 @@ def _evaluator(run: Run):
     from jaxpar.run.evaluate import Evaluator, eval_documents, eval_windows
 
     held, seq_len, batch_size = run.heldout, run.config.seq_len, run.config.batch_size
-    windows = (eval_documents(held, seq_len, batch_size) if isinstance(held, list)
-               else eval_windows(held, seq_len, batch_size))
+    windows = (eval_windows(held, seq_len, batch_size) if isinstance(held, np.ndarray)
+               else eval_documents(held, seq_len, batch_size))
     return Evaluator(run.model, run.plan, windows, run.config.batch_size)
 
 

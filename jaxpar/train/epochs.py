@@ -138,7 +138,10 @@ WINDOWS = {"order": "windows", "drawn_by": "numpy default_rng([seed, step]) per 
 
 
 def data_order(batches) -> dict:
-    """How a run orders its data, as its checkpoints record it: random windows, or epochs of so many rows."""
+    """How a run orders its data, as its checkpoints record it: random windows, epochs of so many rows, or
+    blocks of packed documents (`jaxpar.train.block_packing.BlockBatches.order`)."""
+    if hasattr(batches, "order"):
+        return batches.order()
     if not isinstance(batches, EpochBatches):
         return WINDOWS
     return {"order": "epochs", "rows": len(batches.table),

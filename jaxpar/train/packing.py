@@ -91,22 +91,3 @@ def as_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def split_stream(tokens: np.ndarray, starts: np.ndarray) -> list[Document]:
     """The documents of a token stream whose document `starts` are known (`jaxpar.interop.tokenize.encode_documents`)."""
     return [Document(piece) for piece in np.split(np.asarray(tokens), np.asarray(starts[1:], np.int64))]
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedRows:
-    """Packed rows as a row table (`jaxpar.train.epochs.RowTable`): `EpochBatches` visits each once per epoch."""
-
-    packed: dict[str, np.ndarray]  # what `pack` returns
-    source: str | None = None
-
-    def __post_init__(self):
-        if not self.packed["weights"].any():
-            raise ValueError(f"--data {self.source!r} packs into rows with no target to train on (every document "
-                             "is one token, or every record's completion is empty)")
-
-    def __len__(self) -> int:
-        return self.packed["tokens"].shape[0]
-
-    def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        return as_batch({name: value[indices] for name, value in self.packed.items()})

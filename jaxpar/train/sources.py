@@ -97,7 +97,7 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
     return texts
 
 
-def _field(record, text_field: str, where: str) -> str:
+def text_of(record, text_field: str, where: str) -> str:
     if not isinstance(record, dict) or text_field not in record:
         fields = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
         raise ValueError(f"{where} has no field {text_field!r} (it has {fields}); choose the field with --text-field")
@@ -118,7 +118,7 @@ def _jsonl(path: Path, text_field: str) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{where} is not JSON ({error.msg} at column {error.colno})") from None
-            texts.append(_field(record, text_field, where))
+            texts.append(text_of(record, text_field, where))
     return texts
 
 

@@ -1,0 +1,183 @@
+"""Packed documents read lazily: blocks of consecutive documents, each tokenized and packed when first needed.
+
+A document source is cut into blocks of `BLOCK_DOCUMENTS` consecutive
+documents (the last block may be shorter); block b is documents
+[b * K, (b + 1) * K), packed on its own by `jaxpar.train.packing.pack` the
+first time a batch needs one of its rows, and kept in a bounded LRU cache
+(`CACHED_BLOCKS`). Start-up therefore reads only the source's record count
+(`jaxpar.train.record_index`) and tokenizes nothing.
+
+Order. Epoch e visits the blocks in grain's `IndexSampler` order over blocks
+(seed `seed`, epoch e of its endless sequence), and each block's rows in the
+permutation `default_rng([seed, e, b])`. The rows of an epoch, in that order,
+are followed by the next epoch's: global batch `s` is positions
+`s * batch_size + r` of this endless sequence, so a batch is a pure function of
+(seed, step, the data) on any mesh and process count, every row (so every
+document, each of its pieces) once per epoch, and an epoch ends mid-batch as in
+`jaxpar.train.epochs`.
+
+Row counts. Which block holds position p needs the row counts of the blocks
+before it in the epoch's order, and a block's count is known once it is
+packed. A count, once learned, is kept (one int per block, never evicted);
+reading a position packs, for its count only, every earlier block of the epoch
+not yet counted. So a run from step 0 packs each block as its rows come up (in
+the read-ahead thread, not at start-up); a resumed run, or a process whose rows
+come later in a batch, first counts the blocks before its rows in the epoch
+(tokenizing them once; their rows are not kept). From the second epoch every
+count is known. `--epochs` needs the row count of an epoch before the first
+step, so `steps_for` counts every block at start-up (the one case that
+tokenizes the whole source before training).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import functools
+import math
+import threading
+from fractions import Fraction
+from typing import Protocol
+
+import numpy as np
+from grain.python import IndexSampler, NoSharding
+
+from jaxpar.train.data import check_batch_vocab
+from jaxpar.train.packing import Document, as_batch, pack
+
+BLOCK_DOCUMENTS = 256  # K: documents per block (a block of 256 web pages packs in tens of ms; a batch spans few blocks)
+CACHED_BLOCKS = 32  # packed blocks kept (the read-ahead of a few batches, and every process's current blocks)
+
+
+class DocumentSource(Protocol):
+    """Documents read by index range (`jaxpar.interop.records.LazyDocuments`)."""
+
+    def __len__(self) -> int: ...
+
+    def documents(self, lo: int, hi: int) -> list[Document]: ...
+
+
+class BlockBatches:
+    """Global batches of packed rows of `source`, indexed by step, each row once per epoch (see the module)."""
+
+    def __init__(self, source: DocumentSource, batch_size: int, seq_len: int, seed: int = 0, vocab: int | None = None,
+                 name: str | None = None, block_documents: int = BLOCK_DOCUMENTS, cached: int = CACHED_BLOCKS):
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"--seed {seed}: the epoch order (grain's IndexSampler) takes a seed in [0, 2**32); "
+                             "choose one there")
+        self.source, self.batch_size, self.seq_len, self.seed = source, batch_size, seq_len, seed
+        self.vocab, self.name, self.block_documents, self.cached = vocab, name, block_documents, cached
+        self.blocks = math.ceil(len(source) / block_documents)
+        self._counts: dict[int, int] = {}
+        self._packed: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self._prefix: dict[int, list[int]] = {}  # epoch -> cumulative row counts of its first blocks in order
+        self._lock = threading.RLock()
+
+    @functools.cached_property
+    def _sampler(self) -> IndexSampler:
+        return IndexSampler(self.blocks, shard_options=NoSharding(), shuffle=True, num_epochs=None, seed=self.seed)
+
+    @functools.lru_cache(maxsize=4)
+    def _order(self, epoch: int) -> list[int]:
+        """The blocks of `epoch` in their visiting order."""
+        first = epoch * self.blocks
+        return [self._sampler[p].record_key for p in range(first, first + self.blocks)]
+
+    def _block(self, block: int) -> dict[str, np.ndarray]:
+        """Block `block` packed (from the cache, else read, tokenized and packed now); its row count is kept."""
+        with self._lock:
+            if block in self._packed:
+                self._packed.move_to_end(block)
+                return self._packed[block]
+            lo = block * self.block_documents
+            packed = pack(self.source.documents(lo, min(lo + self.block_documents, len(self.source))), self.seq_len)
+            self._counts[block] = packed["tokens"].shape[0]
+            self._packed[block] = packed
+            while len(self._packed) > self.cached:
+                self._packed.popitem(last=False)
+            return packed
+
+    def count(self, block: int) -> int:
+        """Rows of `block` (packing it if it was never packed)."""
+        with self._lock:
+            if block not in self._counts:
+                self._block(block)
+            return self._counts[block]
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows of one epoch: counts every block (tokenizing those never packed)."""
+        return sum(self.count(b) for b in range(self.blocks))
+
+    def _locate(self, position: int) -> tuple[int, int, int]:
+        """(epoch, block, row within the block's packing) of `position` of the endless row sequence."""
+        with self._lock:
+            epoch = 0
+            if len(self._counts) == self.blocks:  # every count known: epochs have a known length
+                epoch, position = divmod(position, self.rows_per_epoch)
+            while True:
+                order, prefix = self._order(epoch), self._prefix.setdefault(epoch, [0])
+                while prefix[-1] <= position and len(prefix) <= self.blocks:
+                    prefix.append(prefix[-1] + self.count(order[len(prefix) - 1]))
+                if prefix[-1] > position:
+                    break
+                epoch, position = epoch + 1, position - prefix[-1]  # past this epoch's rows: into the next
+            at = bisect.bisect_right(prefix, position) - 1
+            block = order[at]
+            within = position - prefix[at]
+        permutation = np.random.default_rng([self.seed, epoch, block]).permutation(self.count(block))
+        return epoch, block, int(permutation[within])
+
+    def locations(self, step: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
+        """(epoch, block, row) of rows lo:hi of the global batch of `step`."""
+        first = step * self.batch_size
+        return [self._locate(p) for p in range(first, first + self.batch_size)[lo:hi]]
+
+    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
+        """Rows lo:hi of the global batch of `step`: inputs/targets (int32) and the document fields [rows, seq_len]."""
+        picked = []
+        for _, block, row in self.locations(step, lo, hi):
+            packed = self._block(block)
+            picked.append({name: value[row] for name, value in packed.items()})
+        rows = as_batch({name: np.stack([p[name] for p in picked]) for name in picked[0]})
+        for field in ("inputs", "targets"):
+            if self.vocab is not None:
+                check_batch_vocab(rows[field], self.vocab, self.name, step)
+            rows[field] = rows[field].astype(np.int32)
+        if lo == 0 and hi is None and not rows["loss_weights"].any():
+            raise ValueError(f"--data {self.name!r}: the batch of step {step} has no target to train on (its "
+                             "documents are one token each, or its records' completions are empty)")
+        return rows
+
+    def __getitem__(self, step: int) -> dict[str, np.ndarray]:
+        return self.rows(step)
+
+    def epoch_of(self, step: int) -> float:
+        """How far through the data the run is after `step` batches (counts every block: see the module)."""
+        return step * self.batch_size / self.rows_per_epoch
+
+    def steps_for(self, epochs: float) -> int:
+        """Steps that visit every row `epochs` times: ceil(epochs x rows / batch_size), as `EpochBatches.steps_for`."""
+        return max(1, math.ceil(Fraction(repr(float(epochs))) * self.rows_per_epoch / self.batch_size))
+
+    def order(self) -> dict:
+        """How the run orders its data, as its checkpoints record it (`jaxpar.train.epochs.data_order`)."""
+        return {"order": "document blocks", "rows": len(self.source), "block_documents": self.block_documents,
+                "drawn_by": "grain IndexSampler(blocks, shuffle=True, seed) per epoch; rows by "
+                            "default_rng([seed, epoch, block]).permutation"}
+
+
+class InMemoryDocuments:
+    """Documents already in memory (the built-in corpus, a single text file) as a `DocumentSource`."""
+
+    def __init__(self, documents: list[Document]):
+        self._documents = list(documents)
+
+    def __len__(self) -> int:
+        return len(self._documents)
+
+    def view(self, lo: int, hi: int) -> InMemoryDocuments:
+        return InMemoryDocuments(self._documents[lo:hi])
+
+    def documents(self, lo: int, hi: int) -> list[Document]:
+        return self._documents[lo:hi]
