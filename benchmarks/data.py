@@ -3,6 +3,12 @@ global arrays) for a token file and a JSON lines source with 0, 1, 2 prefetch wo
 the model's training step consumes, and the start-up time on a 1 GB token file.
 
     python benchmarks/data.py [--model small] [--batches 200] [--steps 3]
+    python benchmarks/data.py --packed [--megabytes 200] [--batches 100]
+
+`--packed` instead times packed documents (`--packing documents`) of a generated JSON lines file of
+`--megabytes`: the start-up (from `prepare`'s start to its first batch read; the data part alone as
+`data_s`) and the loader's tokens/s from step 0 of a fresh loader (blocks tokenized and packed as the
+batches reach them) with 0, 1, 2 read-ahead workers.
 
 The 1 GB file is written to a temporary folder and deleted afterwards; it was just written, so it is in
 the page cache (a cold disk reads slower).
@@ -42,6 +48,41 @@ def write_jsonl(path: Path, documents: int) -> None:
     with path.open("w") as f:
         for _ in range(documents):
             f.write(json.dumps({"text": " ".join(rng.choice(WORDS, int(rng.integers(50, 400))))}) + "\n")
+
+
+def write_jsonl_bytes(path: Path, megabytes: float) -> int:
+    """A JSON lines file of about `megabytes` of documents of 50 to 400 words; returns its documents."""
+    rng, count = np.random.default_rng(1), 0
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS, int(n)))}) + "\n" for n in rng.integers(50, 400, 4096)]
+    with path.open("w") as f:
+        while f.tell() < megabytes * 2**20:
+            f.writelines(lines[i] for i in rng.permutation(len(lines)))
+            count += len(lines)
+    return count
+
+
+def packed_figures(args, plan: Plan, shape: dict) -> dict:
+    """Start-up and loader figures of packed documents from a generated JSON lines file (deleted afterwards)."""
+    from jaxpar.run.packed import documents_of, packed_batches
+
+    with tempfile.TemporaryDirectory() as folder:
+        jsonl = Path(folder) / "docs.jsonl"
+        documents = write_jsonl_bytes(jsonl, args.megabytes)
+        config = TrainConfig(data=str(jsonl), packing="documents", **shape)
+        began = time.perf_counter()
+        run = prepare(config, plan)  # reads and checks batch 0
+        prepare_s = time.perf_counter() - began
+        vocab = run.model_config.vocab
+        began = time.perf_counter()
+        packed_batches(documents_of(config.data, None, vocab), config.batch_size, config.seq_len, config.seed, vocab,
+                       config.data).rows(0)
+        result = {"documents": documents, "bytes": jsonl.stat().st_size,
+                  "startup_s": {"prepare_s": prepare_s, "data_s": time.perf_counter() - began}, "loader_tokens_per_s": {}}
+        for workers in (0, 1, 2):
+            run.batches = packed_batches(documents_of(config.data, None, vocab), config.batch_size, config.seq_len,
+                                         config.seed, vocab, config.data)  # fresh: nothing packed yet
+            result["loader_tokens_per_s"][f"workers={workers}"] = loader_rate(run, args.batches, workers, repeats=1)
+    return result
 
 
 def loader_rate(run, batches: int, workers: int, repeats: int = 3) -> float:
@@ -100,11 +141,16 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="training steps timed")
     parser.add_argument("--gigabytes", type=float, default=1.0, help="size of the start-up token file")
     parser.add_argument("--documents", type=int, default=20000, help="records of the JSON lines source")
+    parser.add_argument("--packed", action="store_true", help="time packed documents of a generated .jsonl instead")
+    parser.add_argument("--megabytes", type=float, default=200, help="size of the --packed JSON lines file")
     args = parser.parse_args()
     plan = Plan.create(f"data={args.data}", devices=jax.devices()[: args.data])
     shape = dict(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, steps=args.batches + 8)
     result = {"benchmark": "data", "model": args.model, "mesh": f"data={args.data}", "batch_size": args.batch_size,
               "seq_len": args.seq_len, "backend": jax.default_backend(), "cpu_cores": os.cpu_count()}
+    if args.packed:
+        print(json.dumps({**result, "packed_jsonl": packed_figures(args, plan, shape)}, indent=1))
+        return
     with tempfile.TemporaryDirectory() as folder:
         token_file, jsonl = Path(folder) / "tokens.bin", Path(folder) / "docs.jsonl"
         began = time.perf_counter()
@@ -117,7 +163,7 @@ def main():
         result["train_step"] = step_rate(run, args.steps)
         del run
         write_jsonl(jsonl, args.documents)
-        run, startup = timed_prepare(TrainConfig(data=str(jsonl), **shape), plan)
+        run, startup = timed_prepare(TrainConfig(data=str(jsonl), packing="windows", **shape), plan)
         result["jsonl"] = {"documents": args.documents, "bytes": jsonl.stat().st_size,
                            "tokens": int(run.batches.tokens.size), "startup_s": startup,
                            "loader_tokens_per_s": {f"workers={w}": loader_rate(run, args.batches, w)

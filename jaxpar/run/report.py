@@ -21,6 +21,7 @@ from jaxpar.run.training import (
     resume,
 )
 from jaxpar.train.data import BadBatch
+from jaxpar.train.block_packing import BlockBatches
 from jaxpar.train.epochs import EpochBatches
 from jaxpar.train.state import abstract_state
 
@@ -66,6 +67,12 @@ def mfu_text(run: Run, step_time_s: float | None) -> str:
 
 def _epoch_text(run: Run, console: Console):
     """With `--epochs`: say how the data splits into rows, and give the progress bar's `  epoch 1.25` per step."""
+    if isinstance(run.batches, BlockBatches):  # rows are counted as blocks are packed: no total before the run
+        counted = (f": {run.batches.rows_per_epoch:,} rows, {run.config.epochs:g} epochs = {run.config.steps:,} steps"
+                   if run.config.epochs is not None else "")  # --epochs counted every block already
+        console.print(f"[bold]data[/] {len(run.batches.source):,} documents in {run.batches.blocks:,} blocks, "
+                      f"packed as batches need them, each row once per epoch{counted}")
+        return lambda step: f"  epoch {run.batches.epoch_of(step):.2f}"
     if not isinstance(run.batches, EpochBatches):
         return lambda step: ""
     table, config = run.batches.table, run.config

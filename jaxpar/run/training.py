@@ -352,7 +352,7 @@ def _step_row(run: Run, row: dict, done: int, elapsed: float, lr: float, nonfini
     `on_nonfinite="stop"`."""
     config = run.config
     row = {"step": done, **row, "lr": lr, "nonfinite_steps": nonfinite_steps,
-           **({"epoch": run.batches.epoch_of(done)} if isinstance(run.batches, EpochBatches) else {}),
+           **({"epoch": run.batches.epoch_of(done)} if hasattr(run.batches, "epoch_of") else {}),
            "step_time_s": elapsed, "tokens_per_s": config.batch_size * config.seq_len / elapsed, **device_memory()}
     mfu = run.mfu(elapsed)
     if mfu is not None:

@@ -109,8 +109,8 @@ class BlockBatches:
         """Rows of one epoch: counts every block (tokenizing those never packed)."""
         return sum(self.count(b) for b in range(self.blocks))
 
-    def _locate(self, position: int) -> tuple[int, int, int]:
-        """(epoch, block, row within the block's packing) of `position` of the endless row sequence."""
+    def _place(self, position: int) -> tuple[int, int, int]:
+        """(epoch, index in the epoch's block order, row of the block's rows in order) of `position`."""
         with self._lock:
             epoch = 0
             if len(self._counts) == self.blocks:  # every count known: epochs have a known length
@@ -123,8 +123,12 @@ class BlockBatches:
                     break
                 epoch, position = epoch + 1, position - prefix[-1]  # past this epoch's rows: into the next
             at = bisect.bisect_right(prefix, position) - 1
-            block = order[at]
-            within = position - prefix[at]
+            return epoch, at, position - prefix[at]
+
+    def _locate(self, position: int) -> tuple[int, int, int]:
+        """(epoch, block, row within the block's packing) of `position` of the endless row sequence."""
+        epoch, at, within = self._place(position)
+        block = self._order(epoch)[at]
         permutation = np.random.default_rng([self.seed, epoch, block]).permutation(self.count(block))
         return epoch, block, int(permutation[within])
 
@@ -153,8 +157,12 @@ class BlockBatches:
         return self.rows(step)
 
     def epoch_of(self, step: int) -> float:
-        """How far through the data the run is after `step` batches (counts every block: see the module)."""
-        return step * self.batch_size / self.rows_per_epoch
+        """How far through the data the run is after `step` batches: exact once every block's row count is known
+        (with --epochs, or from the second epoch), else the epoch plus the share of its blocks already begun."""
+        if len(self._counts) == self.blocks:
+            return step * self.batch_size / self.rows_per_epoch
+        epoch, at, within = self._place(step * self.batch_size)
+        return epoch + (at + within / self.count(self._order(epoch)[at])) / self.blocks
 
     def steps_for(self, epochs: float) -> int:
         """Steps that visit every row `epochs` times: ceil(epochs x rows / batch_size), as `EpochBatches.steps_for`."""
