@@ -71,6 +71,8 @@ class BlockBatches:
         self._counts: dict[int, int] = {}
         self._packed: collections.OrderedDict[int, dict] = collections.OrderedDict()
         self._prefix: dict[int, list[int]] = {}  # epoch -> cumulative row counts of its first blocks in order
+        self._orders: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
+        self._total: int | None = None  # rows per epoch, once every block is counted
         self._lock = threading.RLock()
 
     @functools.cached_property
@@ -107,7 +109,9 @@ class BlockBatches:
     @property
     def rows_per_epoch(self) -> int:
         """Rows of one epoch: counts every block (tokenizing those never packed)."""
-        return sum(self.count(b) for b in range(self.blocks))
+        if self._total is None:
+            self._total = sum(self.count(b) for b in range(self.blocks))
+        return self._total
 
     def _place(self, position: int) -> tuple[int, int, int]:
         """(epoch, index in the epoch's block order, row of the block's rows in order) of `position`."""
@@ -115,6 +119,7 @@ class BlockBatches:
             epoch = 0
             if len(self._counts) == self.blocks:  # every count known: epochs have a known length
                 epoch, position = divmod(position, self.rows_per_epoch)
+                self._prefix = {e: p for e, p in self._prefix.items() if e >= epoch - 1}  # the epochs in use
             while True:
                 order, prefix = self._order(epoch), self._prefix.setdefault(epoch, [0])
                 while prefix[-1] <= position and len(prefix) <= self.blocks:
@@ -129,8 +134,17 @@ class BlockBatches:
         """(epoch, block, row within the block's packing) of `position` of the endless row sequence."""
         epoch, at, within = self._place(position)
         block = self._order(epoch)[at]
-        permutation = np.random.default_rng([self.seed, epoch, block]).permutation(self.count(block))
-        return epoch, block, int(permutation[within])
+        return epoch, block, int(self._permutation(epoch, block)[within])
+
+    def _permutation(self, epoch: int, block: int) -> np.ndarray:
+        """The order of `block`'s rows in `epoch` (kept for the blocks in use)."""
+        with self._lock:
+            key = (epoch, block)
+            if key not in self._orders:
+                self._orders[key] = np.random.default_rng([self.seed, epoch, block]).permutation(self.count(block))
+                while len(self._orders) > self.cached:
+                    self._orders.popitem(last=False)
+            return self._orders[key]
 
     def locations(self, step: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int, int]]:
         """(epoch, block, row) of rows lo:hi of the global batch of `step`."""
