@@ -143,3 +143,21 @@ def test_fine_tuning_records_read_lazily_match_the_whole_read(tmp_path):
     path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match="record 1 has no field 'completion'"):
         records.LazyDocuments(str(path), None).documents(0, 2)
+
+
+def test_train_epochs_of_a_jsonl_counts_the_packed_rows(jsonl, tmp_path, capsys):
+    """`jaxpar train --data docs.jsonl --epochs 1`: the steps are the epoch's packed rows over the batch size."""
+    from jaxpar.cli import main
+
+    path, _ = jsonl
+    metrics = tmp_path / "m.jsonl"
+    code = main(["train", "--mesh", "data=8", "--batch-size", "8", "--seq-len", str(SEQ), "--data", str(path),
+                 "--epochs", "1", "--metrics", str(metrics)])
+    printed = capsys.readouterr()
+    rows_per_epoch = packed_batches(documents_of(str(path), None, 256), 8, SEQ, 0, 256, str(path)).rows_per_epoch
+    steps = math.ceil(rows_per_epoch / 8)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert code == 0 and len(lines) == steps, printed.err
+    assert "50 documents in 1 blocks" in printed.out and f"{rows_per_epoch:,} rows, 1 epochs = {steps:,} steps" \
+        in printed.out.replace("\n", "")
+    assert lines[-1]["epoch"] == pytest.approx(steps * 8 / rows_per_epoch)
