@@ -11,7 +11,7 @@ from jaxpar.core.plan import Plan
 from jaxpar.interop.tokenize import training_streams
 from jaxpar.train.data import BadBatch, Batches, check_vocab, default_corpus, global_batch, load_tokens
 from jaxpar.train.mixture import MixtureBatches
-from jaxpar.train.sources import read_documents
+from jaxpar.train.record_index import read_documents
 
 
 def test_default_corpus_is_real_text():

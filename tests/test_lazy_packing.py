@@ -13,8 +13,8 @@ import pytest
 from jaxpar.interop import records
 from jaxpar.interop.tokenize import BYTES, encode_documents
 from jaxpar.run.packed import documents_of, packed_batches
-from jaxpar.train import sources
 from jaxpar.train.block_packing import BlockBatches, InMemoryDocuments
+from jaxpar.train.record_index import read_documents
 from jaxpar.train.packing import Document, split_stream
 
 SEQ = 15
@@ -99,7 +99,7 @@ def test_start_up_reads_the_index_only_and_documents_match_the_whole_read(jsonl,
     assert len(documents) == 50 and not calls  # the blank line is no record; nothing tokenized yet
     batches.rows(0)
     assert calls
-    eager = split_stream(*encode_documents(sources.read_documents(path), BYTES))
+    eager = split_stream(*encode_documents(read_documents(path), BYTES))
     lazy = documents.documents(0, 13) + documents.documents(13, 50)  # blocks end anywhere, documents do not change
     assert len(lazy) == len(eager)
     for a, b in zip(lazy, eager):

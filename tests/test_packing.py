@@ -29,6 +29,7 @@ from jaxpar.pipeline.executor import bubble_fill
 from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.train import packing, sources
 from jaxpar.train.packing import Document
+from jaxpar.train.record_index import RecordIndex
 from jaxpar.train.state import init_state
 from jaxpar.train.step import loss_and_grads, make_train_step
 
@@ -107,10 +108,10 @@ def test_bad_records_name_the_record_and_the_missing_field(tmp_path):
     path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     assert sources.record_kind(path) == sources.PROMPT_COMPLETION
     with pytest.raises(ValueError, match=r"record 1 has no field 'completion' \(it has 'prompt'\)"):
-        sources.read_records(path, sources.PROMPT_COMPLETION)
+        records.LazyDocuments(str(path), None).documents(0, 2)
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}) + "\n")
     with pytest.raises(ValueError, match="record 0: message 1 must have text fields 'role' and 'content'"):
-        sources.read_records(path, sources.MESSAGES)
+        RecordIndex(path, None).records(0, 1, sources.MESSAGES)
     with pytest.raises(ValueError, match="fine-tuning records, trained on their completions only"):
         packing_of(str(path), "windows")
     np.save(tmp_path / "t.npy", np.arange(10))

@@ -21,7 +21,8 @@ import numpy as np
 
 from jaxpar.train import data as data_lib
 from jaxpar.train.data import TEXT_SUFFIXES
-from jaxpar.train.sources import Source, is_document_source, parse_sources, read_documents
+from jaxpar.train.record_index import read_documents
+from jaxpar.train.sources import Source, is_document_source, parse_sources
 
 
 @dataclasses.dataclass(frozen=True)

@@ -154,8 +154,19 @@ class RecordIndex:
         if names is not None and self.field not in names:
             raise ValueError(f"{self.where} has no field {self.field!r} (it has {', '.join(map(repr, names))}); "
                              "choose the field with --text-field")
-        return [sources.text_of(r, self.field, f"{self.where} record {i}") for i, r in zip(range(lo, hi), self._read(lo, hi))]
+        return [sources.text_of(r, self.field, self._name(i)) for i, r in zip(range(lo, hi), self._read(lo, hi))]
+
+    def _name(self, index: int) -> str:
+        """Record `index` as a message names it: a JSON lines file's line, else the record (0-based)."""
+        lines = getattr(self, "_lines", None)
+        return f"{self.where} line {lines[index]}" if lines is not None else f"{self.where} record {index}"
 
     def records(self, lo: int, hi: int, kind: str) -> list[dict]:
         """Fine-tuning records lo:hi, each checked (`sources.check_record`); the index is opened with field None."""
         return [sources.check_record(r, i, kind, self.where) for i, r in zip(range(lo, hi), self._read(lo, hi))]
+
+
+def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
+    """The `text_field` of every record of a document source, in file order (`jaxpar tokenize`, windows)."""
+    index = RecordIndex(path, text_field)
+    return index.texts(0, len(index))

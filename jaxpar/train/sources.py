@@ -3,10 +3,11 @@
 A document source is JSON lines (`.jsonl`), Parquet (`.parquet`) or a folder
 written by `datasets.Dataset.save_to_disk`; each record's `--text-field` is one
 document. Fine-tuning records are told by their fields: `prompt` and
-`completion`, or `messages` (a list of {role, content}); `read_records` checks
-every one and names the record and the field a bad one lacks. Reading is local
-only (pyarrow, `datasets.load_from_disk`): nothing is downloaded. Token files
-and text folders stay in `jaxpar.train.data`.
+`completion`, or `messages` (a list of {role, content}); `check_record` checks
+each as it is read and names the record and the field a bad one lacks. Reading
+is local only (pyarrow, `datasets.load_from_disk`) and by index range
+(`jaxpar.train.record_index`): nothing is downloaded. Token files and text
+folders stay in `jaxpar.train.data`.
 """
 
 from __future__ import annotations
@@ -75,28 +76,6 @@ def is_document_source(path: Path) -> bool:
     return path.suffix in DOCUMENT_SUFFIXES or is_saved_dataset(path)
 
 
-def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
-    """The `text_field` of every record of a document source, in file order."""
-    path = Path(path)
-    if path.suffix in DOCUMENT_SUFFIXES and not path.is_file():
-        raise ValueError(f"--data {str(path)!r} is a directory, not a {path.suffix} file")
-    try:
-        if path.suffix == ".jsonl":
-            texts = _jsonl(path, text_field)
-        elif path.suffix == ".parquet":
-            texts = _parquet(path, text_field)
-        elif is_saved_dataset(path):
-            texts = _saved_dataset(path, text_field)
-        else:
-            raise ValueError(f"--data {str(path)!r} is not a document source (.jsonl, .parquet, or a folder "
-                             "written by datasets' save_to_disk)")
-    except OSError as error:
-        raise ValueError(f"--data {str(path)!r} cannot be read: {error.strerror or error}") from None
-    if not texts:
-        raise ValueError(f"--data {str(path)!r} holds no records")
-    return texts
-
-
 def text_of(record, text_field: str, where: str) -> str:
     if not isinstance(record, dict) or text_field not in record:
         fields = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
@@ -105,57 +84,6 @@ def text_of(record, text_field: str, where: str) -> str:
     if not isinstance(text, str):
         raise ValueError(f"{where}: field {text_field!r} holds {type(text).__name__}, not text")
     return text
-
-
-def _jsonl(path: Path, text_field: str) -> list[str]:
-    texts = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"--data {str(path)!r} line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where} is not JSON ({error.msg} at column {error.colno})") from None
-            texts.append(text_of(record, text_field, where))
-    return texts
-
-
-def _column(names: list[str], column, text_field: str, where: str) -> list[str]:
-    if text_field not in names:
-        raise ValueError(f"{where} has no field {text_field!r} (it has {', '.join(map(repr, names))}); "
-                         "choose the field with --text-field")
-    texts = column(text_field)
-    if any(not isinstance(t, str) for t in texts[:1]):
-        raise ValueError(f"{where}: field {text_field!r} holds {type(texts[0]).__name__}, not text")
-    return texts
-
-
-def _parquet(path: Path, text_field: str) -> list[str]:
-    import pyarrow.parquet as pq
-
-    where = f"--data {str(path)!r}"
-    try:
-        schema = pq.read_schema(path)
-    except Exception as error:  # noqa: BLE001 - pyarrow raises ArrowInvalid and others on a file that is not Parquet
-        raise ValueError(f"{where} is not a readable Parquet file: {error}") from None
-    return _column(schema.names, lambda name: pq.read_table(path, columns=[name]).column(name).to_pylist(),
-                   text_field, where)
-
-
-def _saved_dataset(path: Path, text_field: str) -> list[str]:
-    import datasets
-
-    where = f"--data {str(path)!r}"
-    try:
-        dataset = datasets.load_from_disk(str(path))
-    except Exception as error:  # noqa: BLE001 - datasets raises FileNotFoundError, ValueError and its own errors
-        raise ValueError(f"{where} is not a readable `datasets` save_to_disk folder: {error}") from None
-    if isinstance(dataset, datasets.DatasetDict):
-        raise ValueError(f"{where} holds a DatasetDict ({', '.join(dataset)}); save one split, e.g. "
-                         "dataset['train'].save_to_disk(...)")
-    return _column(dataset.column_names, lambda name: dataset[name], text_field, where)
 
 
 def record_kind(path: str | Path) -> str:
@@ -177,7 +105,7 @@ def _first_fields(path: Path) -> list[str]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError:
-                        return []  # read_documents / read_records name the line
+                        return []  # reading the records names the line
                     return list(record) if isinstance(record, dict) else []
         return []
     if path.suffix == ".parquet":
@@ -185,42 +113,12 @@ def _first_fields(path: Path) -> list[str]:
 
         try:
             return pq.read_schema(path).names
-        except Exception:  # noqa: BLE001 - read_documents names what is wrong with the file
+        except Exception:  # noqa: BLE001 - reading the records names what is wrong with the file
             return []
     if is_saved_dataset(path):
         info = json.loads((path / "dataset_info.json").read_text())
         return list((info.get("features") or {}).keys())
     return []
-
-
-def read_records(path: str | Path, kind: str) -> list[dict]:
-    """Every fine-tuning record of a document source, checked: {"prompt", "completion"} or {"messages"}."""
-    path = Path(path)
-    where = f"--data {str(path)!r}"
-    try:
-        if path.suffix == ".jsonl":
-            rows = []
-            with path.open(encoding="utf-8") as f:
-                for number, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            rows.append(json.loads(line))
-                        except json.JSONDecodeError as error:
-                            raise ValueError(f"{where} line {number} is not JSON ({error.msg} at column "
-                                             f"{error.colno})") from None
-        elif path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            rows = pq.read_table(path).to_pylist()
-        else:
-            import datasets
-
-            rows = datasets.load_from_disk(str(path)).to_list()
-    except OSError as error:
-        raise ValueError(f"{where} cannot be read: {error.strerror or error}") from None
-    if not rows:
-        raise ValueError(f"{where} holds no records")
-    return [check_record(row, index, kind, where) for index, row in enumerate(rows)]
 
 
 def check_record(record, index: int, kind: str, where: str) -> dict:
