@@ -56,6 +56,8 @@ class DocumentSource(Protocol):
 
     def documents(self, lo: int, hi: int) -> list[Document]: ...
 
+    def view(self, lo: int, hi: int) -> DocumentSource: ...  # documents lo:hi, unread (held-out splits)
+
 
 class BlockBatches:
     """Global batches of packed rows of `source`, indexed by step, each row once per epoch (see the module)."""
