@@ -63,6 +63,12 @@ def test_batches_are_a_function_of_seed_and_step_and_rows_lo_hi_are_the_batch_sl
     for step in (11, 4):
         for name in whole[step]:
             np.testing.assert_array_equal(resumed.rows(step)[name], whole[step][name])
+    from jaxpar.train.prefetch import prefetched
+
+    threaded = batches_of(docs, block_documents=3)  # read-ahead workers packing blocks at once
+    alone = batches_of(docs, block_documents=3)
+    for step, rows in enumerate(prefetched(threaded.rows, range(12), workers=3)):
+        np.testing.assert_array_equal(rows["targets"], alone.rows(step)["targets"])
     other = batches_of(docs, seed=4)
     assert not all(np.array_equal(other.rows(s)["targets"], whole[s]["targets"]) for s in range(3))
     assert set(whole[0]) == {"inputs", "targets", "segment_ids", "positions", "loss_weights"}

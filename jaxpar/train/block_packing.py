@@ -75,7 +75,8 @@ class BlockBatches:
         self._prefix: dict[int, list[int]] = {}  # epoch -> cumulative row counts of its first blocks in order
         self._orders: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
         self._total: int | None = None  # rows per epoch, once every block is counted
-        self._lock = threading.RLock()
+        self._packing: dict[int, threading.Lock] = {}  # blocks being packed now
+        self._lock = threading.Lock()  # the caches and counts above; never held while a block is packed
 
     @functools.cached_property
     def _sampler(self) -> IndexSampler:
@@ -88,25 +89,37 @@ class BlockBatches:
         return [self._sampler[p].record_key for p in range(first, first + self.blocks)]
 
     def _block(self, block: int) -> dict[str, np.ndarray]:
-        """Block `block` packed (from the cache, else read, tokenized and packed now); its row count is kept."""
+        """Block `block` packed (from the cache, else read, tokenized and packed now); its row count is kept.
+
+        Blocks are packed outside the cache's lock, so read-ahead workers pack different blocks at once; a
+        per-block lock has a second reader of the same block wait for the first.
+        """
         with self._lock:
             if block in self._packed:
                 self._packed.move_to_end(block)
                 return self._packed[block]
+            packing = self._packing.setdefault(block, threading.Lock())
+        with packing:
+            with self._lock:
+                if block in self._packed:
+                    return self._packed[block]
             lo = block * self.block_documents
             packed = pack(self.source.documents(lo, min(lo + self.block_documents, len(self.source))), self.seq_len)
-            self._counts[block] = packed["tokens"].shape[0]
-            self._packed[block] = packed
-            while len(self._packed) > self.cached:
-                self._packed.popitem(last=False)
+            with self._lock:
+                self._counts[block] = packed["tokens"].shape[0]
+                self._packed[block] = packed
+                while len(self._packed) > self.cached:
+                    self._packed.popitem(last=False)
+                self._packing.pop(block, None)
             return packed
 
     def count(self, block: int) -> int:
         """Rows of `block` (packing it if it was never packed)."""
         with self._lock:
-            if block not in self._counts:
-                self._block(block)
-            return self._counts[block]
+            if block in self._counts:
+                return self._counts[block]
+        self._block(block)
+        return self._counts[block]
 
     @property
     def rows_per_epoch(self) -> int:
@@ -117,18 +130,28 @@ class BlockBatches:
 
     def _place(self, position: int) -> tuple[int, int, int]:
         """(epoch, index in the epoch's block order, row of the block's rows in order) of `position`."""
-        with self._lock:
-            epoch = 0
-            if len(self._counts) == self.blocks:  # every count known: epochs have a known length
-                epoch, position = divmod(position, self.rows_per_epoch)
+        epoch = 0
+        if len(self._counts) == self.blocks:  # every count known: epochs have a known length
+            epoch, position = divmod(position, self.rows_per_epoch)
+            with self._lock:
                 self._prefix = {e: p for e, p in self._prefix.items() if e >= epoch - 1}  # the epochs in use
+        while True:
+            order = self._order(epoch)
+            with self._lock:
+                prefix = self._prefix.setdefault(epoch, [0])
             while True:
-                order, prefix = self._order(epoch), self._prefix.setdefault(epoch, [0])
-                while prefix[-1] <= position and len(prefix) <= self.blocks:
-                    prefix.append(prefix[-1] + self.count(order[len(prefix) - 1]))
-                if prefix[-1] > position:
+                with self._lock:
+                    known, end = len(prefix), prefix[-1]
+                if end > position or known > self.blocks:
                     break
-                epoch, position = epoch + 1, position - prefix[-1]  # past this epoch's rows: into the next
+                rows = self.count(order[known - 1])  # may pack the block: outside the lock
+                with self._lock:
+                    if len(prefix) == known:
+                        prefix.append(end + rows)
+            if end > position:
+                break
+            epoch, position = epoch + 1, position - end  # past this epoch's rows: into the next
+        with self._lock:
             at = bisect.bisect_right(prefix, position) - 1
             return epoch, at, position - prefix[at]
 
@@ -140,10 +163,11 @@ class BlockBatches:
 
     def _permutation(self, epoch: int, block: int) -> np.ndarray:
         """The order of `block`'s rows in `epoch` (kept for the blocks in use)."""
+        rows = self.count(block)
         with self._lock:
             key = (epoch, block)
             if key not in self._orders:
-                self._orders[key] = np.random.default_rng([self.seed, epoch, block]).permutation(self.count(block))
+                self._orders[key] = np.random.default_rng([self.seed, epoch, block]).permutation(rows)
                 while len(self._orders) > self.cached:
                     self._orders.popitem(last=False)
             return self._orders[key]
