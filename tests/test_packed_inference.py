@@ -10,6 +10,7 @@ from flax import nnx
 
 from helpers import max_relative_error, single_device_plan
 from jaxpar.models.llama import Llama, LlamaConfig, init_cache
+from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
 from jaxpar.run.evaluate import Evaluator, eval_documents
 from jaxpar.train.packing import Document, as_batch, pack
 from jaxpar.train.state import describe
@@ -149,3 +150,31 @@ def test_packed_held_out_rows_give_the_one_document_per_row_figure(model):
     figures = Evaluator(model_def, single_device_plan(), windows, batch_size)(state)
     assert figures["eval_tokens"] == int(count)
     assert abs(figures["eval_loss"] / (float(total) / float(count)) - 1) <= 1e-5
+
+
+def test_an_moe_model_packs_and_decodes_documents_too():
+    """The MoE blocks' inference hook (`Blocks.inference`) runs under segment ids: dropless routing is per token,
+    so a packed row and a packed prompt's continuation equal the documents alone."""
+    cfg = MoeLlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,
+                         expert_d_ff=32, n_experts=4, top_k=2, moe_every=1, dropless=True, seq_len=16)
+    with nnx.use_eager_sharding(False):
+        graphdef, state = nnx.split(MoeLlama(cfg, nnx.Rngs(0)))
+    first, last = DOCS[0], DOCS[1]
+    tokens, segments = np.zeros((1, 14), np.int32), np.zeros((1, 14), np.int32)
+    tokens[0, :5], segments[0, :5], tokens[0, 5:12], segments[0, 5:12] = first, 1, last, 2
+    alone = np.zeros((2, 8), np.int32)
+    alone[0, :5], alone[1] = first, np.concatenate([last, [21]])
+
+    @jax.jit
+    def run(state):
+        model = nnx.merge(graphdef, state)
+        packed = model.logits(tokens, segment_ids=segments)
+        _, cache = model.decode(tokens, init_cache(cfg, 1, 15, segments=True), segment_ids=segments)
+        logits, cache = model.decode(jnp.array([[21]], jnp.int32), cache)
+        return packed, logits, cache["length"], cache["segment"], model.logits(alone, mask=alone > 0)
+
+    packed, logits, length, segment, alone_logits = run(state)
+    assert max_relative_error(packed[0, :5], alone_logits[0, :5]) <= 1e-5
+    assert max_relative_error(packed[0, 5:12], alone_logits[1, :7]) <= 1e-5
+    assert max_relative_error(logits[0, 0], alone_logits[1, 7]) <= 1e-5
+    assert (int(length[0]), int(segment[0])) == (8, 2)
