@@ -21,10 +21,6 @@ from jaxpar.models.block import (  # noqa: F401 (the block's arithmetic, importe
     KV_NAMES, Q_NAMES, RESIDUAL, attention, attention_residual, block, block_norm, dense_feed_forward, mlp,
     query_key_value, residual_add, rms_norm)
 from jaxpar.models.config import ACTIVATIONS, CONFIGS, ROPE_TYPES, LlamaConfig  # noqa: F401 (the model's API)
-from jaxpar.models.inference import (  # noqa: F401 (the inference forward, imported from here by tests and run/)
-    CACHE, cached_attention, inference_layers, init_cache, llama_decode, llama_logits, padded_positions)
-from jaxpar.models.inference import logits_of as _logits_of  # noqa: F401
-from jaxpar.models.layer_pattern import layer_config, layer_window  # noqa: F401 (the families' API)
 from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
