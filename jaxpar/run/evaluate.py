@@ -28,13 +28,20 @@ HOLDOUT = 0.05  # the fraction of the token stream held out for evaluation
 MAX_BATCHES = 8  # windows evaluated: at most this many batches of the run's batch size
 
 
-def check_evaluable(model_name: str) -> None:
-    """ValueError unless the named model has the `logits` forward evaluation runs (the dense Llama)."""
+def check_evaluable(model_name: str, cfg) -> None:
+    """ValueError unless the named model has the `logits` forward evaluation runs: the dense Llama, or the MoE
+    Llama with experts in every block (Mixtral; see its blocks' `inference`)."""
     from jaxpar.models import MODELS
     from jaxpar.models.llama import Llama
+    from jaxpar.models.moe import MoeLlama
 
-    if MODELS[model_name][0] is not Llama:
-        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the dense Llama models, not {model_name!r}")
+    kind = MODELS[model_name][0]
+    if kind is MoeLlama and cfg.moe_every != 1:
+        raise ValueError(f"evaluation (--eval-every, jaxpar eval) of an MoE model needs experts in every block "
+                         f"(moe_every=1, as Mixtral); {model_name!r} has moe_every={cfg.moe_every}")
+    if kind not in (Llama, MoeLlama):
+        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the Llama and MoE Llama models, not "
+                         f"{model_name!r}")
 
 
 def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT, document_starts: np.ndarray | None = None,
