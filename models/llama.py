@@ -9,7 +9,6 @@ logical names.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -17,107 +16,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models import layer_pattern
-from jaxpar.models.layer_pattern import layer_config, layer_window  # noqa: F401 (the families' API)
-from jaxpar.models.rotary import rope_frequencies, rotary
-from jaxpar.parallel import attention as attention_lib
-from jaxpar.parallel import attention_math
+from jaxpar.models import inference, layer_pattern
+from jaxpar.models.block import (  # noqa: F401 (the block's arithmetic, imported from here by variants and tests)
+    KV_NAMES, Q_NAMES, RESIDUAL, attention, attention_residual, block, block_norm, dense_feed_forward, mlp,
+    query_key_value, residual_add, rms_norm)
+from jaxpar.models.config import ACTIVATIONS, CONFIGS, ROPE_TYPES, LlamaConfig  # noqa: F401 (the model's API)
 from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
-from jaxpar.parallel.vocab import softcap
 from jaxpar.pipeline import executor as pipeline
-
-ROPE_TYPES = ("default", "llama3")
-# the MLP's gate activation: SiLU (SwiGLU: Llama, Qwen, Mistral) or GELU's tanh approximation (GeGLU: Gemma)
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    vocab: int = 256
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    head_dim: int = 8
-    d_ff: int = 128
-    seq_len: int = 64
-    tie_embeddings: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    param_dtype: str = "float32"
-    vocab_multiple: int = 128  # embedding rows padded to a multiple (Megatron's make-vocab-size-divisible-by)
-    # Rotary scaling: "default" (none) or "llama3" (Llama 3.1's wavelength-dependent frequency scaling).
-    rope_type: str = "default"
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position: int = 8192
-    # Family options (default off: a Llama). qkv_bias: biases on the q/k/v projections (Qwen2);
-    # qk_norm: an RMSNorm over head_dim on each query and key head before the rotation (Qwen3).
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    # Gemma: mlp_activation="gelu_tanh"; norm_plus_one: every RMSNorm scales by (1 + w), w stored as Gemma stores it;
-    # embed_scale: embeddings times sqrt(d_model) in the compute dtype. Gemma 2 adds post_norms (an RMSNorm on the
-    # attention's and the MLP's outputs before each residual add) and final_softcap (logits = c * tanh(logits / c)).
-    mlp_activation: str = "silu"
-    norm_plus_one: bool = False
-    embed_scale: bool = False
-    post_norms: bool = False
-    final_softcap: float | None = None
-    # Attention options (default off). sliding_window W: a local layer's query sees the W latest keys, itself
-    # included (Mistral, Gemma 2); sliding_pattern P: with a window, every layer is local (P = 1, Mistral) or
-    # layer i is global when (i + 1) % P == 0 and local otherwise (P = 2: Gemma 2's alternation);
-    # attn_softcap c: scores -> c * tanh(scores / c) (Gemma 2's attn_logit_softcapping); query_scale: the
-    # multiplier of q . k, None for head_dim ** -0.5 (Gemma 2: query_pre_attn_scalar ** -0.5).
-    sliding_window: int | None = None
-    sliding_pattern: int = 1
-    attn_softcap: float | None = None
-    query_scale: float | None = None
-
-    def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.vocab_multiple < 1:
-            raise ValueError(f"vocab_multiple must be >= 1, got {self.vocab_multiple}")
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
-        if self.mlp_activation not in ACTIVATIONS:
-            raise ValueError(f"mlp_activation must be one of {tuple(ACTIVATIONS)}, got {self.mlp_activation!r}")
-        if self.final_softcap is not None and not self.final_softcap > 0:
-            raise ValueError(f"final_softcap must be None or > 0, got {self.final_softcap}")
-        layer_pattern.check(self)
-
-    @property
-    def padded_vocab(self) -> int:
-        """Rows of the embedding and columns of the head: the vocabulary rounded up so it splits over tensor.
-
-        Padded entries are never looked up and are masked out of the softmax, so
-        the model computes the same function as with `vocab` rows.
-        """
-        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
-
-    def param_count(self) -> int:
-        d, h, kv, hd, f, v, n = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
-                                 self.d_ff, self.padded_vocab, self.n_layers)
-        block = 2 * d + d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f
-        block += hd * (h + 2 * kv) * self.qkv_bias + 2 * hd * self.qk_norm + 2 * d * self.post_norms
-        return n * block + v * d * (1 if self.tie_embeddings else 2) + d
-
-
-CONFIGS: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(),
-    "small": LlamaConfig(d_model=256, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=32, d_ff=768, seq_len=256),
-    "1b": LlamaConfig(vocab=32000, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
-                      d_ff=8192, seq_len=2048),
-    "7b": LlamaConfig(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
-                      d_ff=11008, seq_len=4096),
-    "70b": LlamaConfig(vocab=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
-                       d_ff=28672, seq_len=4096),
-    "405b": LlamaConfig(vocab=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
-                        d_ff=53248, seq_len=8192, rope_theta=500000.0),
-}
 
 
 def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None, zeros: bool = False) -> nnx.Param:
@@ -127,90 +34,6 @@ def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None, zero
     else:
         init = nnx.initializers.truncated_normal(stddev=scale)
     return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
-
-
-def rms_norm(x, weight, eps, plus_one: bool = False):
-    """RMSNorm in fp32; `plus_one` scales by (1 + weight), as Gemma does (its weights start at 0)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    scale = weight.astype(jnp.float32) + 1.0 if plus_one else weight.astype(jnp.float32)
-    return (normed * scale).astype(x.dtype)
-
-
-def block_norm(x, weight, cfg: LlamaConfig):
-    """The RMSNorm of the residual stream (blocks and final): the config's eps and weight convention."""
-    return rms_norm(x, weight, cfg.norm_eps, cfg.norm_plus_one)
-
-
-RESIDUAL = ("batch", "seq_residual", "embed")
-
-
-Q_NAMES, KV_NAMES = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
-
-
-def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool = True):
-    """q, k, v of x: the projections, the family's biases and per-head norms, then the rotation at `positions`.
-
-    `positions` None: training's, those of q's whole sequence in jaxpar.parallel.attention's order.
-
-    The biases pass through `kv_heads_for_ranks` like their weights, so under
-    tensor parallelism each rank adds the bias of the heads it computes.
-    """
-    kv_params = ("wk", "wv") + (("bk", "bv") if cfg.qkv_bias else ())
-    kv = {w: p[w] for w in kv_params}
-    if replicate_kv:
-        kv = {w: tensor.kv_heads_for_ranks(a, cfg.n_kv_heads, ("embed", "kv_heads", "head_dim")[-a.ndim:])
-              for w, a in kv.items()}
-    q, k, v = tensor.column_parallel(x, (p["wq"], kv["wk"], kv["wv"]), "bsd,dhk->bshk", (Q_NAMES, KV_NAMES, KV_NAMES))
-    if cfg.qkv_bias:
-        q, k, v = (constrain(a + b.astype(a.dtype), n) for a, b, n in
-                   ((q, p["bq"], Q_NAMES), (k, kv["bk"], KV_NAMES), (v, kv["bv"], KV_NAMES)))
-    if cfg.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
-    positions = attention_lib.positions(q.shape[1]) if positions is None else positions
-    inv_freq = rope_frequencies(cfg, q.shape[-1])
-    return rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq), v
-
-
-def attention(p, x, cfg: LlamaConfig):
-    """Causal grouped-query attention (jaxpar.parallel.attention: split over `context` too); heads over the `heads` axes."""
-    # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
-    # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
-    q, k, v = query_key_value(p, x, cfg, positions=None)
-    out = constrain(attention_lib.causal_attention(q, k, v, **layer_pattern.attention_options(cfg)), Q_NAMES)
-    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
-
-
-def mlp(p, x, activation: str = "silu"):
-    """The gated MLP: activation(x @ w_gate) * (x @ w_up) @ w_down (SwiGLU, or GeGLU with "gelu_tanh")."""
-    hidden = ("batch", "seq", "mlp")
-    gate, up = tensor.column_parallel(x, (p["w_gate"], p["w_up"]), "bsd,df->bsf", hidden)
-    return tensor.row_parallel(ACTIVATIONS[activation](gate) * up, p["w_down"], "bsf,fd->bsd", hidden)
-
-
-def dense_feed_forward(p, x, cfg: LlamaConfig):
-    """The dense blocks' feed-forward, as inference calls a block's: the MLP in the config's activation."""
-    return mlp(p, x, cfg.mlp_activation)
-
-
-def residual_add(p, x, out, post_norm: str, cfg: LlamaConfig):
-    """x + out, out first normed by p[post_norm] under `post_norms` (Gemma 2's sandwich norms)."""
-    if cfg.post_norms:
-        out = block_norm(out, p[post_norm], cfg)
-    return constrain(x + out, RESIDUAL)
-
-
-def attention_residual(p, x, cfg: LlamaConfig):
-    """The first half of a block, x + attention(norm(x)), which any feed-forward layer can follow."""
-    return residual_add(p, x, attention(p, tensor.enter_tensor_region(block_norm(x, p["attn_norm"], cfg)), cfg),
-                        "post_attn_norm", cfg)
-
-
-def block(p, x, cfg: LlamaConfig):
-    """One pre-norm transformer block on the residual stream x: [batch, seq, embed]."""
-    x = attention_residual(p, x, cfg)
-    out = mlp(p, tensor.enter_tensor_region(block_norm(x, p["mlp_norm"], cfg)), cfg.mlp_activation)
-    return residual_add(p, x, out, "post_mlp_norm", cfg)
 
 
 class Blocks(nnx.Module):
@@ -302,13 +125,13 @@ class Llama(nnx.Module):
     def loss(self, x, targets):
         return head_loss(self.head_params(), x, targets, self.cfg)
 
-    def logits(self, tokens, positions=None, mask=None):
-        """Logits [batch, seq, vocab] with positions and a padding mask (see `llama_logits`)."""
-        return llama_logits(self, tokens, positions, mask)
+    def logits(self, tokens, positions=None, mask=None, segment_ids=None):
+        """Logits [batch, seq, vocab] with positions, a padding mask, packed documents (see `inference.llama_logits`)."""
+        return inference.llama_logits(self, tokens, positions, mask, segment_ids)
 
-    def decode(self, tokens, cache: dict, mask=None, positions=None):
-        """(logits, cache) for tokens appended to a KV cache (see `init_cache`, `llama_decode`)."""
-        return llama_decode(self, tokens, cache, mask, positions)
+    def decode(self, tokens, cache: dict, mask=None, positions=None, segment_ids=None):
+        """(logits, cache) for tokens appended to a KV cache (see `inference.init_cache`, `inference.llama_decode`)."""
+        return inference.llama_decode(self, tokens, cache, mask, positions, segment_ids)
 
     def __call__(self, batch, remat: Callable | None = None):
         """(mean loss, {}); under a plan with pipe > 1 the blocks run as a pipeline (jaxpar.pipeline.executor)."""
@@ -321,129 +144,3 @@ class Llama(nnx.Module):
             stages, self.embedding[...], self.blocks.stacked(), self.head_params(), batch["inputs"], batch["targets"]
         )
         return loss, {}
-
-
-# -- inference: logits with positions and a padding mask, and a KV cache -------------------------------------------
-# Separate from the training path (which runs through jaxpar.pipeline.executor): one forward over the stacked layers that
-# takes explicit positions, a key padding mask and, while generating, a key/value cache it updates in place.
-
-CACHE = ("layers", "batch", "seq", "kv_heads", "head_dim")
-
-
-def init_cache(cfg: LlamaConfig, batch: int, slots: int, dtype=jnp.float32) -> dict[str, jax.Array]:
-    """An empty KV cache for `batch` sequences of up to `slots` tokens.
-
-    k, v: [layers, batch, slots, kv_heads, head_dim]; mask: which slots hold a
-    real token; length: real tokens per sequence (the next position); index: the
-    next slot to write (the same for every sequence: prompts are left-padded).
-    """
-    shape = (cfg.n_layers, batch, slots, cfg.n_kv_heads, cfg.head_dim)
-    return {
-        "k": constrain(jnp.zeros(shape, dtype), CACHE), "v": constrain(jnp.zeros(shape, dtype), CACHE),
-        "mask": jnp.zeros((batch, slots), bool), "length": jnp.zeros((batch,), jnp.int32),
-        "index": jnp.zeros((), jnp.int32),
-    }
-
-
-def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None, window=None):
-    """Causal GQA attention of x's tokens at `positions` ([batch, seq]); keys where `key_mask` is False are ignored.
-
-    Without `kv` the keys are x's own tokens (key_mask [batch, seq]). With
-    kv = (k, v) [batch, slots, kv_heads, head_dim] the new keys and values are
-    written at slots index..index+seq and the queries attend to every earlier
-    slot (key_mask [batch, slots]). `window` (None: global; an int or a traced
-    scalar, see `layer_pattern.layer_window`) hides keys W or more slots older than the query,
-    as Hugging Face measures it (cache positions: left padding counts). cfg's
-    soft cap and query scale apply. Returns (output, (k, v)).
-    """
-    q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False)
-    b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
-    query_slots = jnp.arange(s)
-    if kv is not None:
-        k = constrain(jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), (0, index, 0, 0)), KV_NAMES)
-        v = constrain(jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), (0, index, 0, 0)), KV_NAMES)
-        query_slots = query_slots + index
-    allowed = jnp.arange(k.shape[1])[None, :] <= query_slots[:, None]
-    if window is not None:
-        allowed = allowed & (query_slots[:, None] - jnp.arange(k.shape[1])[None, :] < window)
-    allowed = allowed[None] & key_mask[:, None, :]
-    kv_heads = k.shape[2]
-    scoring = attention_math.Scoring(softcap=cfg.attn_softcap, scale=cfg.query_scale)
-    scores = attention_math.raw_scores(q, k.astype(q.dtype), scoring)
-    q = q.reshape(b, s, kv_heads, q.shape[2] // kv_heads, q.shape[3])
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(b, s, -1, q.shape[-1]).astype(x.dtype)
-    out = constrain(out, Q_NAMES)
-    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES), (k, v)
-
-
-def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None, feed_forward=None):
-    """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer).
-
-    `feed_forward(p, x, cfg)` is the blocks' (`Blocks.inference`; default the dense MLP).
-    """
-    feed_forward = dense_feed_forward if feed_forward is None else feed_forward
-
-    windows = layer_pattern.layer_windows(cfg)
-
-    def body(h, layer):
-        p, kv, *window = layer
-        attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)),
-                                    cfg, positions, key_mask, kv, index, *window)
-        h = residual_add(p, h, attn, "post_attn_norm", cfg)
-        out = feed_forward(p, tensor.enter_tensor_region(block_norm(h, p["mlp_norm"], cfg)), cfg)
-        return residual_add(p, h, out, "post_mlp_norm", cfg), kv
-
-    return jax.lax.scan(body, x, (stacked, cache, *windows))
-
-
-def padded_positions(mask):
-    """Positions of left- (or right-) padded rows: 0, 1, ... counting real tokens only; padding gets 0 or the last."""
-    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
-
-
-def _logits_of(model: "Llama", x):
-    x = block_norm(x, model.final_norm[...], model.cfg)
-    logits = softcap(jnp.einsum("bsd,dv->bsv", x, model.output_weights()).astype(jnp.float32), model.cfg.final_softcap)
-    return constrain(logits, ("batch", "seq", "vocab"))[..., : model.cfg.vocab]
-
-
-def _inference_blocks(model: "Llama") -> tuple[dict[str, jax.Array], Callable]:
-    """The blocks' per-layer weights and feed-forward layer for inference (see `Blocks.inference`)."""
-    if attention_lib.context_ways() > 1:
-        raise ValueError("inference (logits, decode) does not run context-parallel; use a plan with context=1")
-    if not hasattr(model.blocks, "inference"):
-        raise ValueError(f"inference (logits, decode) is not defined for blocks of type {type(model.blocks).__name__}")
-    return model.blocks.inference()
-
-
-def llama_logits(model: "Llama", tokens, positions=None, mask=None):
-    """Logits [batch, seq, vocab] (float32, padding columns dropped) of tokens [batch, seq].
-
-    `mask` [batch, seq] marks real tokens (False: padding, which no token
-    attends to); `positions` default to the count of real tokens before each one,
-    so left-padded prompts get the positions they would have alone.
-    """
-    stacked, feed_forward = _inference_blocks(model)
-    mask = jnp.ones(tokens.shape, bool) if mask is None else mask.astype(bool)
-    positions = padded_positions(mask) if positions is None else positions
-    positions = jnp.broadcast_to(positions, tokens.shape)
-    x, _ = inference_layers(stacked, model.embed(tokens), model.cfg, positions, mask, feed_forward=feed_forward)
-    return _logits_of(model, x)
-
-
-def llama_decode(model: "Llama", tokens, cache: dict, mask=None, positions=None):
-    """(logits [batch, seq, vocab], updated cache) for tokens [batch, seq] appended to the cache (see init_cache)."""
-    stacked, feed_forward = _inference_blocks(model)
-    mask = jnp.ones(tokens.shape, bool) if mask is None else mask.astype(bool)
-    if positions is None:
-        positions = cache["length"][:, None] + padded_positions(mask)
-    index = cache["index"]
-    key_mask = jax.lax.dynamic_update_slice(cache["mask"], mask, (0, index))
-    x, (k, v) = inference_layers(stacked, model.embed(tokens), model.cfg, positions, key_mask,
-                                 (cache["k"], cache["v"]), index, feed_forward)
-    cache = {"k": constrain(k, CACHE), "v": constrain(v, CACHE), "mask": key_mask,
-             "length": cache["length"] + mask.sum(axis=1).astype(jnp.int32), "index": index + tokens.shape[1]}
-    return _logits_of(model, x), cache
-

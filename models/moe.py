@@ -106,7 +106,7 @@ class MoeBlocks(nnx.Module):
         return {"dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
 
     def inference(self):
-        """(per-layer weights, the MoE feed-forward) for `llama.inference_layers`: every block must be an MoE block.
+        """(per-layer weights, the MoE feed-forward) for `inference.inference_layers`: every block must be an MoE block.
 
         The layer's routing statistics (its auxiliary losses) are training's and are dropped here.
         """

@@ -19,7 +19,7 @@ from flax import nnx
 
 import reference as ref
 from helpers import copy_state, gradients, max_relative_error, reference_state, single_device_plan
-from jaxpar.models import llama
+from jaxpar.models import inference, layer_pattern, llama
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import attention, attention_ring, documents
 from jaxpar.train.state import abstract_state
@@ -258,10 +258,10 @@ GEMMA_LIKE = llama.LlamaConfig(vocab=64, d_model=32, n_layers=4, n_heads=4, n_kv
 
 
 def test_layer_pattern():
-    assert [llama.layer_window(GEMMA_LIKE, i) for i in range(4)] == [3, None, 3, None]
+    assert [layer_pattern.layer_window(GEMMA_LIKE, i) for i in range(4)] == [3, None, 3, None]
     mistral = llama.LlamaConfig(sliding_window=5)
-    assert [llama.layer_window(mistral, i) for i in range(4)] == [5] * 4
-    assert llama.layer_config(mistral, 1) is mistral
+    assert [layer_pattern.layer_window(mistral, i) for i in range(4)] == [5] * 4
+    assert layer_pattern.layer_config(mistral, 1) is mistral
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -351,12 +351,12 @@ def test_decode_with_a_window_equals_the_full_forward(gemma_like):
     @jax.jit
     def forwards(state, tokens):
         model = nnx.merge(graphdef, state)
-        trained = llama._logits_of(model, llama.run_layers(model.blocks.stacked(), model.embed(tokens), GEMMA_LIKE))
+        trained = inference.logits_of(model, llama.run_layers(model.blocks.stacked(), model.embed(tokens), GEMMA_LIKE))
         return model.logits(tokens), trained
 
     full, trained = forwards(state, tokens)
     assert max_relative_error(trained, full) <= 1e-5
-    logits, cache = decode(state, tokens[:, :4], llama.init_cache(GEMMA_LIKE, 2, 12))
+    logits, cache = decode(state, tokens[:, :4], inference.init_cache(GEMMA_LIKE, 2, 12))
     steps = [logits]
     for t in range(4, 12):
         logits, cache = decode(state, tokens[:, t:t + 1], cache)

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.cli import main
 from jaxpar.run.generate import Generator, generation_plan, left_pad, sample
-from jaxpar.models.llama import Llama, LlamaConfig, init_cache
+from jaxpar.models.inference import init_cache
+from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.train.state import init_state
 
 CFG = LlamaConfig(vocab=300, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=96)

@@ -298,3 +298,14 @@ def test_mixtral_refuses_the_explicit_tensor_form_before_compiling():
     placed = place_state(copy_state(state), model, optimizer, plan)
     with pytest.raises(ValueError, match="tensor_form='annotation'"):
         make_train_step(model, lambda m, b: m(b), optimizer, plan)(placed, batches[0])
+
+
+def test_evaluation_takes_moe_models_with_experts_in_every_block():
+    """--eval-every runs the logits forward: Mixtral's layout (moe_every=1) has one, a mixed MoE Llama none."""
+    from jaxpar.models import model_config
+    from jaxpar.run.evaluate import check_evaluable
+
+    check_evaluable("moe-tiny", model_config("moe-tiny", {"moe_every": 1}))
+    check_evaluable("tiny", model_config("tiny"))
+    with pytest.raises(ValueError, match="moe_every=1, as Mixtral.*moe_every=2"):
+        check_evaluable("moe-tiny", model_config("moe-tiny", {"moe_every": 2}))

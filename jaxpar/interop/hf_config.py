@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 from jaxpar.interop import hf_mixtral
-from jaxpar.models.llama import LlamaConfig, layer_window
+from jaxpar.models.layer_pattern import layer_window
+from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
 
 HF_CONFIG = "config.json"

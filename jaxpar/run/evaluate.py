@@ -8,10 +8,11 @@ document boundary: the last documents are held out whole, never a document's tai
 (positions, padding mask; no pipeline), jitted under the plan, its batch split
 over the plan's batch axes like a training batch.
 
-Under `--packing documents` the held-out documents are evaluated one to a row
-(`eval_documents`; longer ones in pieces, as training packs them), at their own
-positions with padding masked, and their tokens weighted as training weights
-them (a fine-tuning record's completion only): sum(w x nll) / sum(w).
+Under `--packing documents` the held-out documents are packed into rows as training
+packs them (`eval_documents`; longer ones in pieces), and the forward keeps attention
+inside each document (the logits' segment ids) at its own positions, so each token's
+loss is the one it has alone; tokens are weighted as training weights them (a
+fine-tuning record's completion only): sum(w x nll) / sum(w).
 """
 
 from __future__ import annotations
@@ -27,13 +28,20 @@ HOLDOUT = 0.05  # the fraction of the token stream held out for evaluation
 MAX_BATCHES = 8  # windows evaluated: at most this many batches of the run's batch size
 
 
-def check_evaluable(model_name: str) -> None:
-    """ValueError unless the named model has the `logits` forward evaluation runs (the dense Llama)."""
+def check_evaluable(model_name: str, cfg) -> None:
+    """ValueError unless the named model has the `logits` forward evaluation runs: the dense Llama, or the MoE
+    Llama with experts in every block (Mixtral; see its blocks' `inference`)."""
     from jaxpar.models import MODELS
     from jaxpar.models.llama import Llama
+    from jaxpar.models.moe import MoeLlama
 
-    if MODELS[model_name][0] is not Llama:
-        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the dense Llama models, not {model_name!r}")
+    kind = MODELS[model_name][0]
+    if kind is MoeLlama and cfg.moe_every != 1:
+        raise ValueError(f"evaluation (--eval-every, jaxpar eval) of an MoE model needs experts in every block "
+                         f"(moe_every=1, as Mixtral); {model_name!r} has moe_every={cfg.moe_every}")
+    if kind not in (Llama, MoeLlama):
+        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the Llama and MoE Llama models, not "
+                         f"{model_name!r}")
 
 
 def split_tokens(tokens: np.ndarray, holdout: float = HOLDOUT, document_starts: np.ndarray | None = None,
@@ -74,22 +82,27 @@ def split_documents(documents, holdout: float = HOLDOUT, source: str | None = No
     return documents.view(0, cut), documents.view(cut, count)
 
 
-def eval_documents(documents: list, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
-    """Held-out documents (a `DocumentSource`; the first that fill the batches are read) one to a row
-    (jaxpar.train.packing), as whole batches: inputs, targets, positions, mask
-    (real tokens), weights (the packer's loss weights; 0 on padding rows)."""
+def eval_documents(documents, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
+    """Held-out documents (a `DocumentSource` or a list, read in blocks until they fill the batches) packed into rows
+    (jaxpar.train.packing), as whole batches: inputs, targets, positions, segment_ids (0: padding, and every token
+    of a row added to fill a batch), weights (the packer's loss weights)."""
+    from jaxpar.train.block_packing import BLOCK_DOCUMENTS, InMemoryDocuments
     from jaxpar.train.packing import as_batch, pack
 
-    rows = as_batch(pack(documents.documents(0, min(len(documents), batch_size * max_batches)), seq_len, alone=True))
+    if isinstance(documents, list):
+        documents = InMemoryDocuments(documents)
+    wanted, read, packed = batch_size * max_batches, 0, None
+    while read < len(documents) and (packed is None or packed["tokens"].shape[0] <= wanted):
+        read = min(len(documents), read + BLOCK_DOCUMENTS)  # next-fit rows of a prefix are the whole's first rows
+        packed = pack(documents.documents(0, read), seq_len)
+    rows = as_batch(packed)
     count = min(rows["inputs"].shape[0], batch_size * max_batches)
     total = math.ceil(count / batch_size) * batch_size
     out = {name: np.zeros((total, seq_len), value.dtype) for name, value in rows.items()}
     for name, value in rows.items():
         out[name][:count] = value[:count]
-    mask = out["segment_ids"] > 0
-    mask[:, 0] = True  # a padding row attends to its first token, not to nothing (weight 0 either way)
-    return {"inputs": out["inputs"], "targets": out["targets"], "positions": out["positions"], "mask": mask,
-            "weights": out["loss_weights"]}
+    return {"inputs": out["inputs"], "targets": out["targets"], "positions": out["positions"],
+            "segment_ids": out["segment_ids"], "weights": out["loss_weights"]}
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
@@ -106,9 +119,10 @@ def eval_windows(tokens: np.ndarray, seq_len: int, batch_size: int, max_batches:
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "weights": weights}
 
 
-def token_losses(model, inputs, targets, positions=None, mask=None):
-    """Per-token next-token cross-entropy [batch, seq] from the model's logits (at `positions`, `mask`: real tokens)."""
-    logits = model.logits(inputs, positions, mask)
+def token_losses(model, inputs, targets, positions=None, mask=None, segment_ids=None):
+    """Per-token next-token cross-entropy [batch, seq] from the model's logits (at `positions`, `mask`: real tokens,
+    `segment_ids`: packed documents, each attending only to itself)."""
+    logits = model.logits(inputs, positions, mask, segment_ids)
     return jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
@@ -122,7 +136,8 @@ class Evaluator:
 
         def loss_sum(params, batch):
             module = model_def.merge(params)
-            losses = token_losses(module, batch["inputs"], batch["targets"], batch.get("positions"), batch.get("mask"))
+            losses = token_losses(module, batch["inputs"], batch["targets"], batch.get("positions"), batch.get("mask"),
+                                  batch.get("segment_ids"))
             return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
 
         self._sharding = sharding

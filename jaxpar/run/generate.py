@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.models.llama import init_cache
+from jaxpar.models.inference import init_cache
 
 
 def sample(logits, key, temperature: float, top_p: float):

@@ -129,14 +129,14 @@ class Run:
         return data_lib.global_batch(self.batches, step, self.batch_sharding)
 
 
-def _batches(config: TrainConfig, vocab: int, name: str, streams):
+def _batches(config: TrainConfig, mcfg, name: str, streams):
     """The run's batches (packed documents, streams None: every packed row once per epoch; one stream: random
     windows, or with `epochs` every non-overlapping window once per epoch; several: a weighted mixture), held-out data.
 
     Token ids are checked per batch as they are read; batch 0 is read here, so a
     bad token file is refused before anything compiles.
     """
-    heldout = None
+    heldout, vocab = None, mcfg.vocab
     if streams is None:  # --packing documents
         from jaxpar.run.packed import documents_of, packed_batches
 
@@ -144,7 +144,7 @@ def _batches(config: TrainConfig, vocab: int, name: str, streams):
         if config.eval_every:
             from jaxpar.run.evaluate import check_evaluable, split_documents
 
-            check_evaluable(name)
+            check_evaluable(name, mcfg)
             documents, heldout = split_documents(documents, source=config.data)
         batches = packed_batches(documents, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     elif len(streams) > 1:
@@ -161,7 +161,7 @@ def _batches(config: TrainConfig, vocab: int, name: str, streams):
         if config.eval_every:
             from jaxpar.run.evaluate import check_evaluable, split_tokens
 
-            check_evaluable(name)
+            check_evaluable(name, mcfg)
             tokens, heldout = split_tokens(tokens, document_starts=document_starts, source=config.data)
             data_lib.check_vocab(heldout, vocab, config.data)
         if config.epochs is not None:
@@ -204,7 +204,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     layer_pattern.check_pipeline_chunks(mcfg, plan.shape["pipe"], plan.virtual_stages)  # Gemma 2's pairs
     by_documents = packing_of(config.data, config.packing) == "documents"
     streams = None if by_documents else training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
-    batches, heldout = _batches(config, mcfg.vocab, name, streams)
+    batches, heldout = _batches(config, mcfg, name, streams)
     config = _with_epoch_steps(config, batches)
     optimizer = make_optimizer(config)
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
