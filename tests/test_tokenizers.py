@@ -58,8 +58,8 @@ def test_train_tokenizes_text_as_tokenize_does(files, capsys):
     ids, _ = tokenize(files, "sp2", files / "sp.model", capsys)
     assert np.array_equal(training_tokens(str(files / "text"), str(files / "sp.model"), TINY_VOCAB), ids)
     assert np.array_equal(training_tokens(str(files / "sp2.npy"), str(files / "sp.model"), TINY_VOCAB), ids)
-    run = prepare(TrainConfig(steps=1, batch_size=8, seq_len=16, data=str(files / "text"),
-                              tokenizer=str(files / "sp.model")), Plan.create("data=8"))
+    run = prepare(TrainConfig(steps=1, batch_size=8, seq_len=16, data=str(files / "text"), packing="windows",
+                              tokenizer=str(files / "sp.model")), Plan.create("data=8"))  # windows of the stream
     assert np.array_equal(run.batches.tokens, ids) and run.batches[0]["inputs"].max() < 120
     corpus = training_tokens(None, str(files / "sp.model"), TINY_VOCAB)  # the built-in corpus, tokenized
     assert corpus.dtype == np.uint8 and corpus.size < default_corpus().size
