@@ -11,6 +11,7 @@ supported yet), windows of fine-tuning records.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from jaxpar.interop.records import LazyDocuments, is_fine_tuning
@@ -33,6 +34,12 @@ def packing_of(data: str | None, packing: str | None) -> str:
             named = f" (fine-tuning records: {', '.join(tuning)})" if tuning else ""
             raise ValueError(f"--data {data!r} is a mixture{named}; packing documents of a mixture is not supported "
                              "yet: give one source" + ("" if tuning else ", or --packing windows"))
+        documents = [str(s.path) for s in entries if s.path is not None and _is_documents(Path(s.path))]
+        if documents and packing is None:
+            warnings.warn(f"--data {data!r} is a mixture: it trains on random windows of each source's token stream, "
+                          f"so attention crosses the document boundaries of {', '.join(documents)} (packing the "
+                          "documents of a mixture is not supported yet); --packing windows says this is meant",
+                          stacklevel=2)
         return "windows"
     path = entries[0].path
     if tuning and packing == "windows":
@@ -43,10 +50,12 @@ def packing_of(data: str | None, packing: str | None) -> str:
                          "windows, or give the text as .jsonl / Parquet / a folder of text files")
     if packing is not None:
         return packing
-    source = Path(path) if path is not None else None
-    by_documents = source is not None and (sources.is_document_source(source) or (
-        source.is_dir() and source.suffix not in sources.TOKEN_SUFFIXES))
-    return "documents" if by_documents else "windows"
+    return "documents" if path is not None and _is_documents(Path(path)) else "windows"
+
+
+def _is_documents(source: Path) -> bool:
+    """A source of whole documents: .jsonl, Parquet, a `datasets` folder, or a folder of text files."""
+    return sources.is_document_source(source) or (source.is_dir() and source.suffix not in sources.TOKEN_SUFFIXES)
 
 
 def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field: str = "text") -> DocumentSource:
