@@ -1,7 +1,6 @@
 """Batches are a pure function of (seed, step), assembled from process-local rows; bad data is named."""
 
 import json
-import warnings
 
 import jax
 import numpy as np
@@ -242,16 +241,3 @@ def test_prefetched_batches_come_in_step_order_and_raise_at_their_step():
     with pytest.raises(ValueError, match="data workers must be 0 or more, got -1"):
         next(prefetched(read, range(3), -1))
 
-
-def test_a_mixture_of_document_sources_says_it_trains_on_windows(sources):
-    """Packing a mixture's documents is not supported yet: its windows cross documents, and the run says so."""
-    from jaxpar.run.packed import packing_of
-
-    spec = f"{sources[0]}:0.7,{sources[1]}:0.3"
-    with pytest.warns(UserWarning, match=r"attention crosses the document boundaries of .*d\.jsonl"):
-        assert packing_of(spec, None) == "windows"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert packing_of(spec, "windows") == "windows"  # asked for: no warning
-    with pytest.raises(ValueError, match="packing documents of a mixture is not supported yet"):
-        packing_of(spec, "documents")

@@ -1,23 +1,24 @@
 """`--packing`: whether a run packs whole documents (jaxpar.train.packing) or draws windows, and its packed data.
 
 `documents` is the default for one document source (.jsonl, Parquet, a
-`datasets` folder) or a folder of text files (each file a document), and the
-only choice for fine-tuning records, whose loss is on their completions;
-`windows` (random windows of the token stream) for token files, a single text
-file, the built-in corpus and mixtures. A choice that cannot act is refused:
-documents of a token file (it has no document boundaries) or of a mixture (not
-supported yet), windows of fine-tuning records.
+`datasets` folder) or a folder of text files (each file a document), for a
+mixture with one such source in it (`jaxpar.train.packed_mixture`; its token
+files are packed as one stream each, in row-size pieces), and the only choice
+for fine-tuning records, whose loss is on their completions; `windows` (random
+windows of the token stream) for token files, a single text file, the built-in
+corpus and mixtures of those. A choice that cannot act is refused: documents of
+one token file (it has no document boundaries), windows of fine-tuning records.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 from jaxpar.interop.records import LazyDocuments, is_fine_tuning
 from jaxpar.interop.tokenize import check_covers, encode_documents, load_tokenizer
 from jaxpar.train import sources
 from jaxpar.train.block_packing import BlockBatches, DocumentSource, InMemoryDocuments
+from jaxpar.train.packed_mixture import PackedMixture
 from jaxpar.train.packing import Document, split_stream
 
 PACKINGS = ("documents", "windows")
@@ -29,18 +30,13 @@ def packing_of(data: str | None, packing: str | None) -> str:
         raise ValueError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
     entries = sources.parse_sources(data) if data is not None else [sources.Source(None)]
     tuning = [s.path for s in entries if s.path is not None and is_fine_tuning(s.path)]
-    if len(entries) > 1:
-        if tuning or packing == "documents":
-            named = f" (fine-tuning records: {', '.join(tuning)})" if tuning else ""
-            raise ValueError(f"--data {data!r} is a mixture{named}; packing documents of a mixture is not supported "
-                             "yet: give one source" + ("" if tuning else ", or --packing windows"))
-        documents = [str(s.path) for s in entries if s.path is not None and _is_documents(Path(s.path))]
-        if documents and packing is None:
-            warnings.warn(f"--data {data!r} is a mixture: it trains on random windows of each source's token stream, "
-                          f"so attention crosses the document boundaries of {', '.join(documents)} (packing the "
-                          "documents of a mixture is not supported yet); --packing windows says this is meant",
-                          stacklevel=2)
-        return "windows"
+    if len(entries) > 1:  # a mixture packs documents when any source holds documents (token files: pieces)
+        if tuning and packing == "windows":
+            raise ValueError(f"--data {data!r} mixes in fine-tuning records ({', '.join(tuning)}), trained on their "
+                             "completions only, which random windows cannot keep apart; use --packing documents")
+        if packing is not None:
+            return packing
+        return "documents" if any(s.path is not None and _is_documents(Path(s.path)) for s in entries) else "windows"
     path = entries[0].path
     if tuning and packing == "windows":
         raise ValueError(f"--data {path!r} holds fine-tuning records, trained on their completions only, which random "
@@ -69,6 +65,10 @@ def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field
         from jaxpar.train.data import default_corpus
 
         return InMemoryDocuments([Document(default_corpus())])
+    if Path(data).suffix in sources.TOKEN_SUFFIXES:  # a mixture's token file: one stream, packed in row-size pieces
+        from jaxpar.train.data import load_tokens
+
+        return InMemoryDocuments([Document(load_tokens(data))])
     if Path(data).is_file() and not sources.is_document_source(Path(data)):
         texts = [Path(data).read_text(encoding="utf-8")]
         return InMemoryDocuments(split_stream(*encode_documents(texts, load_tokenizer(tokenizer))))
@@ -79,3 +79,12 @@ def packed_batches(documents: DocumentSource, batch_size: int, seq_len: int, see
                    source: str | None) -> BlockBatches:
     """The run's batches of packed rows, each once per epoch in the seed's order, token ids checked per batch."""
     return BlockBatches(documents, batch_size, seq_len, seed, vocab, source)
+
+
+def packed_mixture(data: str, tokenizer: str | None, vocab: int, text_field: str, batch_size: int, seq_len: int,
+                   seed: int) -> PackedMixture:
+    """The batches of a mixture (`a.jsonl:0.7,b.bin:0.3`) of packed sources, each keeping its own epochs."""
+    entries = sources.parse_sources(data)
+    packed = [packed_batches(documents_of(e.path, tokenizer, vocab, text_field), batch_size, seq_len, seed, vocab,
+                             e.path) for e in entries]
+    return PackedMixture(packed, [e.weight for e in entries], [e.path for e in entries], batch_size, seed)

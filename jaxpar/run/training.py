@@ -32,6 +32,7 @@ from jaxpar.train.mixture import MixtureBatches
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, differences, run_config
 from jaxpar.train.distributed import is_leader
 from jaxpar.train.prefetch import prefetched
+from jaxpar.train.sources import parse_sources
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state
 from jaxpar.train.step import Step, make_train_step
@@ -137,7 +138,13 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
     bad token file is refused before anything compiles.
     """
     heldout, vocab = None, mcfg.vocab
-    if streams is None:  # --packing documents
+    if streams is None and config.data is not None and len(parse_sources(config.data)) > 1:  # a packed mixture
+        from jaxpar.run.packed import packed_mixture
+
+        _refuse_for_mixture(config)
+        batches = packed_mixture(config.data, config.tokenizer, vocab, config.text_field, config.batch_size,
+                                 config.seq_len, config.seed)
+    elif streams is None:  # --packing documents
         from jaxpar.run.packed import documents_of, packed_batches
 
         documents = documents_of(config.data, config.tokenizer, vocab, config.text_field)
@@ -148,12 +155,7 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
             documents, heldout = split_documents(documents, source=config.data)
         batches = packed_batches(documents, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     elif len(streams) > 1:
-        if config.eval_every:
-            raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
-                             "give one source or drop --eval-every")
-        if config.epochs is not None:
-            raise ValueError(f"--epochs with a mixture (--data {config.data!r}) is not supported: its rows are drawn "
-                             "by weight, with no epoch to count; give one source or use --steps")
+        _refuse_for_mixture(config)
         names, tokens, weights, _ = zip(*streams)
         batches = MixtureBatches(tokens, weights, names, config.batch_size, config.seq_len, config.seed, vocab)
     else:
@@ -171,6 +173,15 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
             batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     batches.rows(0)
     return batches, heldout
+
+
+def _refuse_for_mixture(config: TrainConfig) -> None:
+    if config.eval_every:
+        raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
+                         "give one source or drop --eval-every")
+    if config.epochs is not None:
+        raise ValueError(f"--epochs with a mixture (--data {config.data!r}) is not supported: its rows are drawn "
+                         "by weight, each source in its own epochs; give one source or use --steps")
 
 
 def _with_epoch_steps(config: TrainConfig, batches) -> TrainConfig:

@@ -177,17 +177,24 @@ class BlockBatches:
         first = step * self.batch_size
         return [self._locate(p) for p in range(first, first + self.batch_size)[lo:hi]]
 
-    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
-        """Rows lo:hi of the global batch of `step`: inputs/targets (int32) and the document fields [rows, seq_len]."""
+    def rows_at(self, positions, step: int) -> dict[str, np.ndarray]:
+        """The rows at `positions` of the endless row sequence: inputs/targets (int32) and the document fields
+        [rows, seq_len], token ids checked (`step` names the batch in the message)."""
         picked = []
-        for _, block, row in self.locations(step, lo, hi):
-            packed = self._block(block)
-            picked.append({name: value[row] for name, value in packed.items()})
+        for position in positions:
+            _, block, row = self._locate(position)
+            picked.append({name: value[row] for name, value in self._block(block).items()})
         rows = as_batch({name: np.stack([p[name] for p in picked]) for name in picked[0]})
         for field in ("inputs", "targets"):
             if self.vocab is not None:
                 check_batch_vocab(rows[field], self.vocab, self.name, step)
             rows[field] = rows[field].astype(np.int32)
+        return rows
+
+    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
+        """Rows lo:hi of the global batch of `step`: inputs/targets (int32) and the document fields [rows, seq_len]."""
+        first = step * self.batch_size
+        rows = self.rows_at(range(first, first + self.batch_size)[lo:hi], step)
         if lo == 0 and hi is None and not rows["loss_weights"].any():
             raise ValueError(f"--data {self.name!r}: the batch of step {step} has no target to train on (its "
                              "documents are one token each, or its records' completions are empty)")
