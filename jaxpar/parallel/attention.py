@@ -68,6 +68,8 @@ def check_sequence(seq: int, ways: int) -> None:
 def balanced_order(seq: int, ways: int) -> np.ndarray:
     """The positions in the order the model holds them: rank c's chunks c and 2·ways − 1 − c, rank after rank."""
     check_sequence(seq, ways)
+    if ways == 1:  # the natural order, whatever the length (an odd one has no two chunks)
+        return np.arange(seq)
     chunks = np.arange(seq).reshape(2 * ways, -1)
     return np.concatenate([np.concatenate([chunks[c], chunks[2 * ways - 1 - c]]) for c in range(ways)])
 
