@@ -242,7 +242,7 @@ STRATEGIES = {
         "1f1b-tensor": ("data=2,pipe=2,tensor=2", {"schedule": "1f1b"}, slow),
     },
     "mistral": {
-        "context-ring-tensor": ("data=2,context=2,tensor=2", {"context_form": "ring"}),
+        "context-ring-tensor": ("data=2,context=2,tensor=2", {"context_form": "ring", "tensor_form": "explicit"}),
         "data": ("data=8", {}, slow),
         "zero1-explicit-sp": ("data=4,tensor=2", {"zero": 1, "tensor_form": "explicit", "sequence_parallel": True},
                               slow),
