@@ -9,6 +9,7 @@ context forms run under data=2,context=4 and with the heads over tensor; each ca
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -121,7 +122,8 @@ CONTEXT_IDS = [f"{mesh}-{form}-" + "-".join(f"{k}={v}" for k, v in o.items()) fo
 
 def context_value_and_grads(mesh: str, form: str, options: dict, inputs):
     """(value, grads) under the plan, the inputs in its sequence order and the gradients back in natural order."""
-    plan = Plan.create(mesh, context_form=form)
+    size = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    plan = Plan.create(mesh, devices=jax.devices()[:size], context_form=form)
     with plan.activate():
         order = np.asarray(attention.positions(inputs[0].shape[1]))
         value, grads = jax.device_get(value_and_grads(functools.partial(attention.causal_attention, **options),
