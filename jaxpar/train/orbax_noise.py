@@ -14,6 +14,8 @@ def _orbax_echo(error: BaseException | None, origin: object = None) -> bool:
         return "orbax" in origin.cr_code.co_filename
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
         return True
+    if error is not None and "OCDBT database" in str(error):  # TensorStore's read of a damaged file, from a task
+        return True  # asyncio wrapped (its traceback holds asyncio's frames only)
     frames = error.__traceback__ if error is not None else None
     while frames is not None:
         if "orbax" in frames.tb_frame.f_code.co_filename:
