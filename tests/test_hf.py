@@ -6,6 +6,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -63,6 +64,31 @@ def jaxpar_model(cfg, params) -> Llama:
 
 def relative(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def saved_family(family: str, family_model, tmp_path_factory):
+    """(family, its transformers model, the save_pretrained directory): the per-family module fixtures' body."""
+    directory = tmp_path_factory.mktemp(family) / "hf"
+    model = family_model(family)
+    model.save_pretrained(directory)
+    return family, model, directory
+
+
+def assert_greedy_generation_equals_generate(model_type, reference, directory):
+    """jaxpar's KV-cache greedy decode of `directory`'s weights, token for token against `reference.generate`."""
+    from jaxpar.run.generate import Generator, generation_plan
+    from jaxpar.train.state import init_state
+
+    cfg, params = hf.load_hf_params(directory)
+    model, _ = init_state(lambda: model_type(cfg, nnx.Rngs(0)), optax.sgd(0.1), generation_plan("data=1"))
+    prompts = [[5, 17, 42, 99, 3], [250, 8, 61]]
+    ours = Generator(model, cfg, params, generation_plan("data=1"), max_new_tokens=12)(prompts, seed=0)[0]
+    for prompt, tokens in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert list(tokens) == theirs[0, len(prompt):].tolist()
+    assert len(set(ours[0])) > 1 and ours[0] != ours[1], ours  # not one token repeated
 
 
 TOKENS = np.random.default_rng(0).integers(0, 250, size=(2, 24))

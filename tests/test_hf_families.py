@@ -22,7 +22,8 @@ from jaxpar.interop import hf, hf_config, hf_families
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import make_train_step
-from test_hf import TOKENS, jaxpar_model, needs_torch, relative, torch, torch_logits, transformers
+from test_hf import (TOKENS, assert_greedy_generation_equals_generate,
+                     jaxpar_model, needs_torch, relative, saved_family, torch, torch_logits, transformers)
 
 FIELDS = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
               num_key_value_heads=2, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=128)
@@ -48,10 +49,7 @@ def family_model(family: str):
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def saved(request, tmp_path_factory):
     """(family, transformers model, its save_pretrained directory), shared by the tests of one family."""
-    directory = tmp_path_factory.mktemp(request.param) / "hf"
-    model = family_model(request.param)
-    model.save_pretrained(directory)
-    return request.param, model, directory
+    return saved_family(request.param, family_model, tmp_path_factory)
 
 
 @needs_torch
@@ -180,16 +178,5 @@ def test_planner_counts_the_family_parameters(family):
 @needs_torch
 def test_greedy_generation_equals_transformers_generate(saved):
     """The KV-cache decode with the family's biases / per-head norms, token for token against `generate`."""
-    from jaxpar.run.generate import Generator, generation_plan
-
     family, reference, directory = saved
-    cfg, params = hf.load_hf_params(directory)
-    model, _ = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1), generation_plan("data=1"))
-    prompts = [[5, 17, 42, 99, 3], [250, 8, 61]]
-    ours = Generator(model, cfg, params, generation_plan("data=1"), max_new_tokens=12)(prompts, seed=0)[0]
-    for prompt, tokens in zip(prompts, ours):
-        with torch.no_grad():
-            theirs = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                        max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert list(tokens) == theirs[0, len(prompt):].tolist()
-    assert len(set(ours[0])) > 1 and ours[0] != ours[1], ours  # not one token repeated
+    assert_greedy_generation_equals_generate(Llama, reference, directory)

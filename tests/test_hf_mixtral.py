@@ -28,7 +28,8 @@ from jaxpar.models.moe import MoeLlama
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import make_train_step
-from test_hf import TOKENS, needs_torch, relative, torch, torch_logits, transformers
+from test_hf import (TOKENS, assert_greedy_generation_equals_generate,
+                     needs_torch, relative, saved_family, torch, torch_logits, transformers)
 
 slow = pytest.mark.slow
 VOCAB = 300
@@ -58,10 +59,7 @@ def family_model(family: str):
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def saved(request, tmp_path_factory):
     """(family, transformers model, its save_pretrained directory), shared by the tests of one family."""
-    directory = tmp_path_factory.mktemp(request.param) / "hf"
-    model = family_model(request.param)
-    model.save_pretrained(directory)
-    return request.param, model, directory
+    return saved_family(request.param, family_model, tmp_path_factory)
 
 
 def jaxpar_model(family: str, cfg, params):
@@ -165,19 +163,8 @@ def test_import_train_export_round_trip(saved, tmp_path, run):
 @needs_torch
 def test_greedy_generation_equals_transformers_generate(saved):
     """The KV-cache decode (Mixtral's through the MoE feed-forward), token for token against `generate`."""
-    from jaxpar.run.generate import Generator, generation_plan
-
     family, reference, directory = saved
-    cfg, params = hf.load_hf_params(directory)
-    model, _ = init_state(lambda: FAMILIES[family][2](cfg, nnx.Rngs(0)), optax.sgd(0.1), generation_plan("data=1"))
-    prompts = [[5, 17, 42, 99, 3], [250, 8, 61]]
-    ours = Generator(model, cfg, params, generation_plan("data=1"), max_new_tokens=12)(prompts, seed=0)[0]
-    for prompt, tokens in zip(prompts, ours):
-        with torch.no_grad():
-            theirs = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                        max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert list(tokens) == theirs[0, len(prompt):].tolist()
-    assert len(set(ours[0])) > 1 and ours[0] != ours[1], ours  # not one token repeated
+    assert_greedy_generation_equals_generate(FAMILIES[family][2], reference, directory)
 
 
 @pytest.mark.parametrize("fields, message", [
