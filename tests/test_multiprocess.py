@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -43,5 +44,30 @@ def test_hsdp_shards_inside_each_process_and_replicates_across(tmp_path):
 
     single = tmp_path / "single.jsonl"
     assert main(["train", *flags, "--metrics", str(single)]) == 0
+    for a, b in zip(losses(multi), losses(single), strict=True):
+        assert abs(a / b - 1) <= 1e-5
+
+
+def test_two_processes_share_the_block_counts_of_a_jsonl_and_train_like_one(tmp_path):
+    """--data docs.jsonl --epochs on 2 processes: each tokenizes its own blocks, the counts go through the
+    coordination service's store (jaxpar.train.shared_counts), and the losses are one process's."""
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": "ab" * (i % 4 + 1)}) + "\n" for i in range(1500)))  # 6 blocks
+    flags = ["--mesh", "data=8", "--batch-size", "8", "--seq-len", "32", "--data", str(data), "--epochs", "0.05"]
+    multi, logs = tmp_path / "multi.jsonl", tmp_path / "logs"
+    command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "4",
+               "--log-dir", str(logs), "train", *flags, "--metrics", str(multi)]
+    env = {**os.environ, "XLA_FLAGS": FAST_COMPILE}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for rank in (0, 1):
+        printed = " ".join((logs / f"rank{rank}.out").read_text().split())
+        assert "1,500 documents in 6 blocks" in printed
+        tokenized = int(re.search(rf"process {rank} of 2 tokenized (\d+) of them", printed).group(1))
+        assert tokenized in (3, 4)  # its own 3 (blocks rank, rank + 2, ...), and the one with its rows of batch 0
+
+    single = tmp_path / "single.jsonl"
+    assert main(["train", *flags, "--metrics", str(single)]) == 0
+    assert len(losses(single)) >= 2
     for a, b in zip(losses(multi), losses(single), strict=True):
         assert abs(a / b - 1) <= 1e-5

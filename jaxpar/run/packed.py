@@ -20,6 +20,7 @@ from jaxpar.train import sources
 from jaxpar.train.block_packing import BlockBatches, DocumentSource, InMemoryDocuments
 from jaxpar.train.packed_mixture import PackedMixture
 from jaxpar.train.packing import Document, split_stream
+from jaxpar.train.shared_counts import shared_counts
 
 PACKINGS = ("documents", "windows")
 
@@ -76,9 +77,11 @@ def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field
 
 
 def packed_batches(documents: DocumentSource, batch_size: int, seq_len: int, seed: int, vocab: int,
-                   source: str | None) -> BlockBatches:
-    """The run's batches of packed rows, each once per epoch in the seed's order, token ids checked per batch."""
-    return BlockBatches(documents, batch_size, seq_len, seed, vocab, source)
+                   source: str | None, entry: int = 0) -> BlockBatches:
+    """The run's batches of packed rows, each once per epoch in the seed's order, token ids checked per batch;
+    block row counts shared between processes under a name of (`entry` of --data, source, rows, seq_len)."""
+    return BlockBatches(documents, batch_size, seq_len, seed, vocab, source,
+                        shared=shared_counts(f"{entry}:{source}:{len(documents)}:{seq_len}"))
 
 
 def packed_mixture(data: str, tokenizer: str | None, vocab: int, text_field: str, batch_size: int, seq_len: int,
@@ -86,5 +89,5 @@ def packed_mixture(data: str, tokenizer: str | None, vocab: int, text_field: str
     """The batches of a mixture (`a.jsonl:0.7,b.bin:0.3`) of packed sources, each keeping its own epochs."""
     entries = sources.parse_sources(data)
     packed = [packed_batches(documents_of(e.path, tokenizer, vocab, text_field), batch_size, seq_len, seed, vocab,
-                             e.path) for e in entries]
+                             e.path, j) for j, e in enumerate(entries)]
     return PackedMixture(packed, [e.weight for e in entries], [e.path for e in entries], batch_size, seed)

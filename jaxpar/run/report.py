@@ -70,6 +70,10 @@ def _epoch_text(run: Run, console: Console):
     if isinstance(run.batches, BlockBatches):  # rows are counted as blocks are packed: no total before the run
         counted = (f": {run.batches.rows_per_epoch:,} rows, {run.config.epochs:g} epochs = {run.config.steps:,} steps"
                    if run.config.epochs is not None else "")  # --epochs counted every block already
+        shared = run.batches.shared
+        if shared is not None:
+            counted += (f"; process {shared.process} of {shared.processes} tokenized {len(run.batches.tokenized):,} "
+                        "of them so far (each counts its own blocks, the processes share the counts)")
         console.print(f"[bold]data[/] {len(run.batches.source):,} documents in {run.batches.blocks:,} blocks, "
                       f"packed as batches need them, each row once per epoch{counted}")
         return lambda step: f"  epoch {run.batches.epoch_of(step):.2f}"

@@ -134,8 +134,8 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
     """The run's batches (packed documents, streams None: every packed row once per epoch; one stream: random
     windows, or with `epochs` every non-overlapping window once per epoch; several: a weighted mixture), held-out data.
 
-    Token ids are checked per batch as they are read; batch 0 is read here, so a
-    bad token file is refused before anything compiles.
+    Token ids are checked per batch as they are read; `prepare` reads this process's rows of batch 0, so a bad
+    token file is refused before anything compiles.
     """
     heldout, vocab = None, mcfg.vocab
     if streams is None and config.data is not None and len(parse_sources(config.data)) > 1:  # a packed mixture
@@ -171,7 +171,6 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
                                    config.seed, vocab, config.data)
         else:
             batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
-    batches.rows(0)
     return batches, heldout
 
 
@@ -182,6 +181,31 @@ def _refuse_for_mixture(config: TrainConfig) -> None:
     if config.epochs is not None:
         raise ValueError(f"--epochs with a mixture (--data {config.data!r}) is not supported: its rows are drawn "
                          "by weight, each source in its own epochs; give one source or use --steps")
+
+
+def learn_saved_counts(batches, meta: dict, directory) -> None:
+    """The block row counts a checkpoint saved, taken by packed batches (see BlockBatches.learn_saved_counts)."""
+    saved = meta.get("data", {}).get("block_rows")
+    if saved is not None and hasattr(batches, "learn_saved_counts"):
+        batches.learn_saved_counts(saved, f"the checkpoint of step {meta.get('step')} in {directory}")
+
+
+def _learn_counts_from_newest(batches, directory) -> None:
+    """The counts of the newest readable checkpoint in `directory`, if any (a damaged one is left to `resume`)."""
+    if not hasattr(batches, "learn_saved_counts") or not Path(directory).is_dir():
+        return
+    try:
+        checkpoints = Checkpoints(directory, read_only=True)
+    except ValueError:  # no complete checkpoint yet
+        return
+    try:
+        meta = checkpoints.metadata()
+    except (CorruptCheckpoint, ValueError):
+        return
+    finally:
+        checkpoints.close()
+    if meta.get("data", {}).get("order") == data_order(batches)["order"]:
+        learn_saved_counts(batches, meta, checkpoints.directory)
 
 
 def _with_epoch_steps(config: TrainConfig, batches) -> TrainConfig:
@@ -216,6 +240,9 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     by_documents = packing_of(config.data, config.packing) == "documents"
     streams = None if by_documents else training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
     batches, heldout = _batches(config, mcfg, name, streams)
+    batches.rows(0, *data_lib.local_rows(plan.sharding(plan.batch_spec(2)), (config.batch_size, config.seq_len)))
+    if config.epochs is not None and config.checkpoint_dir:  # counts saved earlier spare tokenizing for the length
+        _learn_counts_from_newest(batches, config.checkpoint_dir)
     config = _with_epoch_steps(config, batches)
     optimizer = make_optimizer(config)
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
@@ -267,7 +294,9 @@ def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]
     damaged = []
     for step in reversed(checkpoints.steps()):
         try:
-            check_same_order(checkpoints.metadata(step), run.batches, checkpoints.directory)
+            meta = checkpoints.metadata(step)
+            check_same_order(meta, run.batches, checkpoints.directory)
+            learn_saved_counts(run.batches, meta, checkpoints.directory)
             restored = checkpoints.restore(run.model, run.optimizer, run.plan, step)
         except CorruptCheckpoint as error:
             damaged.append(error)
@@ -382,6 +411,8 @@ def _save(run: Run, checkpoints: Checkpoints, state: TrainState, done: int, nonf
     drawn_by = order.pop("drawn_by")
     position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": seed, **order},
                 "rng": {"seed": seed, "batches": drawn_by}}
+    if hasattr(run.batches, "row_counts"):  # what a resumed run need not count again
+        position["data"]["block_rows"] = run.batches.row_counts()
     return checkpoints.save(done, state, force=force, metadata=position, model=run.model, optimizer=run.optimizer,
                             plan=run.plan)
 

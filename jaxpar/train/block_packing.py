@@ -23,10 +23,17 @@ reading a position packs, for its count only, every earlier block of the epoch
 not yet counted. So a run from step 0 packs each block as its rows come up (in
 the read-ahead thread, not at start-up); a resumed run, or a process whose rows
 come later in a batch, first counts the blocks before its rows in the epoch
-(tokenizing them once; their rows are not kept). From the second epoch every
-count is known. `--epochs` needs the row count of an epoch before the first
-step, so `steps_for` counts every block at start-up (the one case that
-tokenizes the whole source before training).
+(their rows are not kept). From the second epoch every count is known.
+`--epochs` needs the row count of an epoch before the first step, so
+`steps_for` counts every block at start-up (the one case that tokenizes the
+whole source before training).
+
+Processes share the counts (`jaxpar.train.shared_counts`): each block is
+counted by its owner only, so a process tokenizes its own share of the blocks
+before its rows plus the blocks that hold its rows. Checkpoints keep the
+counts known so far (`row_counts`, `learn_row_counts`), so a resumed run, or
+an `--epochs` run resumed, counts only the blocks never counted; a count that
+disagrees with the block's packing now (the data changed) is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from grain.python import IndexSampler, NoSharding
 
 from jaxpar.train.data import check_batch_vocab
 from jaxpar.train.packing import Document, as_batch, pack
+from jaxpar.train.shared_counts import SharedCounts
 
 BLOCK_DOCUMENTS = 256  # K: documents per block (a block of 256 web pages packs in tens of ms; a batch spans few blocks)
 CACHED_BLOCKS = 32  # packed blocks kept (the read-ahead of a few batches, and every process's current blocks)
@@ -63,14 +71,18 @@ class BlockBatches:
     """Global batches of packed rows of `source`, indexed by step, each row once per epoch (see the module)."""
 
     def __init__(self, source: DocumentSource, batch_size: int, seq_len: int, seed: int = 0, vocab: int | None = None,
-                 name: str | None = None, block_documents: int = BLOCK_DOCUMENTS, cached: int = CACHED_BLOCKS):
+                 name: str | None = None, block_documents: int = BLOCK_DOCUMENTS, cached: int = CACHED_BLOCKS,
+                 shared: SharedCounts | None = None):
         if not 0 <= seed < 2**32:
             raise ValueError(f"--seed {seed}: the epoch order (grain's IndexSampler) takes a seed in [0, 2**32); "
                              "choose one there")
         self.source, self.batch_size, self.seq_len, self.seed = source, batch_size, seq_len, seed
         self.vocab, self.name, self.block_documents, self.cached = vocab, name, block_documents, cached
+        self.shared = shared  # the counts of the other processes' blocks (None: this process counts every block)
         self.blocks = math.ceil(len(source) / block_documents)
         self._counts: dict[int, int] = {}
+        self.tokenized: set[int] = set()  # blocks this process has read and packed (each process its share)
+        self._counted_by: dict[int, str] = {}  # who gave each count (this process, another, a checkpoint): for errors
         self._packed: collections.OrderedDict[int, dict] = collections.OrderedDict()
         self._prefix: dict[int, list[int]] = {}  # epoch -> cumulative row counts of its first blocks in order
         self._orders: collections.OrderedDict[tuple[int, int], np.ndarray] = collections.OrderedDict()
@@ -105,21 +117,65 @@ class BlockBatches:
                     return self._packed[block]
             lo = block * self.block_documents
             packed = pack(self.source.documents(lo, min(lo + self.block_documents, len(self.source))), self.seq_len)
+            rows = packed["tokens"].shape[0]
+            self.learn_row_counts({block: rows})
+            self.tokenized.add(block)
             with self._lock:
-                self._counts[block] = packed["tokens"].shape[0]
                 self._packed[block] = packed
                 while len(self._packed) > self.cached:
                     self._packed.popitem(last=False)
                 self._packing.pop(block, None)
+            if self.shared is not None and self.shared.owns(block):
+                self.shared.publish(block, rows)
             return packed
 
-    def count(self, block: int) -> int:
-        """Rows of `block` (packing it if it was never packed)."""
+    def learn_row_counts(self, counts: dict[int, int], where: str = "its packing now") -> None:
+        """Take the row counts of blocks (`{block: rows}`, counted by `where`); ValueError if one disagrees with
+        a count already known."""
+        with self._lock:
+            for block, rows in counts.items():
+                if block not in self._counts:
+                    self._counts[block], self._counted_by[block] = rows, where
+                elif self._counts[block] != rows:
+                    lo = block * self.block_documents
+                    raise ValueError(
+                        f"--data {self.name!r}: block {block} (documents {lo}:{min(lo + self.block_documents, len(self.source))}) "
+                        f"packs into {rows} rows by {where} but {self._counts[block]} by {self._counted_by[block]}; "
+                        "the data (or --seq-len, --tokenizer) changed since, so saved steps would name other rows. "
+                        "Resume with the data the checkpoint was trained on, or use another --checkpoint-dir")
+
+    def row_counts(self) -> list[int]:
+        """The row count of every block known so far, -1 where unknown (what checkpoints keep)."""
+        with self._lock:
+            return [self._counts.get(b, -1) for b in range(self.blocks)]
+
+    def learn_saved_counts(self, saved: list[int], where: str) -> None:
+        """Take the counts `row_counts` gave when a checkpoint was saved (`where` names it)."""
+        if len(saved) != self.blocks:
+            raise ValueError(f"--data {self.name!r}: {where} counted {len(saved)} blocks of {self.block_documents} "
+                             f"documents, this run has {self.blocks}; resume with the data it was trained on")
+        self.learn_row_counts({b: rows for b, rows in enumerate(saved) if rows >= 0}, where)
+
+    def count(self, block: int, ahead: list[int] = ()) -> int:
+        """Rows of `block`: packing it if it was never counted and is this process's, else from its owner.
+
+        While waiting for another process's count, this process first counts its own blocks among `ahead` (the
+        blocks that follow in the walk), so the owners pack side by side rather than in turn.
+        """
         with self._lock:
             if block in self._counts:
                 return self._counts[block]
-        self._block(block)
-        return self._counts[block]
+        if self.shared is None or self.shared.owns(block):
+            self._block(block)
+            return self._counts[block]
+        rows = self.shared.get(block)
+        if rows is None:
+            for other in ahead:
+                if self.shared.owns(other):
+                    self.count(other)
+            rows = self.shared.wait(block)
+        self.learn_row_counts({block: rows}, f"process {block % self.shared.processes}'s count")
+        return rows
 
     @property
     def rows_per_epoch(self) -> int:
@@ -144,7 +200,8 @@ class BlockBatches:
                     known, end = len(prefix), prefix[-1]
                 if end > position or known > self.blocks:
                     break
-                rows = self.count(order[known - 1])  # may pack the block: outside the lock
+                ahead = order[known: known + self.shared.processes] if self.shared is not None else []
+                rows = self.count(order[known - 1], ahead)  # may pack the block: outside the lock
                 with self._lock:
                     if len(prefix) == known:
                         prefix.append(end + rows)
@@ -191,11 +248,18 @@ class BlockBatches:
             rows[field] = rows[field].astype(np.int32)
         return rows
 
+    def count_through(self, position: int) -> None:
+        """Learn the counts up to `position`: a process that shares counts walks them to the end of every global
+        batch it reads, so the owner of each block another process waits for reaches it too."""
+        self._place(position)
+
     def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
         """Rows lo:hi of the global batch of `step`: inputs/targets (int32) and the document fields [rows, seq_len]."""
         first = step * self.batch_size
+        if self.shared is not None:
+            self.count_through(first + self.batch_size - 1)
         rows = self.rows_at(range(first, first + self.batch_size)[lo:hi], step)
-        if lo == 0 and hi is None and not rows["loss_weights"].any():
+        if lo == 0 and hi in (None, self.batch_size) and not rows["loss_weights"].any():
             raise ValueError(f"--data {self.name!r}: the batch of step {step} has no target to train on (its "
                              "documents are one token each, or its records' completions are empty)")
         return rows

@@ -146,12 +146,14 @@ class Batches:
         return self.rows(step)
 
 
+def local_rows(sharding: jax.sharding.NamedSharding, shape: tuple[int, int]) -> tuple[int, int]:
+    """(lo, hi): the rows of a global batch of `shape` that this process's devices hold under `sharding`."""
+    rows = [idx[0] for idx in sharding.addressable_devices_indices_map(shape).values()]
+    return min(r.start or 0 for r in rows), max(shape[0] if r.stop is None else r.stop for r in rows)
+
+
 def global_batch(batches: Batches, step: int, sharding: jax.sharding.NamedSharding) -> dict[str, jax.Array]:
     """The batch of `step` as global arrays; each process loads only the rows its devices hold."""
     shape = (batches.batch_size, batches.seq_len)
-    index = sharding.addressable_devices_indices_map(shape)
-    rows = [idx[0] for idx in index.values()]
-    lo = min(r.start or 0 for r in rows)
-    hi = max(shape[0] if r.stop is None else r.stop for r in rows)
-    local = batches.rows(step, lo, hi)
+    local = batches.rows(step, *local_rows(sharding, shape))
     return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}

@@ -53,16 +53,30 @@ class PackedMixture:
     def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
         """Rows lo:hi of the global batch of `step`: inputs/targets (int32) and the document fields."""
         first = step * self.batch_size
-        drawn = [self.assignment(p) for p in range(first, first + self.batch_size)[lo:hi]]
+        everyone = [self.assignment(p) for p in range(first, first + self.batch_size)]
+        for j, source in enumerate(self.sources):  # processes sharing counts walk each source to the batch's end
+            if source.shared is not None and any(i == j for i, _ in everyone):
+                source.count_through(max(k for i, k in everyone if i == j))
+        drawn = everyone[lo:hi]
         picked = [self.sources[j].rows_at([k], step) for j, k in drawn]
         rows = {name: np.concatenate([row[name] for row in picked]) for name in picked[0]}
-        if lo == 0 and hi is None and not rows["loss_weights"].any():
+        if lo == 0 and hi in (None, self.batch_size) and not rows["loss_weights"].any():
             raise ValueError(f"--data {', '.join(map(str, self.names))}: the batch of step {step} has no target to "
                              "train on (its documents are one token each, or its records' completions are empty)")
         return rows
 
     def __getitem__(self, step: int) -> dict[str, np.ndarray]:
         return self.rows(step)
+
+    def row_counts(self) -> list[list[int]]:
+        """Each source's known block row counts (`BlockBatches.row_counts`), as checkpoints keep them."""
+        return [source.row_counts() for source in self.sources]
+
+    def learn_saved_counts(self, saved: list[list[int]], where: str) -> None:
+        if len(saved) != len(self.sources):
+            raise ValueError(f"{where} counted the blocks of {len(saved)} sources, this mixture has {len(self.sources)}")
+        for source, counts in zip(self.sources, saved):
+            source.learn_saved_counts(counts, where)
 
     def order(self) -> dict:
         """How the run orders its data, as its checkpoints record it (`jaxpar.train.epochs.data_order`)."""
