@@ -72,6 +72,72 @@ def test_train_on_a_mixture_of_documents_records_and_a_token_file(tmp_path, caps
         packing_of(spec, "windows")
     metrics = tmp_path / "m.jsonl"
     code = main(["train", "--mesh", "data=8", "--batch-size", "8", "--seq-len", "32", "--steps", "2", "--data", spec,
-                 "--metrics", str(metrics)])
-    assert code == 0, capsys.readouterr().err
-    assert len(metrics.read_text().splitlines()) == 2
+                 "--metrics", str(metrics), "--eval-every", "2"])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 2 and "eval_loss" not in rows[0]
+    names = [f"{tmp_path}/{n}" for n in ("a.jsonl", "b.jsonl", "c.npy")]
+    losses = [rows[1][f"eval_loss/{n}"] for n in names]
+    assert len(set(losses)) == 3 and all(np.isfinite(losses))
+    assert rows[1]["eval_loss"] == pytest.approx(0.6 * losses[0] + 0.2 * losses[1] + 0.2 * losses[2], rel=1e-12)
+    assert rows[1]["eval_tokens"] == sum(rows[1][f"eval_tokens/{n}"] for n in names)
+    assert all(0 < rows[1][f"epoch/{n}"] < rows[1][f"epoch/{names[1]}"] for n in (names[0], names[2]))
+
+
+def test_a_mixture_holds_out_each_source_whole_documents_and_a_token_file_tail(tmp_path):
+    """--eval-every on a mixture: each source's held-out part (its last documents; a token file's tail) is never
+    among the rows training reads; a windows mixture holds out each stream's tail."""
+    from jaxpar.core.mesh import parse_mesh
+    from jaxpar.core.plan import Plan
+    from jaxpar.run.evaluate import Evaluator, HOLDOUT
+    from jaxpar.run.training import TrainConfig, _evaluator, prepare
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i}: " + "xy" * (i % 7)}) + "\n"
+                                              for i in range(100)))
+    np.save(tmp_path / "c.npy", (np.arange(4000) % 250).astype(np.uint16))
+    np.save(tmp_path / "d.npy", (np.arange(2000) % 200).astype(np.uint16))
+    plan = Plan.create(parse_mesh("data=8")[0])
+    packed = prepare(TrainConfig(data=f"{tmp_path}/a.jsonl:0.5,{tmp_path}/c.npy:0.5", eval_every=1, batch_size=8,
+                                 seq_len=32, steps=2), plan)
+    a, c = packed.heldout
+    assert (a.weight, c.weight) == (0.5, 0.5)
+    assert len(a.data) == int(100 * HOLDOUT) and len(packed.batches.sources[0].source) == 100 - len(a.data)
+    (stream,) = packed.batches.sources[1].source.documents(0, 1)
+    (tail,) = c.data.documents(0, 1)
+    assert stream.tokens.size + tail.tokens.size == 4000 and tail.tokens.size == int(4000 * HOLDOUT)
+    params = packed.init().params
+    figures = _evaluator(packed)(params)
+    for held in packed.heldout:
+        alone = Evaluator(packed.model, plan, held.windows(32, 8), 8)(params)
+        assert figures[f"eval_loss/{held.name}"] == pytest.approx(alone["eval_loss"], rel=1e-6)
+
+    import io
+
+    from rich.console import Console
+
+    from jaxpar.run.report import _epoch_text
+
+    progress = _epoch_text(packed, Console(file=io.StringIO()))(2)  # the progress bar's text after step 2
+    epochs = packed.batches.source_epochs(2)
+    assert progress == f"  epoch a.jsonl {epochs[f'{tmp_path}/a.jsonl']:.2f} c.npy {epochs[f'{tmp_path}/c.npy']:.2f}"
+
+    windows = prepare(TrainConfig(data=f"{tmp_path}/c.npy:0.7,{tmp_path}/d.npy:0.3", eval_every=1, batch_size=8,
+                                  seq_len=32, steps=2), plan)
+    assert [s.size for s in windows.batches.streams] == [3800, 1900]
+    assert [h.data.size for h in windows.heldout] == [200, 100] and [h.weight for h in windows.heldout] == [0.7, 0.3]
+
+
+def test_epochs_of_a_mixture_are_refused_and_each_source_reports_its_own(mixture, tmp_path):
+    for source in mixture.sources:
+        source.rows_per_epoch  # every count known: each source's epoch is exact
+    for step in (3, 40):
+        taken = mixture.taken(step * mixture.batch_size)
+        assert sum(taken) == step * mixture.batch_size
+        drawn = [mixture.assignment(p)[0] for p in range(step * mixture.batch_size)]
+        assert taken == [drawn.count(j) for j in range(2)]
+        assert mixture.source_epochs(step) == {name: n / source.rows_per_epoch for name, n, source
+                                               in zip(mixture.names, taken, mixture.sources)}
+    np.save(tmp_path / "c.npy", (np.arange(3000) % 250).astype(np.uint16))
+    code = main(["train", "--data", f"{tmp_path}/c.npy:0.5,{tmp_path}/c.npy:0.5", "--epochs", "1"])
+    assert code == 2

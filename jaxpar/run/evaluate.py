@@ -17,6 +17,7 @@ fine-tuning record's completion only): sum(w x nll) / sum(w).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -82,6 +83,31 @@ def split_documents(documents, holdout: float = HOLDOUT, source: str | None = No
     return documents.view(0, cut), documents.view(cut, count)
 
 
+def split_stream_document(documents) -> tuple:
+    """(training part, held-out part) of a source that is one token stream (a mixture's token file, packed in
+    row-size pieces): its tail, as `split_tokens` holds out a token file's tail."""
+    from jaxpar.train.block_packing import InMemoryDocuments
+    from jaxpar.train.packing import Document
+
+    (stream,) = documents.documents(0, 1)
+    cut = holdout_cut(stream.tokens.size)
+    return InMemoryDocuments([Document(stream.tokens[:cut])]), InMemoryDocuments([Document(stream.tokens[cut:])])
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """One source's held-out data in a mixture: tokens (windows) or documents (packed), and its mixture weight."""
+
+    name: str
+    weight: float
+    data: Any  # np.ndarray of tokens, or a DocumentSource
+
+    def windows(self, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
+        if isinstance(self.data, np.ndarray):
+            return eval_windows(self.data, seq_len, batch_size, max_batches)
+        return eval_documents(self.data, seq_len, batch_size, max_batches)
+
+
 def eval_documents(documents, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
     """Held-out documents (a `DocumentSource` or a list, read in blocks until they fill the batches) packed into rows
     (jaxpar.train.packing), as whole batches: inputs, targets, positions, segment_ids (0: padding, and every token
@@ -143,17 +169,42 @@ class Evaluator:
         self._sharding = sharding
         self._fn = jax.jit(loss_sum)
 
-    def __call__(self, params) -> dict[str, float]:
-        """Held-out figures of `params` in natural layer order (jaxpar.pipeline.layer_order): the forward is no pipeline."""
+    def __call__(self, params, windows: dict | None = None) -> dict[str, float]:
+        """Held-out figures of `params` in natural layer order (jaxpar.pipeline.layer_order): the forward is no pipeline.
+
+        `windows` (default the evaluator's own) of the same fields and row length reuse the compiled forward.
+        """
+        windows = self.windows if windows is None else windows
         total, count = 0.0, 0.0
-        rows = self.windows["inputs"].shape[0]
+        rows = windows["inputs"].shape[0]
         with self.plan.activate():
             for lo in range(0, rows, self.batch_size):
-                batch = {k: jax.device_put(v[lo: lo + self.batch_size], self._sharding) for k, v in self.windows.items()}
+                batch = {k: jax.device_put(v[lo: lo + self.batch_size], self._sharding) for k, v in windows.items()}
                 loss, n = self._fn(params, batch)
                 total, count = total + float(loss), count + float(n)
         loss = total / count
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(count)}
+        return {"eval_loss": loss, "eval_ppl": _ppl(loss), "eval_tokens": int(count)}
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 700.0))
+
+
+class MixtureEvaluator:
+    """Held-out figures of each source of a mixture (`eval_loss/<source>`, ...) and `eval_loss`, the sources'
+    losses weighted by the mixture's weights: the loss of the data the run trains on, in the shares it trains on it."""
+
+    def __init__(self, model_def, plan, held: list[HeldOut], seq_len: int, batch_size: int):
+        self.held = [(h.name, h.weight / sum(x.weight for x in held), h.windows(seq_len, batch_size)) for h in held]
+        self.evaluator = Evaluator(model_def, plan, self.held[0][2], batch_size)
+
+    def __call__(self, params) -> dict[str, float]:
+        out, mixed, tokens = {}, 0.0, 0
+        for name, weight, windows in self.held:
+            figures = self.evaluator(params, windows)
+            out.update({f"{key}/{name}": value for key, value in figures.items()})
+            mixed, tokens = mixed + weight * figures["eval_loss"], tokens + figures["eval_tokens"]
+        return {"eval_loss": mixed, "eval_ppl": _ppl(mixed), "eval_tokens": tokens, **out}
 
 
 def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None = None, batch_size: int = 8,

@@ -85,9 +85,19 @@ def packed_batches(documents: DocumentSource, batch_size: int, seq_len: int, see
 
 
 def packed_mixture(data: str, tokenizer: str | None, vocab: int, text_field: str, batch_size: int, seq_len: int,
-                   seed: int) -> PackedMixture:
-    """The batches of a mixture (`a.jsonl:0.7,b.bin:0.3`) of packed sources, each keeping its own epochs."""
-    entries = sources.parse_sources(data)
-    packed = [packed_batches(documents_of(e.path, tokenizer, vocab, text_field), batch_size, seq_len, seed, vocab,
-                             e.path, j) for j, e in enumerate(entries)]
-    return PackedMixture(packed, [e.weight for e in entries], [e.path for e in entries], batch_size, seed)
+                   seed: int, holdout: bool = False) -> tuple[PackedMixture, list | None]:
+    """The batches of a mixture (`a.jsonl:0.7,b.bin:0.3`) of packed sources, each keeping its own epochs, and with
+    `holdout` each source's held-out part (`jaxpar.run.evaluate.HeldOut`: whole documents, a token file's tail)."""
+    from jaxpar.run.evaluate import HeldOut, split_documents, split_stream_document
+
+    entries, packed, held = sources.parse_sources(data), [], []
+    for j, entry in enumerate(entries):
+        documents = documents_of(entry.path, tokenizer, vocab, text_field)
+        if holdout:
+            is_stream = Path(entry.path).suffix in sources.TOKEN_SUFFIXES
+            documents, kept = (split_stream_document(documents) if is_stream
+                               else split_documents(documents, source=entry.path))
+            held.append(HeldOut(entry.path, entry.weight, kept))
+        packed.append(packed_batches(documents, batch_size, seq_len, seed, vocab, entry.path, j))
+    mixture = PackedMixture(packed, [e.weight for e in entries], [e.path for e in entries], batch_size, seed)
+    return mixture, held if holdout else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jax
 from rich.console import Console
@@ -23,6 +24,7 @@ from jaxpar.run.training import (
 from jaxpar.train.data import BadBatch
 from jaxpar.train.block_packing import BlockBatches
 from jaxpar.train.epochs import EpochBatches
+from jaxpar.train.packed_mixture import CHUNK, PackedMixture
 from jaxpar.train.state import abstract_state
 
 
@@ -77,6 +79,13 @@ def _epoch_text(run: Run, console: Console):
         console.print(f"[bold]data[/] {len(run.batches.source):,} documents in {run.batches.blocks:,} blocks, "
                       f"packed as batches need them, each row once per epoch{counted}")
         return lambda step: f"  epoch {run.batches.epoch_of(step):.2f}"
+    if isinstance(run.batches, PackedMixture):
+        mixture = run.batches
+        shares = ", ".join(f"{Path(str(name)).name} {n / CHUNK:.0%}" for name, n in zip(mixture.names, mixture.quota))
+        console.print(f"[bold]data[/] a mixture of {len(mixture.sources)} packed sources ({shares} of the rows), "
+                      "each through its own epochs")
+        return lambda step: "  epoch " + " ".join(f"{Path(str(name)).name} {epoch:.2f}"
+                                                  for name, epoch in mixture.source_epochs(step).items())
     if not isinstance(run.batches, EpochBatches):
         return lambda step: ""
     table, config = run.batches.table, run.config

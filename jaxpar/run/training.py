@@ -113,7 +113,7 @@ class Run:
     make_model: Callable
     step_fn: Step
     mfu: mfu_lib.Mfu
-    heldout: Any = None  # the tokens (or a DocumentSource) --eval-every evaluates on, never trained on
+    heldout: Any = None  # what --eval-every evaluates, never trained on: tokens, a DocumentSource, or a mixture's HeldOut list
 
     @property
     def batch_sharding(self):
@@ -141,9 +141,13 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
     if streams is None and config.data is not None and len(parse_sources(config.data)) > 1:  # a packed mixture
         from jaxpar.run.packed import packed_mixture
 
-        _refuse_for_mixture(config)
-        batches = packed_mixture(config.data, config.tokenizer, vocab, config.text_field, config.batch_size,
-                                 config.seq_len, config.seed)
+        _refuse_epochs_for_mixture(config)
+        if config.eval_every:
+            from jaxpar.run.evaluate import check_evaluable
+
+            check_evaluable(name, mcfg)
+        batches, heldout = packed_mixture(config.data, config.tokenizer, vocab, config.text_field, config.batch_size,
+                                          config.seq_len, config.seed, holdout=bool(config.eval_every))
     elif streams is None:  # --packing documents
         from jaxpar.run.packed import documents_of, packed_batches
 
@@ -155,9 +159,18 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
             documents, heldout = split_documents(documents, source=config.data)
         batches = packed_batches(documents, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     elif len(streams) > 1:
-        _refuse_for_mixture(config)
-        names, tokens, weights, _ = zip(*streams)
-        batches = MixtureBatches(tokens, weights, names, config.batch_size, config.seq_len, config.seed, vocab)
+        _refuse_epochs_for_mixture(config)
+        names, tokens, weights, starts = zip(*streams)
+        if config.eval_every:
+            from jaxpar.run.evaluate import HeldOut, check_evaluable, split_tokens
+
+            check_evaluable(name, mcfg)
+            split = [split_tokens(t, document_starts=d, source=n) for n, t, d in zip(names, tokens, starts)]
+            tokens = [train for train, _ in split]
+            heldout = [HeldOut(n, w, held) for n, w, (_, held) in zip(names, weights, split)]
+            for held in heldout:
+                data_lib.check_vocab(held.data, vocab, held.name)
+        batches = MixtureBatches(tuple(tokens), weights, names, config.batch_size, config.seq_len, config.seed, vocab)
     else:
         tokens, document_starts = streams[0][1], streams[0][3]
         if config.eval_every:
@@ -174,13 +187,12 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
     return batches, heldout
 
 
-def _refuse_for_mixture(config: TrainConfig) -> None:
-    if config.eval_every:
-        raise ValueError(f"--eval-every with a mixture (--data {config.data!r}) is not supported yet; "
-                         "give one source or drop --eval-every")
+def _refuse_epochs_for_mixture(config: TrainConfig) -> None:
     if config.epochs is not None:
-        raise ValueError(f"--epochs with a mixture (--data {config.data!r}) is not supported: its rows are drawn "
-                         "by weight, each source in its own epochs; give one source or use --steps")
+        raise ValueError(f"--epochs with a mixture (--data {config.data!r}): each source runs through its own epochs "
+                         "at the pace of its weight (a source of weight w and R rows starts a new epoch every R / w "
+                         "rows of the run), so the run has no one epoch count to stop at; give the run's length "
+                         "with --steps, and follow each source's epoch in the metrics' epoch/<source>")
 
 
 def learn_saved_counts(batches, meta: dict, directory) -> None:
@@ -393,6 +405,8 @@ def _step_row(run: Run, row: dict, done: int, elapsed: float, lr: float, nonfini
     config = run.config
     row = {"step": done, **row, "lr": lr, "nonfinite_steps": nonfinite_steps,
            **({"epoch": run.batches.epoch_of(done)} if hasattr(run.batches, "epoch_of") else {}),
+           **({f"epoch/{n}": e for n, e in run.batches.source_epochs(done).items()}
+              if hasattr(run.batches, "source_epochs") else {}),
            "step_time_s": elapsed, "tokens_per_s": config.batch_size * config.seq_len / elapsed, **device_memory()}
     mfu = run.mfu(elapsed)
     if mfu is not None:
@@ -424,6 +438,10 @@ def _evaluator(run: Run):
     from jaxpar.run.evaluate import Evaluator, eval_documents, eval_windows
 
     held, seq_len, batch_size = run.heldout, run.config.seq_len, run.config.batch_size
+    if isinstance(held, list):  # a mixture: each source's held-out data
+        from jaxpar.run.evaluate import MixtureEvaluator
+
+        return MixtureEvaluator(run.model, run.plan, held, seq_len, batch_size)
     windows = (eval_windows(held, seq_len, batch_size) if isinstance(held, np.ndarray)
                else eval_documents(held, seq_len, batch_size))
     return Evaluator(run.model, run.plan, windows, run.config.batch_size)

@@ -270,9 +270,13 @@ class BlockBatches:
     def epoch_of(self, step: int) -> float:
         """How far through the data the run is after `step` batches: exact once every block's row count is known
         (with --epochs, or from the second epoch), else the epoch plus the share of its blocks already begun."""
+        return self.epoch_at(step * self.batch_size)
+
+    def epoch_at(self, position: int) -> float:
+        """How far through the data `position` rows of the endless row sequence are (see `epoch_of`)."""
         if len(self._counts) == self.blocks:
-            return step * self.batch_size / self.rows_per_epoch
-        epoch, at, within = self._place(step * self.batch_size)
+            return position / self.rows_per_epoch
+        epoch, at, within = self._place(position)
         return epoch + (at + within / self.count(self._order(epoch)[at])) / self.blocks
 
     def steps_for(self, epochs: float) -> int:

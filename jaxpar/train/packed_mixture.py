@@ -68,6 +68,17 @@ class PackedMixture:
     def __getitem__(self, step: int) -> dict[str, np.ndarray]:
         return self.rows(step)
 
+    def taken(self, position: int) -> list[int]:
+        """Rows of each source among the first `position` rows of the mixture's row sequence."""
+        chunk, at = divmod(position, CHUNK)
+        inside = np.bincount(self._chunk(chunk)[:at], minlength=len(self.sources))
+        return [chunk * int(n) + int(k) for n, k in zip(self.quota, inside)]
+
+    def source_epochs(self, step: int) -> dict[str, float]:
+        """How far through its own data each source is after `step` batches, by source name."""
+        return {str(name): source.epoch_at(rows)
+                for name, source, rows in zip(self.names, self.sources, self.taken(step * self.batch_size))}
+
     def row_counts(self) -> list[list[int]]:
         """Each source's known block row counts (`BlockBatches.row_counts`), as checkpoints keep them."""
         return [source.row_counts() for source in self.sources]
