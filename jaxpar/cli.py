@@ -248,6 +248,8 @@ def _add_hf_commands(sub) -> None:
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
     generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     generate.add_argument("--eos", type=int, default=None, help="token id that ends a sequence")
+    generate.add_argument("--chat", action="store_true",
+                          help="each prompt is a user message in the tokenizer's chat template; stop at its end of turn")
     generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (reference)")
     tokenize = sub.add_parser("tokenize", help="text into a .npy token file (and a JSON header) for --data")
     tokenize.add_argument("source", help="a text file or a folder of text files")
@@ -291,13 +293,13 @@ def _hf_command(args: argparse.Namespace) -> int:
 
             result = generate_from_checkpoint(
                 args.checkpoint_dir, args.prompt, args.mesh, args.max_new_tokens, args.temperature, args.top_p,
-                args.seed, args.eos, args.tokenizer, args.step, use_cache=not args.no_cache)
+                args.seed, args.eos, args.tokenizer, args.step, use_cache=not args.no_cache, chat=args.chat)
     except ValueError as error:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
     if args.command == "generate" and not args.json:
         for prompt, text in zip(result["prompts"], result["completions"]):
-            print(f"{prompt}{text}")
+            print(f"user: {prompt}\nassistant: {text}" if args.chat else f"{prompt}{text}")
         print(f"{result['new_tokens']} tokens in {result['generate_s']:.3f} s: {result['tokens_per_s']:.1f} tokens/s "
               f"(compile {result['compile_s']:.1f} s)", file=sys.stderr)
     else:

@@ -138,6 +138,32 @@ def test_train_packs_a_chat_jsonl_end_to_end(tmp_path, capsys):
                  "--tokenizer", str(tokenizer), "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and abs(result["eval_loss"] - rows[-1]["eval_loss"]) < 1e-4
+    # `jaxpar generate --chat`: the prompt as the template writes it for a reply, stopped at its end of turn
+    generate = ["generate", "--checkpoint-dir", str(tmp_path / "ckpt"), "--max-new-tokens", "6", "--json"]
+    assert main([*generate, "--tokenizer", str(tokenizer), "--chat", "--prompt", "what is 3 plus 3"]) == 0
+    chat = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    end = 5  # <|end|>
+    assert chat["prompt_tokens"] == [[0, 3, 6, 7, 13, 8, 13, end, 4]] and chat["eos"] == end
+    assert main([*generate, "--tokenizer", str(tokenizer), "--eos", str(end),
+                 "--prompt", "<s><|user|>what is 3 plus 3<|end|><|assistant|>"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plain["prompt_tokens"] == chat["prompt_tokens"] and plain["tokens"] == chat["tokens"]
+    assert plain["completions"] == chat["completions"]
+    assert main([*generate, "--chat", "--prompt", "hi"]) == 2
+    assert "needs --tokenizer" in capsys.readouterr().err
+
+
+def test_the_end_of_turn_is_what_the_template_writes_after_a_reply(tmp_path):
+    """`generate --chat` stops there; a template that writes nothing after a reply ends at the EOS."""
+    from jaxpar.interop.tokenize import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_tokenizer(tmp_path)))
+    assert records.ChatTemplate(CHAT_TEMPLATE).end_of_turn(tokenizer) == 5  # <|end|>
+    llama3 = ("{% for m in messages %}<|user|>{{ m.role }}<|assistant|>\n\n{{ m.content }}<|end|>{% endfor %}"
+              "{% if add_generation_prompt %}<|user|>assistant<|assistant|>\n\n{% endif %}")
+    assert records.ChatTemplate(llama3).end_of_turn(tokenizer) == 5
+    bare = "{% for m in messages %}{{ m.content }} {% endfor %}"
+    assert records.ChatTemplate(bare).end_of_turn(tokenizer) == tokenizer.eos == 1
 
 
 def tiny_tokenizer(folder):

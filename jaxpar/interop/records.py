@@ -152,6 +152,17 @@ class ChatTemplate:
         return self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                   bos_token=self.bos_token, eos_token=self.eos_token)
 
+    def end_of_turn(self, tokenizer: Tokenizer) -> int | None:
+        """The token that ends an assistant reply: the first of what the template writes after one (the
+        tokenizer's EOS where it writes nothing, or only space)."""
+        reply = "jaxpar-reply"
+        text, [(start, end)] = self.assistant_spans([{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": reply}], "the chat template")
+        written = text[start:end]
+        after = written[written.rindex(reply) + len(reply):].strip() if reply in written else ""
+        ids = encode_pieces([after], tokenizer)[0] if after else []
+        return int(ids[0]) if len(ids) else tokenizer.eos
+
     def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the rendered conversation, the character spans of its assistant messages)."""
         text = self.render(messages)

@@ -161,22 +161,51 @@ def generation_plan(mesh: str | None, devices=None):
 
 def generate_from_checkpoint(path, prompts: Sequence[str], mesh: str | None = None, max_new_tokens: int = 32,
                              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, eos: int | None = None,
-                             tokenizer: str | None = None, step: int | None = None, use_cache: bool = True) -> dict:
-    """`jaxpar generate`: texts continuing `prompts` from a training checkpoint, export or HF directory."""
+                             tokenizer: str | None = None, step: int | None = None, use_cache: bool = True,
+                             chat: bool = False) -> dict:
+    """`jaxpar generate`: texts continuing `prompts` from a training checkpoint, export or HF directory.
+
+    With `chat`, each prompt is a user message rendered by the tokenizer's chat template with the
+    assistant's header after it, and generation stops at the template's end-of-turn token (unless `eos`
+    names another): the reply a model instruction-tuned on that template gives.
+    """
     from jaxpar.interop import hf
     from jaxpar.models import model_factory
     from jaxpar.train.state import describe
 
     name, cfg = hf.saved_model_config(path)
-    encode, decode = text_codec(tokenizer, cfg.vocab)
+    if chat:
+        prompt_ids, end_of_turn, decode = chat_codec(tokenizer, cfg.vocab, prompts)
+        eos = end_of_turn if eos is None else eos
+    else:
+        encode, decode = text_codec(tokenizer, cfg.vocab)
+        prompt_ids = [encode(p) for p in prompts]
     plan = generation_plan(mesh)
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
     generator = Generator(model, cfg, params, plan, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, eos=eos, use_cache=use_cache)
-    new, stats = generator([encode(p) for p in prompts], seed)
+    new, stats = generator(prompt_ids, seed)
     texts = [decode(row[: row.index(eos) if eos is not None and eos in row else len(row)]) for row in new]
-    return {"prompts": list(prompts), "completions": texts, "tokens": new, **stats}
+    return {"prompts": list(prompts), "completions": texts, "tokens": new, "prompt_tokens": prompt_ids,
+            "eos": eos, **stats}
+
+
+def chat_codec(tokenizer: str | None, vocab: int, prompts: Sequence[str]):
+    """(each prompt's ids as the chat template writes it for a reply, the end-of-turn id, decode).
+
+    The rendered text holds the template's own BOS and headers, so it is encoded without what the
+    tokenizer's post-processor would add again.
+    """
+    from jaxpar.interop.records import ChatTemplate, encode_pieces
+    from jaxpar.interop.tokenize import check_covers, load_tokenizer
+
+    template = ChatTemplate.of(tokenizer, "--chat renders each --prompt as a user message with the chat template")
+    loaded = load_tokenizer(tokenizer)
+    check_covers(loaded, vocab, "--tokenizer")
+    rendered = [template.render([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    ids = [piece.tolist() for piece in encode_pieces(rendered, loaded)]
+    return ids, template.end_of_turn(loaded), loaded.decode
 
 
 def text_codec(tokenizer: str | None, vocab: int):
