@@ -72,7 +72,7 @@ def test_train_on_a_mixture_of_documents_records_and_a_token_file(tmp_path, caps
         packing_of(spec, "windows")
     metrics = tmp_path / "m.jsonl"
     code = main(["train", "--mesh", "data=8", "--batch-size", "8", "--seq-len", "32", "--steps", "2", "--data", spec,
-                 "--metrics", str(metrics), "--eval-every", "2"])
+                 "--metrics", str(metrics), "--eval-every", "2", "--checkpoint-dir", str(tmp_path / "ckpt")])
     printed = capsys.readouterr()
     assert code == 0, printed.err
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -83,6 +83,12 @@ def test_train_on_a_mixture_of_documents_records_and_a_token_file(tmp_path, caps
     assert rows[1]["eval_loss"] == pytest.approx(0.6 * losses[0] + 0.2 * losses[1] + 0.2 * losses[2], rel=1e-12)
     assert rows[1]["eval_tokens"] == sum(rows[1][f"eval_tokens/{n}"] for n in names)
     assert all(0 < rows[1][f"epoch/{n}"] < rows[1][f"epoch/{names[1]}"] for n in (names[0], names[2]))
+    # `jaxpar eval` on the mixture holds out what training held out: the same figures from the checkpoint
+    assert main(["eval", "--checkpoint-dir", str(tmp_path / "ckpt"), "--data", spec, "--seq-len", "32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("eval_loss", *(f"eval_loss/{n}" for n in names)):
+        assert report[key] == pytest.approx(rows[1][key], rel=1e-5)
+    assert report["eval_tokens"] == rows[1]["eval_tokens"]
 
 
 def test_a_mixture_holds_out_each_source_whole_documents_and_a_token_file_tail(tmp_path):

@@ -108,6 +108,30 @@ class HeldOut:
         return eval_documents(self.data, seq_len, batch_size, max_batches)
 
 
+def held_out_streams(streams, vocab: int) -> tuple[list[np.ndarray], list[HeldOut]]:
+    """A windows mixture's streams (`training_streams`) each split as one source is: (training tokens, held out)."""
+    from jaxpar.train.data import check_vocab
+
+    trained, held = [], []
+    for name, tokens, weight, starts in streams:
+        train, kept = split_tokens(tokens, document_starts=starts, source=name)
+        check_vocab(kept, vocab, name)
+        trained.append(train)
+        held.append(HeldOut(name, weight, kept))
+    return trained, held
+
+
+def mixture_held_out(data: str, tokenizer: str | None, vocab: int, packing: str, seq_len: int,
+                     batch_size: int) -> list[HeldOut]:
+    """What `jaxpar train --eval-every` holds out of a mixture, for `jaxpar eval`: each source's own part."""
+    from jaxpar.interop.tokenize import training_streams
+    from jaxpar.run.packed import packed_mixture
+
+    if packing == "documents":
+        return packed_mixture(data, tokenizer, vocab, "text", batch_size, seq_len, 0, holdout=True)[1]
+    return held_out_streams(training_streams(data, tokenizer, vocab, "text"), vocab)[1]
+
+
 def eval_documents(documents, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
     """Held-out documents (a `DocumentSource` or a list, read in blocks until they fill the batches) packed into rows
     (jaxpar.train.packing), as whole batches: inputs, targets, positions, segment_ids (0: padding, and every token
@@ -215,18 +239,22 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers, `--packing`), so the held-out
     split is the same (whole documents for a document source) and weighted the same.
     """
-    from jaxpar.run.packed import documents_of, packing_of
-
     from jaxpar.interop import hf
     from jaxpar.interop.tokenize import training_source
     from jaxpar.models import model_factory
+    from jaxpar.run.packed import documents_of, packing_of
+    from jaxpar.train.sources import parse_sources
     from jaxpar.train.state import describe
 
     name, cfg = hf.saved_model_config(path)
     seq_len = seq_len or min(cfg.seq_len, 256)
-    if packing_of(data, packing) == "documents":
-        _, held = split_documents(documents_of(data, tokenizer, cfg.vocab), source=data)
-        windows = eval_documents(held, seq_len, batch_size, max_batches)
+    packing = packing_of(data, packing)
+    mixture = data is not None and len(parse_sources(data)) > 1
+    if mixture:
+        held = mixture_held_out(data, tokenizer, cfg.vocab, packing, seq_len, batch_size)
+    elif packing == "documents":
+        _, documents = split_documents(documents_of(data, tokenizer, cfg.vocab), source=data)
+        windows = eval_documents(documents, seq_len, batch_size, max_batches)
     else:
         tokens, document_starts = training_source(data, tokenizer, cfg.vocab)
         _, heldout = split_tokens(tokens, document_starts=document_starts, source=data)
@@ -234,4 +262,6 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     plan.check_batch(batch_size)
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
-    return {"path": str(path), **Evaluator(model, plan, windows, batch_size)(params)}
+    evaluator = (MixtureEvaluator(model, plan, held, seq_len, batch_size) if mixture
+                 else Evaluator(model, plan, windows, batch_size))
+    return {"path": str(path), **evaluator(params)}

@@ -160,16 +160,12 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
         batches = packed_batches(documents, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     elif len(streams) > 1:
         _refuse_epochs_for_mixture(config)
-        names, tokens, weights, starts = zip(*streams)
+        names, tokens, weights, _ = zip(*streams)
         if config.eval_every:
-            from jaxpar.run.evaluate import HeldOut, check_evaluable, split_tokens
+            from jaxpar.run.evaluate import check_evaluable, held_out_streams
 
             check_evaluable(name, mcfg)
-            split = [split_tokens(t, document_starts=d, source=n) for n, t, d in zip(names, tokens, starts)]
-            tokens = [train for train, _ in split]
-            heldout = [HeldOut(n, w, held) for n, w, (_, held) in zip(names, weights, split)]
-            for held in heldout:
-                data_lib.check_vocab(held.data, vocab, held.name)
+            tokens, heldout = held_out_streams(streams, vocab)
         batches = MixtureBatches(tuple(tokens), weights, names, config.batch_size, config.seq_len, config.seed, vocab)
     else:
         tokens, document_starts = streams[0][1], streams[0][3]
