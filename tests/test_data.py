@@ -194,7 +194,7 @@ def _documents_jsonl(tmp_path, count=40):
 
 def test_held_out_split_is_whole_documents(tmp_path, sources, word_tokenizer):
     """A document source is cut at a document start: the held-out split is the last documents, whole."""
-    from jaxpar.run.evaluate import HOLDOUT, split_tokens
+    from jaxpar.run.holdout import HOLDOUT, split_tokens
 
     path, docs = _documents_jsonl(tmp_path)
     _, tokens, _, starts = training_streams(str(path), None, 256)[0]
@@ -210,7 +210,7 @@ def test_held_out_split_is_whole_documents(tmp_path, sources, word_tokenizer):
 
 
 def test_held_out_split_of_a_token_file_is_unchanged_and_one_document_is_refused(tmp_path):
-    from jaxpar.run.evaluate import split_tokens
+    from jaxpar.run.holdout import split_tokens
 
     tokens = np.arange(1000, dtype=np.uint16)
     train, heldout = split_tokens(tokens)

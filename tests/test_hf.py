@@ -229,7 +229,7 @@ def test_config_of_transformers_4_and_5():
 @needs_torch
 def test_import_train_export_round_trip(tmp_path, capsys):
     """import-hf -> train 20 steps from it -> export --format hf -> transformers strict load, same logits."""
-    from jaxpar.run.evaluate import split_tokens
+    from jaxpar.run.holdout import split_tokens
     from jaxpar.train.checkpoint import Checkpoints
     from jaxpar.train.data import Batches, default_corpus
 

@@ -12,7 +12,8 @@ from helpers import max_relative_error, single_device_plan
 from jaxpar.models.inference import init_cache
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
-from jaxpar.run.evaluate import Evaluator, eval_documents
+from jaxpar.run.evaluate import Evaluator
+from jaxpar.run.holdout import eval_documents
 from jaxpar.train.packing import Document, as_batch, pack
 from jaxpar.train.state import describe
 

@@ -96,7 +96,8 @@ def test_a_mixture_holds_out_each_source_whole_documents_and_a_token_file_tail(t
     among the rows training reads; a windows mixture holds out each stream's tail."""
     from jaxpar.core.mesh import parse_mesh
     from jaxpar.core.plan import Plan
-    from jaxpar.run.evaluate import Evaluator, HOLDOUT
+    from jaxpar.run.evaluate import Evaluator
+    from jaxpar.run.holdout import HOLDOUT
     from jaxpar.run.training import TrainConfig, _evaluator, prepare
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i}: " + "xy" * (i % 7)}) + "\n"

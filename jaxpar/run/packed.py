@@ -87,8 +87,8 @@ def packed_batches(documents: DocumentSource, batch_size: int, seq_len: int, see
 def packed_mixture(data: str, tokenizer: str | None, vocab: int, text_field: str, batch_size: int, seq_len: int,
                    seed: int, holdout: bool = False) -> tuple[PackedMixture, list | None]:
     """The batches of a mixture (`a.jsonl:0.7,b.bin:0.3`) of packed sources, each keeping its own epochs, and with
-    `holdout` each source's held-out part (`jaxpar.run.evaluate.HeldOut`: whole documents, a token file's tail)."""
-    from jaxpar.run.evaluate import HeldOut, split_documents, split_stream_document
+    `holdout` each source's held-out part (`jaxpar.run.holdout.HeldOut`: whole documents, a token file's tail)."""
+    from jaxpar.run.holdout import HeldOut, split_documents, split_stream_document
 
     entries, packed, held = sources.parse_sources(data), [], []
     for j, entry in enumerate(entries):

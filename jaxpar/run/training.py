@@ -153,7 +153,8 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
 
         documents = documents_of(config.data, config.tokenizer, vocab, config.text_field)
         if config.eval_every:
-            from jaxpar.run.evaluate import check_evaluable, split_documents
+            from jaxpar.run.evaluate import check_evaluable
+            from jaxpar.run.holdout import split_documents
 
             check_evaluable(name, mcfg)
             documents, heldout = split_documents(documents, source=config.data)
@@ -162,7 +163,8 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
         _refuse_epochs_for_mixture(config)
         names, tokens, weights, _ = zip(*streams)
         if config.eval_every:
-            from jaxpar.run.evaluate import check_evaluable, held_out_streams
+            from jaxpar.run.evaluate import check_evaluable
+            from jaxpar.run.holdout import held_out_streams
 
             check_evaluable(name, mcfg)
             tokens, heldout = held_out_streams(streams, vocab)
@@ -170,7 +172,8 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
     else:
         tokens, document_starts = streams[0][1], streams[0][3]
         if config.eval_every:
-            from jaxpar.run.evaluate import check_evaluable, split_tokens
+            from jaxpar.run.evaluate import check_evaluable
+            from jaxpar.run.holdout import split_tokens
 
             check_evaluable(name, mcfg)
             tokens, heldout = split_tokens(tokens, document_starts=document_starts, source=config.data)
@@ -431,7 +434,8 @@ def _evaluator(run: Run):
     """The held-out evaluation `--eval-every` asks for, or None."""
     if not run.config.eval_every:
         return None
-    from jaxpar.run.evaluate import Evaluator, eval_documents, eval_windows
+    from jaxpar.run.evaluate import Evaluator
+    from jaxpar.run.holdout import eval_documents, eval_windows
 
     held, seq_len, batch_size = run.heldout, run.config.seq_len, run.config.batch_size
     if isinstance(held, list):  # a mixture: each source's held-out data
