@@ -11,7 +11,7 @@
 - the temp memory of the compiled step for m = 8, 16, 32 at a fixed microbatch size, side by side.
 
 Measured 2026-12-01 (XLA:CPU, tiny model with 8 layers, seq 32, the layers held in pipeline order, every
-slot under `lax.cond`), with a tick's slots in `jaxpar.pipeline.schedule.ORDER`: a slot that frees ring rows before one
+slot under `lax.cond`), with a tick's slots in `jaxpar.pipeline.slot_places.ORDER`: a slot that frees ring rows before one
 that takes them, in the same tick. jax 0.10.2 (jax 0.12.0.1 where it differs):
 
                 temp MiB, m = 8 / 16 / 32   m=32 / m=8   matmul FLOPs / unpipelined (formula), m = 8 / 16 / 32

@@ -254,11 +254,11 @@ def test_planner_counts_the_gemma2_parameters():
 
 def test_a_checkpoint_from_before_the_gemma_options_is_the_same_llama():
     """Resuming a checkpoint written before these options existed reads them as off (mlp_activation: 'silu')."""
-    from jaxpar.train.checkpoint import _with_later_options_off, differences
+    from jaxpar.train.run_config import differences, with_later_options_off
 
     current = dataclasses.asdict(LlamaConfig())
     new = ("mlp_activation", "norm_plus_one", "embed_scale", "post_norms", "final_softcap")
     saved = {k: v for k, v in current.items() if k not in new}
-    assert differences(_with_later_options_off(saved, current), current) == []
+    assert differences(with_later_options_off(saved, current), current) == []
     gemma = {**current, "mlp_activation": "gelu_tanh"}
-    assert differences(_with_later_options_off(saved, gemma), gemma) == ["mlp_activation: (absent) -> gelu_tanh"]
+    assert differences(with_later_options_off(saved, gemma), gemma) == ["mlp_activation: (absent) -> gelu_tanh"]

@@ -4,7 +4,8 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
-from jaxpar.pipeline.schedule import EMPTY, ORDER, Schedule
+from jaxpar.pipeline.schedule import EMPTY, Schedule
+from jaxpar.pipeline.slot_places import ORDER
 from jaxpar.pipeline.schedule_pictures import render, save_png
 
 CASES = [("gpipe", 2, 2, 1), ("gpipe", 4, 16, 1), ("1f1b", 2, 2, 1), ("1f1b", 4, 4, 1), ("1f1b", 4, 16, 1),

@@ -4,55 +4,9 @@ In a scan-based pipeline every stage runs the same program once per tick, so a
 schedule is a table: at tick t, stage i runs the forward (or backward) of
 microbatch j on its virtual chunk k, or nothing (a bubble slot). `jaxpar.pipeline.executor`
 executes these tables; this module also measures their bubble (`jaxpar.pipeline.schedule_pictures`
-draws them).
-
-- gpipe: forward of j at stage i on tick i + j, then the backward by autodiff of
-  that scan, i.e. the same table run in reverse.
-- 1f1b: forward of j at stage i on tick i + j and its backward on tick
-  2p - 2 - i + j (the last stage runs the loss head and the backward in the
-  tick of the forward). Ticks split into warm-up (forward only), steady
-  (forward and backward) and cool-down (backward only) phases. Stage 0
-  keeps 2p - 2 microbatches' residuals, not canonical 1F1B's p: a lockstep
-  tick holds a forward and a backward slot and moves each value one hop, so
-  microbatch j's cotangent is back on stage 0 2(p - 1) ticks after its
-  forward, while stage 0 starts a forward on every steady tick; it starts
-  that of j + 2p - 2 after the backward of j, in the tick of that backward,
-  in the ring row the backward has just freed (`ORDER`). Canonical
-  1F1B hops once per slot, not per tick. Doing that in lockstep means a tick
-  that is a forward on some stages and a backward on others. Each stage runs
-  only its own slot (`jaxpar.pipeline.table_executor` runs slots under `lax.cond`), but the
-  stages meet at every tick's `ppermute`, so such a tick lasts a backward
-  (about two forwards) on every stage: the steady phase takes 2m backward-long
-  ticks against m ticks of a forward and a backward, a third longer.
-  Starting stage 0's forwards on every other tick instead doubles the steady
-  phase. Either costs more than the p - 2 extra residual sets save.
-- interleaved (Megatron's interleaved 1F1B in lockstep): each device holds v
-  chunks, ring position k*p + i on device i. Microbatches go round the ring in
-  groups of p: stage i runs the forward of slot u = t - i, u = g*v*p + k*p + s
-  meaning microbatch g*p + s on chunk k, so an activation moves one hop per
-  tick (device p - 1 hands chunk k to device 0's chunk k + 1). Backwards
-  mirror it with the chunks reversed, starting in the tick the last ring
-  position runs its forward; v = 1 is 1f1b. Chunk-sized ticks make the
-  warm-up and cool-down p - 1 + (v - 1)p chunk slots, and the bubble
-  (p - 1)/(v*m + p - 1) of the step.
-- zb-h1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", lockstep form):
-  1F1B's forward and input-backward (B) slots, and each stage's weight
-  gradient (W) of j on tick 2p - 2 + j, when stage 0 runs its B of j: stage
-  i defers its W's by i ticks, which fills the ticks where 1F1B runs no
-  backward on stage 0 (W slots run on m ticks only, 1F1B's fused backward
-  on m + p - 1). Stage i keeps i cotangents from B to W where it keeps i
-  residual sets fewer than stage 0, so they take ring rows no set holds, and
-  stage 0's W takes the cotangent its B of the same microbatch takes: the
-  ring has 1F1B's rows (for m >= 2p - 2; with fewer microbatches the
-  cotangents that find no free row get a buffer of their own).
-
-Within a tick a stage runs its slots in `ORDER`: a weight-backward first,
-then the forward of a last chunk (or of a stage no later slot frees a row
-for), the loss head and the backward that takes its cotangent, then every
-other forward. Slots that free ring rows (W, B or BW reading residuals for the
-last time) so run before the slots that take them (F, and B keeping a
-cotangent), in the same tick, wherever the data allow; `Schedule.places` says
-which of its kind's places each slot runs at.
+draws them). What each schedule's tables hold and why is in `jaxpar.pipeline.slot_tables`;
+where in its tick each slot runs and which ring rows it uses, in `jaxpar.pipeline.slot_places`;
+the ticks as scans, in `jaxpar.pipeline.tick_loops`.
 
 Schedules with an explicit backward are data: `Schedule.actions` maps each
 slot kind (F forward, BW fused backward, B input-backward, W weight-backward)
@@ -76,15 +30,13 @@ import functools
 import numpy as np
 
 from jaxpar.core import options
-from jaxpar.pipeline.ring_rows import RingLayout, allocate
+from jaxpar.pipeline import slot_places, tick_loops
+from jaxpar.pipeline.ring_rows import RingLayout
+from jaxpar.pipeline.slot_tables import EMPTY, TABLES, gpipe_forward
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 EXPLICIT = ("1f1b", "interleaved", "zb-h1")  # schedules whose backward slots are in the table
 COST = {"F": 1, "B": 1, "W": 1, "BW": 2}  # slot durations in forward-slot units (equal F, B, W)
-# The slots of a tick in program order. F and W each have two places; every slot runs at one of its kind's
-# (`Schedule.places`), so that a slot freeing ring rows runs before one taking them wherever the data allow.
-ORDER = (("W", 0), ("F", 0), ("head", 0), ("B", 0), ("BW", 0), ("W", 1), ("F", 1))
-EMPTY = -1
 
 
 def validate(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> None:
@@ -155,7 +107,7 @@ class Schedule:
     def _generated(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         if not self.explicit_backward:
             raise ValueError(f"schedule {self.name!r} leaves the backward to autodiff; it has no action table")
-        return _GENERATORS[self.name](self.stages, self.microbatches, self.virtual_stages)
+        return TABLES[self.name](self.stages, self.microbatches, self.virtual_stages)
 
     @property
     def actions(self) -> dict[str, np.ndarray]:
@@ -195,34 +147,9 @@ class Schedule:
 
     @functools.cached_property
     def loops(self) -> tuple[tuple[int, int, tuple[tuple[int, tuple[str, ...], bool], ...]], ...]:
-        """(start, repeats, runs): the ticks as scans, a run being (ticks, slot kinds, whether the head runs).
-
-        Runs are the ticks cut where the slot kinds or the head change. A pair
-        of runs repeated back to back (interleaved's steady ticks: the head on
-        p ticks in every v*p) folds into one loop of `repeats` rounds, so ticks
-        without a last-chunk output compute no head, and the number of scans
-        does not grow with m. A run of one tick folds into the next where that
-        one has its slot kinds and head (`_merge_single_ticks`).
-        """
-        runs = []
-        for start, stop, kinds in self.segments:
-            for t in range(start, stop):
-                key = (kinds, bool("F" in kinds and self.head[t]))
-                if runs and runs[-1][1:] == key:
-                    runs[-1] = (runs[-1][0] + 1, *key)
-                else:
-                    runs.append((1, *key))
-        runs = _merge_single_ticks(runs)
-        out, i, t = [], 0, 0
-        while i < len(runs):
-            pair, repeats = tuple(runs[i:i + 2]), 1
-            while len(pair) == 2 and tuple(runs[i + 2 * repeats:i + 2 * repeats + 2]) == pair:
-                repeats += 1
-            block = pair if repeats > 1 else pair[:1]
-            out.append((t, repeats, block))
-            i += len(block) * repeats
-            t += repeats * sum(run[0] for run in block)
-        return tuple(out)
+        """(start, repeats, runs): the ticks as scans, a run being (ticks, slot kinds, whether the head runs);
+        see `jaxpar.pipeline.tick_loops.loops`."""
+        return tick_loops.loops(self)
 
     # -- tick tables ------------------------------------------------------------
 
@@ -277,10 +204,7 @@ class Schedule:
 
     @functools.cached_property
     def _forward_tables(self):
-        """gpipe: forward of j on stage i at tick i + j, chunk 0."""
-        p, m = self.stages, self.microbatches
-        fwd = _steps(m + p - 1, p, m, np.arange(p))
-        return fwd, np.zeros_like(fwd)
+        return gpipe_forward(self.stages, self.microbatches)
 
     # -- timeline and bubble --------------------------------------------------
 
@@ -324,87 +248,20 @@ class Schedule:
 
     @functools.cached_property
     def places(self) -> dict[str, np.ndarray]:
-        """Slot kind -> [ticks, stages] which of the kind's places in `ORDER` the slot runs at (0: first).
-
-        A weight-backward runs early, before the B and F slots that take rows;
-        in its B's tick it takes the cotangent that B takes, which on the last
-        chunk the loss head makes in that tick (place 1, after the B). A
-        forward runs early (place 0) when its own backward is in the same tick
-        (the last chunk: forward, loss head, backward) or when no later slot of
-        its tick frees a ring row of its stage, otherwise after the tick's
-        backward and weight-backward slots, to take the rows they free. Each
-        place holding a forward in a run of ticks costs the run a `lax.cond`:
-        zb-h1's forwards run early except on stage 0 (elsewhere its early W's
-        free the rows; stage 0's B reads its residuals last), so its ticks
-        with F and B slots and no W yet have one forward slot, not two.
-        """
-        back = "B" if "B" in self.actions else "BW"
-        out = {kind: np.zeros_like(table) for kind, table in self.actions.items()}
-        backward = self.slot_ticks(back)
-        if "W" in self.actions:
-            head_fed = self.stages - 1, self.virtual_stages - 1
-            for (stage, j, k), t in self.slot_ticks("W").items():
-                out["W"][t, stage] = int(backward[stage, j, k] == t and (stage, k) == head_fed)
-        freed = {}  # (stage, j, k) -> (tick, index in ORDER) of the last read of its residuals
-        for kind in ("BW", "B", "W"):
-            for key, t in (self.slot_ticks(kind).items() if kind in self.actions else ()):
-                freed[key] = max(freed.get(key, (t, -1)), (t, ORDER.index((kind, int(out[kind][t, key[0]])))))
-        late = np.zeros(self.actions["F"].shape, bool)  # a row of the stage is freed after the early forward
-        for (stage, _, _), (t, position) in freed.items():
-            late[t, stage] |= position > ORDER.index(("F", 0))
-        for (stage, j, k), t in self.slot_ticks("F").items():
-            out["F"][t, stage] = int(backward[stage, j, k] != t and late[t, stage])
-        return out
-
-    def _when(self, kind: str) -> dict[tuple[int, int, int], int]:
-        """(stage, microbatch, chunk) -> the position of its `kind` slot in the stage's program (tick, then `ORDER`)."""
-        return {key: t * len(ORDER) + ORDER.index((kind, int(self.places[kind][t, key[0]])))
-                for key, t in self.slot_ticks(kind).items()}
-
-    @functools.cached_property
-    def _lives(self) -> dict[str, dict]:
-        """"residuals": (stage, j, k) -> (first, last) positions its VJP residuals are kept (F to the last of BW,
-        B and W); "cotangents" (split backward): from B to W where W runs in a later tick (in B's tick W takes
-        the cotangent B takes)."""
-        first, uses = self._when("F"), [self._when(kind) for kind in ("BW", "B", "W") if kind in self.actions]
-        lives = {"residuals": {key: (first[key], max(use[key] for use in uses)) for key in first}, "cotangents": {}}
-        if "W" in self.actions:
-            made, used = self._when("B"), self._when("W")
-            lives["cotangents"] = {key: (made[key], used[key]) for key in made
-                                   if made[key] // len(ORDER) != used[key] // len(ORDER)}
-        return lives
+        """Slot kind -> [ticks, stages] which of the kind's places in `ORDER` the slot runs at (0: first);
+        see `jaxpar.pipeline.slot_places.places`."""
+        return slot_places.places(self)
 
     def ring_layout(self, shared: bool = True) -> RingLayout:
-        """The rows of the residual ring, and of the kept cotangents (split backward), per slot.
-
-        The residual sets get the fewest rows (`in_flight`). shared: a kept
-        cotangent takes a ring row no set holds over its life (`jaxpar.pipeline.residual_ring`
-        writes it into a residual buffer whose row can hold it), and only those
-        that find none get a buffer of their own; otherwise all do.
-        """
+        """The rows of the residual ring, and of the kept cotangents (split backward), per slot
+        (`jaxpar.pipeline.slot_places.ring_layout`)."""
         if shared not in self._layouts:
-            lives = self._lives
-            residuals = {("residuals", *key): span for key, span in lives["residuals"].items()}
-            rows, where = allocate(residuals)
-            cotangents = {("cotangents", *key): span for key, span in lives["cotangents"].items()}
-            extra, kept = allocate(cotangents, where if shared else {}, rows if shared else 0, residuals)
-            residual = {kind: self._row_table(kind, lambda key: where["residuals", *key]) for kind in self.actions}
-            rows_of = {}
-            if "W" in self.actions:
-                rows_of = {kind: self._row_table(kind, lambda key: kept.get(("cotangents", *key), EMPTY))
-                           for kind in "BW"}
-            self._layouts[shared] = RingLayout(rows, residual, extra, rows_of)
+            self._layouts[shared] = slot_places.ring_layout(self, shared)
         return self._layouts[shared]
 
     @functools.cached_property
     def _layouts(self) -> dict:
         return {}
-
-    def _row_table(self, kind: str, row_of) -> np.ndarray:
-        table = np.zeros_like(self.actions[kind])
-        for (stage, j, k), t in self.slot_ticks(kind).items():
-            table[t, stage] = row_of((stage, j, k))
-        return table
 
     @property
     def rows(self) -> dict[str, np.ndarray]:
@@ -452,60 +309,3 @@ class Schedule:
         }
 
 
-def _merge_single_ticks(runs: list) -> list:
-    """Runs with a run of one tick folded into the next where that one has all its slot kinds and the same head.
-
-    A one-tick scan is unrolled by XLA, its conds and their operand tables
-    traced once more (zb-h1's tick with F and B before the first W, at p = 2:
-    5.3 KB of XLA:CPU's pointer tables over 1f1b's temp); in the next run the
-    kinds it lacks idle under their conds on that tick.
-    """
-    out = []
-    for run in reversed(runs):
-        n, kinds, head = run
-        if n == 1 and out and out[-1][2] == head and set(kinds) <= set(out[-1][1]):
-            out[-1] = (out[-1][0] + 1, *out[-1][1:])
-        else:
-            out.append(run)
-    return out[::-1]
-
-
-# -- table generators (explicit backward) --------------------------------------------------------------
-
-
-def _steps(ticks: int, stages: int, m: int, first) -> np.ndarray:
-    """[ticks, stages]: microbatch t - first[i] on stage i, EMPTY outside 0..m-1."""
-    j = np.arange(ticks)[:, None] - np.asarray(first)[None, :]
-    return np.where((j >= 0) & (j < m), j, EMPTY)
-
-
-def _round_robin(ticks: int, p: int, m: int, v: int, first, reverse: bool):
-    """(microbatch, chunk) tables of slot u = t - first[i]: u = g*v*p + c*p + s runs g*p + s on chunk c.
-
-    reverse: chunk v - 1 - c (the backward walks the ring the other way).
-    """
-    u = np.arange(ticks)[:, None] - np.asarray(first)[None, :]
-    g, c, s = u // (v * p), (u // p) % v, u % p
-    j = g * p + s
-    valid = (u >= 0) & (j < m)
-    k = v - 1 - c if reverse else c
-    return np.where(valid, j, EMPTY), np.where(valid, k, 0)
-
-
-def _interleaved(p: int, m: int, v: int):
-    """F of (j, chunk k) on stage i at i + u; its fused backward mirrored, from the tick of the last F (v = 1: 1f1b)."""
-    ticks, i = v * m + v * p + p - 2, np.arange(p)
-    f, fk = _round_robin(ticks, p, m, v, i, reverse=False)
-    b, bk = _round_robin(ticks, p, m, v, (v - 1) * p + 2 * p - 2 - i, reverse=True)
-    return {"F": f, "BW": b}, {"F": fk, "BW": bk}
-
-
-def _zb_h1(p: int, m: int, v: int):
-    """1F1B's F and B ticks; W of j on every stage at 2p - 2 + j (stage i defers its W's by i ticks)."""
-    ticks, i = m + 2 * p - 2, np.arange(p)
-    actions = {"F": _steps(ticks, p, m, i), "B": _steps(ticks, p, m, 2 * p - 2 - i),
-               "W": _steps(ticks, p, m, np.full(p, 2 * p - 2))}
-    return actions, {k: np.zeros_like(a) for k, a in actions.items()}
-
-
-_GENERATORS = {"1f1b": _interleaved, "interleaved": _interleaved, "zb-h1": _zb_h1}

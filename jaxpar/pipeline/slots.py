@@ -5,7 +5,7 @@ activations in, the ring, kept cotangents, the gradient and loss sums) and
 its slot's entries of the tick table `s` (microbatch "j", chunk "k", ring
 "row", kept cotangent's row "saved"). A slot runs under `ctx.per_slot`: a
 `lax.cond` that idles in a bubble, or masked on a stage whose layers permute.
-The tick (`jaxpar.pipeline.tick`) calls them in `jaxpar.pipeline.schedule.ORDER`.
+The tick (`jaxpar.pipeline.tick`) calls them in `jaxpar.pipeline.slot_places.ORDER`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The executor of an action table (1f1b, interleaved, zb-h1): one scan per run of ticks, loss and all gradients.
 
-A tick runs the slots its run has, in `jaxpar.pipeline.schedule.ORDER`, each on
+A tick runs the slots its run has, in `jaxpar.pipeline.slot_places.ORDER`, each on
 its chunk for the microbatch the stage's table gives (EMPTY: idle): F
 (forward; its VJP residuals go into the ring row the table gives), the loss
 head on the last stage's output of the last chunk, B or BW (backward from
@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.pipeline.pipe_axis import AXIS, accumulator, sum_over_stages, varying
-from jaxpar.pipeline.schedule import EMPTY, ORDER, Schedule
+from jaxpar.pipeline.schedule import EMPTY, Schedule
+from jaxpar.pipeline.slot_places import ORDER
 from jaxpar.pipeline.stage_context import StageContext
 from jaxpar.pipeline.stages import Stages
 from jaxpar.pipeline.tick import masked_tick_of, tick_of

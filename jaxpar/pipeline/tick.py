@@ -19,7 +19,8 @@ from jaxpar.parallel import bits
 from jaxpar.parallel.constrain import varying_axes
 from jaxpar.pipeline.pipe_axis import AXIS, add, add_at, varying
 from jaxpar.pipeline.residual_ring import after, read_token
-from jaxpar.pipeline.schedule import EMPTY, ORDER
+from jaxpar.pipeline.schedule import EMPTY
+from jaxpar.pipeline.slot_places import ORDER
 from jaxpar.pipeline.slots import (
     backward_slot,
     forward_slot,
@@ -33,7 +34,7 @@ from jaxpar.pipeline.slots import (
 )
 from jaxpar.pipeline.stage_context import StageContext, masker
 
-# A slot kind with two places in the tick (`jaxpar.pipeline.schedule.ORDER`) runs its `lax.cond` under this scope,
+# A slot kind with two places in the tick (`jaxpar.pipeline.slot_places.ORDER`) runs its `lax.cond` under this scope,
 # "{kind}" filled in: a stage runs one of them per tick, so `inspect.matmul_flops` counts one.
 PLACE_SCOPE = "pipeline_{kind}_slot"
 

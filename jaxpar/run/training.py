@@ -29,7 +29,8 @@ from jaxpar.run.packed import packing_of
 from jaxpar.train import data as data_lib
 from jaxpar.train.epochs import EpochBatches, TokenWindows, check_same_order, data_order
 from jaxpar.train.mixture import MixtureBatches
-from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint, differences, run_config
+from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
+from jaxpar.train.run_config import differences, run_config
 from jaxpar.train.distributed import is_leader
 from jaxpar.train.prefetch import prefetched
 from jaxpar.train.sources import parse_sources

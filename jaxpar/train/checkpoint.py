@@ -25,11 +25,8 @@ fails it, or whose files cannot be read, raises `CorruptCheckpoint`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,12 +35,12 @@ import optax
 import orbax.checkpoint as ocp
 
 from jaxpar.core.plan import Plan
-from jaxpar.models.llama import LlamaConfig
 from jaxpar.parallel import offload
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
 from jaxpar.train.checksums import checksums, listing, mismatches
 from jaxpar.train.orbax_noise import quiet_orbax
+from jaxpar.train.run_config import model_changes
 from jaxpar.train.state import ModelDef, TrainState, abstract_state
 
 FORMAT = "jaxpar-checkpoint/1"
@@ -78,36 +75,6 @@ def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
         (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)),
         (np.ndarray, ocp.type_handlers.NumpyHandler()),
     )
-
-
-def run_config(train: Any, model_config: Any, plan: Plan) -> dict:
-    """The config saved with every checkpoint, as JSON-ready values: model, mesh, plan and train."""
-    options = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "mesh"}
-    config = {
-        "model": {"name": train.model, "config": dataclasses.asdict(model_config)},
-        "mesh": plan.shape,
-        "plan": options,
-        "train": dataclasses.asdict(train),
-    }
-    return json.loads(json.dumps(config))
-
-
-def differences(saved: dict, current: dict) -> list[str]:
-    """`key: saved -> current` for every top-level key whose value differs."""
-    keys = sorted(set(saved) | set(current))
-    missing = "(absent)"
-    return [f"{k}: {saved.get(k, missing)} -> {current.get(k, missing)}"
-            for k in keys if saved.get(k) != current.get(k)]
-
-
-def _with_later_options_off(saved: dict, current: dict) -> dict:
-    """`saved` with the model options a later jaxpar added (absent there) read as off (False, None or the Llama's
-    default, e.g. mlp_activation="silu"), as the model that wrote it ran: a checkpoint from before, say,
-    `qkv_bias` existed is the same model, not another."""
-    off = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
-    later = {k: v for k, v in current.items()
-             if k not in saved and (v in (False, None) or (k in off and v == off[k]))}
-    return {**saved, **later}
 
 
 def _where_they_lie(convert, state: TrainState, compiled: dict) -> TrainState:
@@ -192,10 +159,7 @@ class Checkpoints:
             return
         if saved is None:
             return
-        changed = differences(_with_later_options_off(saved["model"]["config"], config["model"]["config"]),
-                              config["model"]["config"])
-        if saved["model"]["name"] != config["model"]["name"]:
-            changed.insert(0, f"name: {saved['model']['name']} -> {config['model']['name']}")
+        changed = model_changes(saved["model"], config["model"])
         if changed:
             raise ValueError(
                 f"{self.directory} holds checkpoints of another model (step {step}); refusing to "

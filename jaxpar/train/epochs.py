@@ -29,7 +29,7 @@ from typing import Protocol
 import numpy as np
 from grain.python import IndexSampler, NoSharding
 
-from jaxpar.train.checkpoint import differences
+from jaxpar.train.run_config import differences
 from jaxpar.train.data import check_batch_vocab
 
 TOKEN_FIELDS = ("inputs", "targets")  # int32 token ids, checked against the vocabulary per batch
