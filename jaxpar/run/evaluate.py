@@ -97,8 +97,10 @@ class MixtureEvaluator:
     """Held-out figures of each source of a mixture (`eval_loss/<source>`, ...) and `eval_loss`, the sources'
     losses weighted by the mixture's weights: the loss of the data the run trains on, in the shares it trains on it."""
 
-    def __init__(self, model_def, plan, held: list[HeldOut], seq_len: int, batch_size: int):
-        self.held = [(h.name, h.weight / sum(x.weight for x in held), h.windows(seq_len, batch_size)) for h in held]
+    def __init__(self, model_def, plan, held: list[HeldOut], seq_len: int, batch_size: int,
+                 max_batches: int = MAX_BATCHES):
+        total = sum(h.weight for h in held)
+        self.held = [(h.name, h.weight / total, h.windows(seq_len, batch_size, max_batches)) for h in held]
         self.evaluator = Evaluator(model_def, plan, self.held[0][2], batch_size)
 
     def __call__(self, params) -> dict[str, float]:
@@ -141,6 +143,6 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     plan.check_batch(batch_size)
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
-    evaluator = (MixtureEvaluator(model, plan, held, seq_len, batch_size) if mixture
+    evaluator = (MixtureEvaluator(model, plan, held, seq_len, batch_size, max_batches) if mixture
                  else Evaluator(model, plan, windows, batch_size))
     return {"path": str(path), **evaluator(params)}
