@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.run.holdout import (MAX_BATCHES, HeldOut, eval_documents, eval_windows, held_out_streams, split_documents,
+from jaxpar.run.holdout import (MAX_BATCHES, HeldOut, held_out_batches, held_out_streams, split_documents,
                                 split_tokens)
 
 
@@ -134,15 +134,13 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     if mixture:
         held = mixture_held_out(data, tokenizer, cfg.vocab, packing, seq_len, batch_size)
     elif packing == "documents":
-        _, documents = split_documents(documents_of(data, tokenizer, cfg.vocab), source=data)
-        windows = eval_documents(documents, seq_len, batch_size, max_batches)
+        _, held = split_documents(documents_of(data, tokenizer, cfg.vocab), source=data)
     else:
         tokens, document_starts = training_source(data, tokenizer, cfg.vocab)
-        _, heldout = split_tokens(tokens, document_starts=document_starts, source=data)
-        windows = eval_windows(heldout, seq_len, batch_size, max_batches)
+        _, held = split_tokens(tokens, document_starts=document_starts, source=data)
     plan.check_batch(batch_size)
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
     evaluator = (MixtureEvaluator(model, plan, held, seq_len, batch_size, max_batches) if mixture
-                 else Evaluator(model, plan, windows, batch_size))
+                 else Evaluator(model, plan, held_out_batches(held, seq_len, batch_size, max_batches), batch_size))
     return {"path": str(path), **evaluator(params)}

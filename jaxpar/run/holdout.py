@@ -95,9 +95,14 @@ class HeldOut:
     data: Any  # np.ndarray of tokens, or a DocumentSource
 
     def windows(self, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
-        if isinstance(self.data, np.ndarray):
-            return eval_windows(self.data, seq_len, batch_size, max_batches)
-        return eval_documents(self.data, seq_len, batch_size, max_batches)
+        return held_out_batches(self.data, seq_len, batch_size, max_batches)
+
+
+def held_out_batches(held, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
+    """Held-out data as whole batches: tokens (np.ndarray) as windows, documents packed into rows."""
+    if isinstance(held, np.ndarray):
+        return eval_windows(held, seq_len, batch_size, max_batches)
+    return eval_documents(held, seq_len, batch_size, max_batches)
 
 
 def eval_documents(documents, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:

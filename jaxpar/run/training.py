@@ -139,14 +139,14 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
     token file is refused before anything compiles.
     """
     heldout, vocab = None, mcfg.vocab
+    if config.eval_every:
+        from jaxpar.run.evaluate import check_evaluable
+
+        check_evaluable(name, mcfg)
     if streams is None and config.data is not None and len(parse_sources(config.data)) > 1:  # a packed mixture
         from jaxpar.run.packed import packed_mixture
 
         _refuse_epochs_for_mixture(config)
-        if config.eval_every:
-            from jaxpar.run.evaluate import check_evaluable
-
-            check_evaluable(name, mcfg)
         batches, heldout = packed_mixture(config.data, config.tokenizer, vocab, config.text_field, config.batch_size,
                                           config.seq_len, config.seed, holdout=bool(config.eval_every))
     elif streams is None:  # --packing documents
@@ -154,29 +154,23 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
 
         documents = documents_of(config.data, config.tokenizer, vocab, config.text_field)
         if config.eval_every:
-            from jaxpar.run.evaluate import check_evaluable
             from jaxpar.run.holdout import split_documents
 
-            check_evaluable(name, mcfg)
             documents, heldout = split_documents(documents, source=config.data)
         batches = packed_batches(documents, config.batch_size, config.seq_len, config.seed, vocab, config.data)
     elif len(streams) > 1:
         _refuse_epochs_for_mixture(config)
         names, tokens, weights, _ = zip(*streams)
         if config.eval_every:
-            from jaxpar.run.evaluate import check_evaluable
             from jaxpar.run.holdout import held_out_streams
 
-            check_evaluable(name, mcfg)
             tokens, heldout = held_out_streams(streams, vocab)
         batches = MixtureBatches(tuple(tokens), weights, names, config.batch_size, config.seq_len, config.seed, vocab)
     else:
         tokens, document_starts = streams[0][1], streams[0][3]
         if config.eval_every:
-            from jaxpar.run.evaluate import check_evaluable
             from jaxpar.run.holdout import split_tokens
 
-            check_evaluable(name, mcfg)
             tokens, heldout = split_tokens(tokens, document_starts=document_starts, source=config.data)
             data_lib.check_vocab(heldout, vocab, config.data)
         if config.epochs is not None:
@@ -435,17 +429,13 @@ def _evaluator(run: Run):
     """The held-out evaluation `--eval-every` asks for, or None."""
     if not run.config.eval_every:
         return None
-    from jaxpar.run.evaluate import Evaluator
-    from jaxpar.run.holdout import eval_documents, eval_windows
+    from jaxpar.run.evaluate import Evaluator, MixtureEvaluator
+    from jaxpar.run.holdout import held_out_batches
 
     held, seq_len, batch_size = run.heldout, run.config.seq_len, run.config.batch_size
     if isinstance(held, list):  # a mixture: each source's held-out data
-        from jaxpar.run.evaluate import MixtureEvaluator
-
         return MixtureEvaluator(run.model, run.plan, held, seq_len, batch_size)
-    windows = (eval_windows(held, seq_len, batch_size) if isinstance(held, np.ndarray)
-               else eval_documents(held, seq_len, batch_size))
-    return Evaluator(run.model, run.plan, windows, run.config.batch_size)
+    return Evaluator(run.model, run.plan, held_out_batches(held, seq_len, batch_size), batch_size)
 
 
 class _Outputs:
