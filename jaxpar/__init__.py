@@ -9,6 +9,7 @@ if not (_root / "jaxpar" / "models").exists() and (_root / "models" / "__init__.
     __path__.append(str(_root))
 del _Path, _root
 
+from jaxpar.core import gpu_profile
 from jaxpar.core.mesh import AXES, MeshSpec, make_mesh, parse_mesh
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import DEFAULT_RULES, LogicalArray
@@ -48,7 +49,7 @@ from jaxpar.train.step import make_train_step
 __all__ = [
     "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",
     "TrainState", "active_plan", "causal_attention", "column_parallel", "constrain", "describe", "embedding_lookup",
-    "enter_tensor_region", "init_state", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss",
+    "enter_tensor_region", "gpu_profile", "init_state", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss",
     "pipelined_loss", "place_state", "row_parallel", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
     "to_natural_order", "to_pipeline_order", "vocab_parallel_cross_entropy",
 ]

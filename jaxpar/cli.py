@@ -55,6 +55,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with [model], [train], [mesh] and [plan] tables; flags override it")
     parser.add_argument("--mesh", help="axis sizes (data=4,tensor=2; one may be -1), a .toml file, or a preset name in meshes/")
     parser.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose when no accelerator is used (default 8)")
+    parser.add_argument("--gpu-flags", default="auto", choices=("auto", "none"),
+                        help="auto: on NVIDIA GPUs, set the XLA flags that overlap communication with compute "
+                             "(jaxpar.gpu_profile; a flag your XLA_FLAGS sets keeps your value); none: leave XLA_FLAGS as it is")
     for name, (kind, text) in TRAIN_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
     plan = parser.add_argument_group("plan", "how the step is laid out on the mesh")
@@ -350,10 +353,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         return _export(args)
     _set_host_devices(args.devices)
+    from jaxpar.core import gpu_profile
+
+    gpu_flags = gpu_profile.apply(args.gpu_flags)
     from rich.console import Console
     from rich.markup import escape
 
     console = Console(stderr=args.command == "inspect" and args.json)
+    if gpu_flags:
+        console.print("[bold]GPU profile[/] XLA flags " + " ".join(f"--{k}={v}" for k, v in gpu_flags.items()))
     try:
         from jaxpar.train import distributed
         from jaxpar.train.launcher import RANK_OUTPUT_ENV

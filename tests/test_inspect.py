@@ -64,7 +64,8 @@ def test_ring_formulas():
 
 @pytest.mark.parametrize("layers", [2, 8])
 def test_matmul_flops_count_every_layer_of_the_scan(layers):
-    """XLA's cost analysis counts the layer scan's body once; matmul_flops counts it per layer: 6 N + attention per token."""
+    """XLA's cost analysis counts the layer scan's body once; matmul_flops counts it per layer: 6 N + attention per
+    token, and flash attention's recomputed scores."""
     import jax
     import optax
     from flax import nnx
@@ -77,13 +78,22 @@ def test_matmul_flops_count_every_layer_of_the_scan(layers):
     from jaxpar.train.step import make_train_step
 
     config = model_config("tiny", {"n_layers": layers, "seq_len": 32})
-    plan = Plan.create("data=1", devices=jax.devices()[:1])
     model = describe(lambda: Llama(config, nnx.Rngs(0)))
     optimizer = optax.sgd(0.1)
     batch = {k: jax.ShapeDtypeStruct((4, 32), np.int32) for k in ("inputs", "targets")}
-    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(
-        abstract_state(model, optimizer, plan), batch).compile()
-    assert inspect.matmul_flops(compiled) == pytest.approx(mfu.model_flops_per_step("tiny", config, 4, 32), rel=0.01)
+    model_flops = mfu.model_flops_per_step("tiny", config, 4, 32)
+    # Flash attention's backward recomputes q . k (one block pair here): 2 s^2 h hd more per sequence and layer.
+    recomputed = 4 * layers * 2 * 32 * 32 * config.n_heads * config.head_dim
+    for attention, expected in (("xla", model_flops), ("flash", model_flops + recomputed)):
+        plan = Plan.create("data=1", devices=jax.devices()[:1], attention=attention)
+        compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(
+            abstract_state(model, optimizer, plan), batch).compile()
+        assert inspect.matmul_flops(compiled) == pytest.approx(expected, rel=0.01), attention
+
+
+# The ring's bytes against the model's residuals, with the plain softmax: under flash attention (no scores among
+# the residuals) the ring exceeds the residual count by the rotary tables, which XLA keeps twice per row.
+RING_TESTS_ATTENTION = "xla"
 
 
 def ring_set_bytes(config, layers: int) -> tuple[int, int]:
@@ -95,6 +105,7 @@ def ring_set_bytes(config, layers: int) -> tuple[int, int]:
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxpar.core.plan import Plan
     from jaxpar.models.llama import Llama, run_layers
     from jaxpar.train.state import describe
 
@@ -106,7 +117,9 @@ def ring_set_bytes(config, layers: int) -> tuple[int, int]:
         return [r for r in jax.tree.leaves(jax.vjp(functools.partial(run_layers, cfg=config), q, x)[1])
                 if id(r) not in own]
 
-    leaves = jax.eval_shape(residuals, blocks, jax.ShapeDtypeStruct((1, config.seq_len, config.d_model), jnp.float32))
+    with Plan.create("data=1", devices=jax.devices()[:1], attention=RING_TESTS_ATTENTION).activate():
+        leaves = jax.eval_shape(residuals, blocks, jax.ShapeDtypeStruct((1, config.seq_len, config.d_model),
+                                                                        jnp.float32))
     nbytes = [math.prod(r.shape) * r.dtype.itemsize for r in leaves]
     return sum(n for n, r in zip(nbytes, leaves) if r.shape[:1] == (layers,)), sum(nbytes)
 
@@ -122,7 +135,8 @@ def compiled_pipeline_figures(config, mesh: str, schedule: str, m: int, batch: i
     from jaxpar.train.step import make_train_step
 
     model, optimizer = describe(lambda: Llama(config, nnx.Rngs(0))), optax.adamw(1e-3)
-    plan = Plan.create(mesh, schedule=schedule, microbatches=m, virtual_stages=v, **devices)
+    plan = Plan.create(mesh, schedule=schedule, microbatches=m, virtual_stages=v, attention=RING_TESTS_ATTENTION,
+                       **devices)
     spec = {k: jax.ShapeDtypeStruct((batch, config.seq_len), np.int32) for k in ("inputs", "targets")}
     compiled = make_train_step(model, lambda mod, b: mod(b), optimizer, plan).lower(
         abstract_state(model, optimizer, plan), spec).compile()

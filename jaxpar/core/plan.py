@@ -54,6 +54,8 @@ class Plan:
     precision: fp32, bf16 / fp16 compute with fp32 master weights, or bf16-params.
     tensor_form: Megatron layers as sharding annotations or as explicit shard_map (jaxpar.parallel.tensor).
     context_form: how context-parallel attention gets its keys and values: all-gather or ring (jaxpar.parallel.attention).
+    attention, attention_blocks: which implementation causal attention runs (jaxpar.parallel.attention_kernels) and
+        flash attention's block lengths.
     schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.pipeline.schedule);
         microbatches=0 means one per pipeline stage (`pipeline_microbatches`).
     offload: `optimizer` keeps the optimizer state (and any fp32 master copy) in
@@ -83,6 +85,13 @@ class Plan:
         metadata={"help": "context-parallel attention: all-gather (K/V gathered over context) or ring (K/V passed "
                           "around the context ranks with ppermute, online softmax)"},
     )
+    attention: str = dataclasses.field(
+        default="auto", metadata={"help": "attention implementation: auto (cudnn where it applies, else flash), xla "
+                                          "(plain masked softmax), flash (blockwise, in XLA) or cudnn"},
+    )
+    attention_blocks: str = dataclasses.field(
+        default="", metadata={"help": "flash attention's query,key block lengths, e.g. 512,1024 (empty: the backend's)"},
+    )
     schedule: str = dataclasses.field(
         default="1f1b", metadata={"help": "pipeline schedule over pipe: gpipe, 1f1b, interleaved or zb-h1"}
     )
@@ -107,6 +116,7 @@ class Plan:
             raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
         options.check_choice("tensor_form", self.tensor_form)
         options.check_choice("context_form", self.context_form)
+        options.check_choice("attention", self.attention)
         if not isinstance(self.rules, Mapping) or "batch" not in self.rules:
             raise ValueError(f"rules must be a mapping with a 'batch' rule (Plan.create converts pairs), got {self.rules!r}")
         for name, rule in self.rules.items():

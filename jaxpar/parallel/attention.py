@@ -20,8 +20,10 @@ Two forms, `Plan.context_form`, give the same numbers:
   half visible, so the ring multiplies only those halves (half the pairs of
   the all-gather form, which masks whole blocks).
 Either is a custom VJP whose forward and backward are each one `jax.shard_map`
-over `context`; the backward recomputes the forward, as flash attention does,
-so no [queries, keys] score matrix outlives its layer.
+over `context`; both attend with flash attention (`jaxpar.parallel.attention_flash`)
+on their local blocks, so no [queries, keys] score matrix outlives one block pair.
+Outside context parallelism the plan's `attention` picks flash attention, a fused
+kernel or the plain masked softmax (`jaxpar.parallel.attention_kernels`).
 
 Every form takes the same options (`jaxpar.parallel.attention_math.Scoring`:
 a sliding window, a logit soft cap, a query scale) and keeps attention inside
@@ -40,7 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import options, trace, usage
 from jaxpar.core.trace import active_plan
+from jaxpar.parallel import attention_kernels as kernels
 from jaxpar.parallel import attention_ring, bits, documents
+from jaxpar.parallel.attention_flash import Blocks, flash_attention
 from jaxpar.parallel.attention_math import Scoring, attend
 from jaxpar.parallel.constrain import rule_axes, varying_axes
 
@@ -133,7 +137,8 @@ def _check_rows(name: str, field: jax.Array, seq: int, batch: int | None = None)
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
                      softcap: float | None = None, scale: float | None = None) -> jax.Array:
-    """Causal grouped-query attention: q [batch, seq, heads, head_dim], k and v [batch, seq, kv_heads, head_dim].
+    """Causal grouped-query attention: q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim],
+    v [batch, seq, kv_heads, value_dim] (value_dim may differ from head_dim).
 
     Query head h reads key/value head h // (heads / kv_heads). `window` None (every earlier key) or
     W: query i sees key j iff j <= i and i - j < W, by sequence index (Mistral's sliding window);
@@ -142,23 +147,32 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     (`jaxpar.parallel.documents` segment ids) a query sees only keys of its own document, and a
     padding query (segment 0) none: its output is 0.
 
-    The sequence is in the order `positions` gives; under context > 1 it is split over `context`
-    and the plan's `context_form` gathers the keys and values.
+    The plan's `attention` picks the implementation (`jaxpar.parallel.attention_kernels`: flash
+    attention unless a fused kernel applies). The sequence is in the order `positions` gives; under
+    context > 1 it is split over `context` and the plan's `context_form` gathers the keys and values.
     """
     scoring = Scoring(window, softcap, scale)
     segments = documents.get("segment_ids")
     if segments is not None:
         _check_rows("segment_ids", segments, q.shape[1], q.shape[0])
     ways = context_ways()
+    call = kernels.Call(q.dtype, q.shape[-1], v.shape[-1], segments is not None, scoring, ways)
+    implementation = kernels.chosen(call)
+    blocks = kernels.blocks() if implementation == "flash" else Blocks(q.shape[1], q.shape[1])
     if ways == 1:
-        pos = jnp.arange(q.shape[1])
-        return attend(q, k, v, pos, pos, scoring, segments, segments)
+        if implementation == "cudnn":
+            return kernels.cudnn(q, k, v, scoring)
+        pos = np.arange(q.shape[1])
+        if implementation == "xla":
+            return attend(q, k, v, jnp.asarray(pos), jnp.asarray(pos), scoring, segments, segments)
+        return flash_attention(q, k, v, pos, pos, scoring, segments, segments, blocks)[0]
     usage.mark(usage.CONTEXT_ATTENTION)
     check_sequence(q.shape[1], ways)
     if active_plan().context_form == "ring":
-        local = functools.partial(attention_ring.ring, ways=ways, axis=AXIS, scoring=scoring)
+        local = functools.partial(attention_ring.ring, ways=ways, axis=AXIS, scoring=scoring, blocks=blocks)
     else:
-        local = functools.partial(_gathered, ways=ways, scoring=scoring)
+        local = functools.partial(_gathered, ways=ways, scoring=scoring,
+                                  blocks=None if implementation == "xla" else blocks)
     segments = None if segments is None else _in_context_order(segments)
     return _context_parallel(local, q, k, v, _head_axes(q, k), segments)
 
@@ -175,14 +189,17 @@ def _head_axes(q, k) -> tuple[str, ...]:
     return axes if q.shape[2] % ways == 0 and k.shape[2] % ways == 0 else ()
 
 
-def _gathered(q, k, v, segments=None, *, ways: int, scoring: Scoring):
-    """All-gather form on one rank's shard: every key and value gathered, then plain masked attention."""
+def _gathered(q, k, v, segments=None, *, ways: int, scoring: Scoring, blocks: Blocks | None):
+    """All-gather form on one rank's shard: every key and value gathered, then flash attention over them
+    (`blocks` None: plain masked attention, attention=xla)."""
     chunk = q.shape[1] // 2
     k_all, v_all = (bits.all_gather(x, AXIS, axis=1) for x in (k, v))
-    k_pos = jnp.asarray(balanced_order(2 * chunk * ways, ways))
+    k_pos = balanced_order(2 * chunk * ways, ways)
     k_seg = None if segments is None else jax.lax.all_gather(segments, AXIS, axis=1, tiled=True)
     q_pos = attention_ring.rank_positions(jax.lax.axis_index(AXIS), ways, chunk)
-    return attend(q, k_all, v_all, q_pos, k_pos, scoring, segments, k_seg)
+    if blocks is None:
+        return attend(q, k_all, v_all, q_pos, jnp.asarray(k_pos), scoring, segments, k_seg)
+    return flash_attention(q, k_all, v_all, q_pos, k_pos, scoring, segments, k_seg, blocks)[0]
 
 
 def _context_parallel(local, q, k, v, head_axes: tuple[str, ...], segments=None):

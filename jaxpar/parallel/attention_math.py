@@ -2,11 +2,10 @@
 
 What decides which key a query sees and how a score is formed is one small
 value, `Scoring` (the sliding window, the logit soft cap, the scale); the
-document segment ids are arrays beside it. The plain and all-gather forms
-call `attend`; the ring form folds key blocks into an online softmax
-(`fold`) one at a time. Masked entries carry fp32's minimum as their score
-and, wherever a query row may see no key at all (padding of packed
-documents, a block the window hides from part of its rows), an exact zero
+document segment ids are arrays beside it. `attend` is the textbook form
+(attention=xla, and the reference the blockwise `jaxpar.parallel.attention_flash`
+is held to). Masked entries carry fp32's minimum as their score and, wherever
+a query row may see no key at all (padding of packed documents), an exact zero
 weight: exp(min - peak) is 1, not 0, when the row's peak is that minimum too.
 """
 
@@ -98,43 +97,4 @@ def attend(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=None):
 
 def weighted(weights, v, q_shape):
     """Weights [b, kv_heads, group, q, s] times values [b, s, kv_heads, head_dim], as [b, q, heads, head_dim]."""
-    return jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(q_shape)
-
-
-def values(weights, v):
-    """Softmax weights [b, kv_heads, group, q, s] times values [b, s, kv_heads, head_dim], in fp32."""
-    return jnp.einsum("bngqs,bsnk->bngqk", weights.astype(v.dtype), v).astype(jnp.float32)
-
-
-def start(scores, v, mask=None):
-    """The online-softmax state (running peak, weight total, weighted values) of a first block of keys.
-
-    `mask` (None: every row sees a key of this block) zeroes the weights of masked entries.
-    """
-    peak = jnp.max(scores, axis=-1)
-    weights = jnp.exp(scores - peak[..., None])
-    if mask is not None:
-        weights = jnp.where(mask, weights, 0.0)
-    return peak, jnp.sum(weights, axis=-1), values(weights, v)
-
-
-def fold(state, scores, v, mask=None):
-    """The online-softmax state with one more block of keys (`mask` as in `start`)."""
-    peak, total, acc = state
-    new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
-    weights, fade = jnp.exp(scores - new_peak[..., None]), jnp.exp(peak - new_peak)
-    if mask is not None:
-        weights = jnp.where(mask, weights, 0.0)
-    return new_peak, total * fade + jnp.sum(weights, axis=-1), acc * fade[..., None] + values(weights, v)
-
-
-def finish(state, dtype, guarded: bool):
-    """The attention output [b, kv_heads, group, q, head_dim] of a folded state.
-
-    `guarded`: some row may have seen no key (total 0, acc 0): its output is 0, and no 0/0 reaches
-    the gradient either.
-    """
-    _, total, acc = state
-    if guarded:
-        total = jnp.where(total > 0, total, 1.0)
-    return (acc / total[..., None]).astype(dtype)
+    return jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(q_shape[:3] + v.shape[-1:])

@@ -16,11 +16,12 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     """Values one block keeps per token for its backward pass (Korthikanti et al. 2022, Table 2 adapted).
 
     none: a Llama block without dropout keeps the two norms' inputs and outputs
-    (4 d), Q, K, V (h hd + 2 kv hd), the softmax probabilities (h s), the
-    attention output entering the projection (h hd) and the MLP's gate, up and
-    their product (3 f). dots (ZeRO-3's policy): every matmul output: Q, K, V,
-    the scores, the attention output, both projections' outputs (2 d) and gate
-    and up. selective: the weight matmuls' outputs: Q, K, V, gate, up and the
+    (4 d), Q, K, V (h hd + 2 kv hd), the softmax probabilities (h s, only where
+    the plain softmax keeps them: `scores_kept`), the attention output entering
+    the projection (h hd) and the MLP's gate, up and their product (3 f). dots
+    (ZeRO-3's policy): every matmul output: Q, K, V, the scores and the
+    attention output (the plain softmax's: flash attention's are no matmul's,
+    and recomputed), both projections' outputs (2 d) and gate and up. selective: the weight matmuls' outputs: Q, K, V, gate, up and the
     two row-parallel outputs (2 d). full: the block input (d). Tensor
     parallelism splits all but the d-sized values by t; sequence parallelism
     those too.
@@ -43,11 +44,13 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
         return d / d_split
     if policy == "selective":
         return qkv + 2 * f / t + 2 * d / d_split if split else 2 * f
+    keys = scores_kept(layout, seq)
     if policy == "dots":
-        return qkv + h * seq / t + h * hd / t + 2 * f / t + 2 * d / d_split
+        attention_out = h * hd / t if keys else 0  # flash attention's output is no matmul's: recomputed
+        return qkv + h * keys / t + attention_out + 2 * f / t + 2 * d / d_split
     if split:
-        return 2 * h * seq / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t
-    return 4 * d / d_split + qkv + h * seq / t + h * hd / t + 3 * f / t
+        return 2 * h * keys / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t
+    return 4 * d / d_split + qkv + h * keys / t + h * hd / t + 3 * f / t
 
 
 def moe_mlp_values_per_token(model: Model, layout: Layout, seq: int) -> float:
@@ -60,9 +63,11 @@ def moe_mlp_values_per_token(model: Model, layout: Layout, seq: int) -> float:
 
 
 def scores_kept(layout: Layout, seq: int) -> int:
-    """Keys per query whose scores a block keeps for its backward pass: none under context parallelism,
-    whose attention is a custom VJP that saves q, k and v and recomputes the rest (jaxpar.parallel.attention)."""
-    return seq if layout.context == 1 else 0
+    """Keys per query whose scores a block keeps for its backward pass: the whole sequence for the plain
+    masked softmax (attention=xla, outside context parallelism); none for flash attention and the fused
+    kernels, which save q, k, v, the output and a log-sum-exp and recompute the rest
+    (jaxpar.parallel.attention_flash), nor under context parallelism, whose forms use it."""
+    return seq if layout.context == 1 and layout.attention == "xla" else 0
 
 
 def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
@@ -79,7 +84,7 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
     t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
     h, kv, hd, f, d = model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.d_model
     if layout.pipe > 1 and remat_policy(layout) == "none":
-        return (2 * h * seq + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
+        return (2 * h * scores_kept(layout, seq) + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
     values = activation_values_per_token(model, layout, seq)
     if model.n_experts and remat_policy(layout) != "full":
         share = model.moe_layers / model.n_layers
@@ -95,7 +100,7 @@ def activation_bytes(model: Model, layout: Layout, work: Workload, value_bytes: 
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     layers = model.n_layers / (layout.pipe * layout.virtual_stages)
     sets = in_flight(layout)
-    kept = value_bytes * b * s * block_values_per_token(model, layout, scores_kept(layout, work.seq_len)) * layers * sets
+    kept = value_bytes * b * s * block_values_per_token(model, layout, work.seq_len) * layers * sets
     if layout.pipe > 1 and not explicit_backward(layout):
         kept += stage_weights * schedule_ticks(layout)
     elif layout.pipe > 1 and layout.zero == 2 and layout.data > 1:

@@ -42,6 +42,7 @@ class Layout:
     tensor_form: str = "annotation"
     context: int = 1  # context parallelism: the sequence split over `context` (jaxpar.parallel.attention)
     context_form: str = "all-gather"
+    attention: str = "auto"  # jaxpar.parallel.attention_kernels: only xla keeps [seq, seq] scores
     offload: str = "none"  # "optimizer": the optimizer state (and fp32 master) in host memory (jaxpar.parallel.offload)
     replica: int = 1  # HSDP: replicas of the ZeRO group over `data` (jaxpar.core.plan zero_axes = data)
 
@@ -51,7 +52,7 @@ class Layout:
                 raise ValueError(f"mesh axis {axis} must be >= 1, got {getattr(self, axis)}")
         choices = {"zero": (0, 1, 2, 3), "schedule": SCHEDULES, "remat": REMATS, "precision": PRECISIONS,
                    "tensor_form": ("annotation", "explicit"), "context_form": ("all-gather", "ring"),
-                   "offload": ("none", "optimizer")}
+                   "attention": ("auto", "xla", "flash", "cudnn"), "offload": ("none", "optimizer")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -76,7 +77,7 @@ class Layout:
         """The `jaxpar.core.plan.Plan` options of this layout (defaults left out)."""
         default = Layout()
         names = ("zero", "schedule", "microbatches", "virtual_stages", "grad_accum", "remat", "precision",
-                 "sequence_parallel", "tensor_form", "context_form", "offload")
+                 "sequence_parallel", "tensor_form", "context_form", "attention", "offload")
         out = {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
         if self.context == 1:
             out.pop("context_form", None)

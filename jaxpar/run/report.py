@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from jaxpar.core import zero_layout
+from jaxpar.parallel import attention_kernels
 from jaxpar.planner import inspect as inspect_lib
 from jaxpar.run.training import (
     Run,
@@ -132,6 +133,8 @@ def train_with_progress(run: Run, console: Console) -> int:
                                  mfu=mfu_text(run, None), epoch=epochs(start))
         try:
             for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
+                if not losses:  # the step is traced now: say what the attention got
+                    progress.console.print(f"[bold]attention[/] {escape('; '.join(attention_kernels.choices(run.step_fn.used)))}")
                 losses.append(row["loss"])
                 times.append(row["step_time_s"])
                 progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],
@@ -167,7 +170,8 @@ def inspection(run: Run) -> dict:
     batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=run.batch_sharding) for k in ("inputs", "targets")}
     compiled = run.step_fn.lower(state, batch).compile()
     summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
-    return {"model": run.config.model, "params": run.model.param_count(), **summary}
+    return {"model": run.config.model, "params": run.model.param_count(),
+            "attention": attention_kernels.choices(run.step_fn.used), **summary}
 
 
 def print_inspection(run: Run, console: Console, as_json: bool) -> int:
@@ -189,6 +193,7 @@ def print_inspection(run: Run, console: Console, as_json: bool) -> int:
     memory.add_row(*(_bytes(report["memory"][k]) for k in ("arguments", "outputs", "temp", "total")))
     console.print(memory)
     console.print(f"[bold]FLOPs per device per step[/] {report['flops']:.4g}")
+    console.print(f"[bold]attention[/] {escape('; '.join(report['attention']))}")
     if pipe := report.get("pipeline"):
         ring = "" if pipe["peak_residual_bytes"] is None else (
             f", residual ring {pipe['ring_rows']} rows, {_bytes(pipe['peak_residual_bytes'])}")

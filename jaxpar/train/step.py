@@ -46,11 +46,13 @@ class Step:
     def __init__(self, fn: Callable, plan: Plan, check_args: Callable | None = None, **jit_kwargs):
         self.plan = plan
         self._check_args = check_args
+        self.used: set[str] = set()  # what the model used when the step was last traced (jaxpar.core.usage)
 
         def traced(*args):
             with usage.explained(plan) as used:
                 out = fn(*args)
             usage.check(plan, used)
+            self.used = used
             return out
 
         self._jitted = jax.jit(traced, **jit_kwargs)

@@ -1,0 +1,105 @@
+"""Causal attention's memory and time by implementation and sequence length, on the current backend (issue 45).
+
+For each sequence length and each implementation this backend can run —
+`xla` (the textbook masked softmax, which keeps [seq, seq] scores: jaxpar's
+attention before flash), `flash` (blockwise in XLA, jaxpar.parallel.attention_flash)
+and, on NVIDIA GPUs, `cudnn` (jax.nn.dot_product_attention) — the compiled
+forward + backward's temp memory (XLA's memory analysis, no allocation) and,
+where that fits the device, the median time of a forward + backward. Shapes
+are a 1B model's attention layer (16 query heads, 8 key/value heads of 128),
+batch 1; bf16 on a GPU, fp32 on the CPU. One JSON line per (seq, implementation),
+then a summary line: flash's temp and time over xla's at each length.
+
+    python benchmarks/attention.py                        # GPU: seq 1k-32k; CPU: seq 1k-4k
+    python benchmarks/attention.py --seqs 1024,4096 --repeats 5 --blocks 512,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.parallel import attention_kernels
+from jaxpar.parallel.attention_flash import default_blocks, flash_attention
+from jaxpar.parallel.attention_math import Scoring, attend
+
+
+def implementations(dtype, head_dim: int) -> list[str]:
+    """The implementations this backend runs for a plain causal call of `dtype` (cuDNN only where auto takes it)."""
+    call = attention_kernels.Call(dtype, head_dim, head_dim, False, Scoring(), 1)
+    return ["xla", "flash"] + (["cudnn"] if attention_kernels.cudnn_refusal(call) is None else [])
+
+
+def attention_fn(name: str, seq: int, blocks):
+    pos = np.arange(seq)
+    if name == "xla":
+        return lambda q, k, v: attend(q, k, v, jnp.asarray(pos), jnp.asarray(pos), Scoring())
+    if name == "flash":
+        return lambda q, k, v: flash_attention(q, k, v, pos, pos, Scoring(), blocks=blocks)[0]
+    return lambda q, k, v: attention_kernels.cudnn(q, k, v, Scoring())
+
+
+def free_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(name: str, seq: int, args, dtype) -> dict:
+    shape_q, shape_kv = (1, seq, args.heads, args.head_dim), (1, seq, args.kv_heads, args.head_dim)
+    fn = attention_fn(name, seq, attention_kernels.parse_blocks(args.blocks) if args.blocks else default_blocks())
+    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
+    abstract = [jax.ShapeDtypeStruct(s, dtype) for s in (shape_q, shape_kv, shape_kv)]
+    start = time.perf_counter()
+    compiled = step.lower(*abstract).compile()
+    row = {"seq": seq, "implementation": name, "compile_s": round(time.perf_counter() - start, 2),
+           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "backend": jax.default_backend(),
+           "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name}
+    inputs = [jax.random.normal(key, s.shape, dtype) for key, s in zip(jax.random.split(jax.random.key(0), 3), abstract)]
+    if row["temp_bytes"] > 0.8 * free_bytes():
+        return {**row, "fwd_bwd_ms": None, "why": "its temp memory does not fit this device"}
+    jax.block_until_ready(compiled(*inputs))
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        times.append(time.perf_counter() - start)
+    return {**row, "fwd_bwd_ms": round(1e3 * statistics.median(times), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    gpu = jax.default_backend() == "gpu"
+    parser.add_argument("--seqs", default="1024,2048,4096,8192,16384,32768" if gpu else "1024,2048,4096")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5 if gpu else 2)
+    parser.add_argument("--blocks", default="", help="flash attention's Q,K block lengths (default: the backend's)")
+    args = parser.parse_args()
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    rows = []
+    for seq in (int(s) for s in args.seqs.split(",")):
+        for name in implementations(dtype, args.head_dim):
+            rows.append(measure(name, seq, args, dtype))
+            print(json.dumps(rows[-1]), flush=True)
+    by = {(r["seq"], r["implementation"]): r for r in rows}
+    summary = {}
+    for seq in sorted({r["seq"] for r in rows}):
+        xla, flash = by[(seq, "xla")], by[(seq, "flash")]
+        time_ratio = (flash["fwd_bwd_ms"] / xla["fwd_bwd_ms"]) if xla["fwd_bwd_ms"] and flash["fwd_bwd_ms"] else None
+        summary[seq] = {"flash_temp_over_xla": round(flash["temp_bytes"] / max(xla["temp_bytes"], 1), 4),
+                        "flash_time_over_xla": None if time_ratio is None else round(time_ratio, 3)}
+    print(json.dumps({"summary": summary}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Which implementation each call of causal attention gets, and why.
+
+`Plan.attention` asks for one: `auto` (the default), `xla` (the textbook masked
+softmax, which keeps [seq, seq] scores for the backward), `flash` (blockwise in
+XLA, `jaxpar.parallel.attention_flash`) or `cudnn` (NVIDIA's fused kernel
+through `jax.nn.dot_product_attention`). `auto` takes cuDNN where it can run the
+call exactly and flash attention everywhere else. A forced choice the call
+rules out is refused with the reason, while tracing, before anything compiles.
+
+cuDNN is never given what it cannot honour: packed documents' segment ids (a
+fused path that dropped them trained on the wrong loss in MaxText #4476), a
+logit soft cap, fp32, a value head dimension unlike the query's, or the
+reordered sequence of context parallelism. Each call's choice is marked in the
+trace (`jaxpar.core.usage`) so that `jaxpar inspect` and the run's header say
+what the attention got.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.core import options, usage
+from jaxpar.core.trace import active_plan
+from jaxpar.parallel.attention_flash import Blocks, default_blocks
+from jaxpar.parallel.attention_math import Scoring
+
+IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn")
+options.register_choices("attention", IMPLEMENTATIONS)
+MARK = "attention: "  # the prefix of the usage marks that record each call's choice
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+CUDNN_MAX_HEAD_DIM = 128  # the head dimensions jax.nn.dot_product_attention's cuDNN path takes: <= 128, multiple of 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What decides which implementation can run one attention call."""
+
+    dtype: jnp.dtype
+    head_dim: int
+    value_dim: int
+    segments: bool
+    scoring: Scoring
+    context_ways: int
+
+
+def cudnn_refusal(call: Call, device_kind: str | None = None) -> str | None:
+    """Why cuDNN cannot run `call` exactly on a device of `device_kind` (default: this process's), or None."""
+    device_kind = device_kind or jax.devices()[0].device_kind
+    if not device_kind.startswith("NVIDIA"):
+        return f"the device is {device_kind}: cuDNN runs on NVIDIA GPUs"
+    if call.segments:
+        return "the rows are packed documents: jax.nn.dot_product_attention's cuDNN path takes no segment ids"
+    if call.scoring.softcap is not None:
+        return "a logit soft cap: cuDNN's fused softmax has none"
+    if call.context_ways > 1:
+        return "context parallelism: each rank's queries and keys are non-contiguous chunks of the sequence"
+    if jnp.dtype(call.dtype) not in [jnp.dtype(t) for t in CUDNN_DTYPES]:
+        return f"dtype {jnp.dtype(call.dtype).name}: cuDNN flash attention runs bf16 or fp16"
+    if call.value_dim != call.head_dim:
+        return f"value head dimension {call.value_dim} differs from the query/key head dimension {call.head_dim}"
+    if call.head_dim > CUDNN_MAX_HEAD_DIM or call.head_dim % 8:
+        return f"head dimension {call.head_dim}: cuDNN takes multiples of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    return None
+
+
+def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
+    """(implementation, why) for `call` under the active plan's `attention` (auto outside a plan).
+
+    Raises ValueError when the plan forces an implementation the call or the backend rules out.
+    """
+    plan = active_plan()
+    asked = "auto" if plan is None else plan.attention
+    if asked == "xla":
+        return "xla", "asked for (attention=xla): plain masked softmax, [seq, seq] scores kept for the backward"
+    if asked == "flash":
+        return "flash", "asked for (attention=flash)"
+    refusal = cudnn_refusal(call, device_kind)
+    if asked == "cudnn":
+        if refusal:
+            raise ValueError(f"attention='cudnn' cannot run this attention: {refusal}. Use attention='auto' "
+                             f"(flash attention where cuDNN does not apply) or 'flash'")
+        return "cudnn", "asked for (attention=cudnn)"
+    if refusal is None:
+        return "cudnn", "auto: NVIDIA GPU, causal" + (" sliding-window" if call.scoring.window else "") + \
+            f" attention in {jnp.dtype(call.dtype).name}"
+    return "flash", f"auto: cuDNN does not apply ({refusal})"
+
+
+def chosen(call: Call) -> str:
+    """The implementation for `call`, its choice marked in the trace."""
+    name, why = choose(call)
+    usage.mark(f"{MARK}{name} ({why})")
+    return name
+
+
+def choices(used: set[str]) -> list[str]:
+    """Every distinct choice marked while a step was traced, e.g. ['flash (auto: cuDNN does not apply (...))']."""
+    return sorted(mark[len(MARK):] for mark in used if mark.startswith(MARK))
+
+
+def blocks() -> Blocks:
+    """Flash attention's block lengths: the plan's `attention_blocks` ("Q,K" or "N"), or the backend's."""
+    plan = active_plan()
+    text = "" if plan is None else plan.attention_blocks
+    return parse_blocks(text) if text else default_blocks()
+
+
+def parse_blocks(text: str) -> Blocks:
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) not in (1, 2) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"attention_blocks must be 'Q,K' or 'N' with positive integers (flash attention's query "
+                         f"and key block lengths), got {text!r}")
+    return Blocks(int(parts[0]), int(parts[-1]))
+
+
+@options.register_plan_check
+def _check_blocks(plan) -> None:
+    if plan.attention_blocks:
+        parse_blocks(plan.attention_blocks)
+
+
+def cudnn(q, k, v, scoring: Scoring):
+    """NVIDIA's fused causal attention; q [b, s, heads, d], k and v [b, s, kv_heads, d] (grouped-query as is)."""
+    window = None if scoring.window is None else (scoring.window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, scale=scoring.scale, is_causal=True, local_window_size=window,
+                                        implementation="cudnn")
