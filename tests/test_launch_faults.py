@@ -304,7 +304,7 @@ def test_a_rank_that_stops_stepping_is_ended_by_the_heartbeat(tmp_path, capfd):
     """Rank 1 stops beating (hung in a collective, say): reported as silent and killed within heartbeat + grace."""
     commands = [[sys.executable, "-c", BEATING, mode] for mode in ("beats", "stalls")]
     start_s = time.monotonic()
-    ranks = start(commands, [dict(os.environ)] * 2, tmp_path / "logs", heartbeat=True)
+    ranks = start(commands, [dict(os.environ)] * 2, tmp_path / "logs", tmp_path / "logs")
     code = supervise(ranks, grace_s=0.5, heartbeat_s=1.0, resume=RESUME)
     took_s = time.monotonic() - start_s
     assert gone(ranks)
@@ -317,7 +317,7 @@ def test_a_rank_that_stops_stepping_is_ended_by_the_heartbeat(tmp_path, capfd):
 
 def test_no_heartbeat_before_the_first_step(tmp_path):
     """Start-up and compilation are not timed: a rank that has not yet stepped is not silent."""
-    ranks = start([[sys.executable, "-c", "import time; time.sleep(60)"]], [dict(os.environ)], tmp_path, heartbeat=True)
+    ranks = start([[sys.executable, "-c", "import time; time.sleep(60)"]], [dict(os.environ)], tmp_path, tmp_path)
     try:
         time.sleep(0.3)
         assert ranks[0].silent_for() is None
@@ -326,3 +326,33 @@ def test_no_heartbeat_before_the_first_step(tmp_path):
     finally:
         ranks[0].process.kill()
         ranks[0].process.wait()
+
+
+def test_a_configuration_error_is_not_a_death(tmp_path, capfd):
+    """Every rank exits 2 before its first step (a bad mesh, say): its error once, no report, no restart."""
+    script = "import sys; print('error: mesh data=8 has 8 devices but 6 are available', file=sys.stderr); sys.exit(2)"
+    starts = []
+
+    def start_ranks():
+        starts.append(1)
+        return start([[sys.executable, "-c", script]] * 2, [dict(os.environ)] * 2, tmp_path / "logs", tmp_path / "logs")
+
+    assert run(start_ranks, max_restarts=3, grace_s=30, resume=RESUME) == 2
+    assert len(starts) == 1
+    err = capfd.readouterr().err
+    assert err.count("error: mesh data=8 has 8 devices but 6 are available") == 1, err
+    assert "jaxpar launch" not in err and "resume with" not in err
+
+
+def test_real_launch_configuration_error_ends_with_the_error_once(tmp_path):
+    """-n 2 --devices-per-process 3 train --mesh data=8: the ranks find 6 devices; the launch says so once, leaves
+    no process, and prints no death report or resume command."""
+    import psutil
+
+    command, env = real_launch(tmp_path, save_every=1000)
+    command[command.index("--devices-per-process") + 1] = "3"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.count("8 devices but 6 are available") == 1, done.stderr
+    assert "jaxpar launch" not in done.stderr and "resume with" not in done.stderr
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]

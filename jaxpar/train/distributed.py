@@ -58,7 +58,10 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     `resume` is the command line printed as the way to resume after a death;
     `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
     `heartbeat_s`: a rank with no step for that long (after its first) is ended as dead.
+    Every rank writes its step to `<log-dir>/rankN.beat` (a temporary directory without one): the launcher's
+    exact "last step", and how it tells a configuration error (exit 2 before any step) from a death.
     """
+    import tempfile
     from pathlib import Path
 
     from jaxpar.train import launcher
@@ -76,16 +79,14 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
         log_dir = str(Path(checkpoint_dir) / "logs")
     if heartbeat_s is not None and heartbeat_s <= 0:
         raise ValueError(f"--heartbeat-s must be > 0, got {heartbeat_s}")
-    if heartbeat_s is not None and log_dir is None:
-        raise ValueError("--heartbeat-s needs --log-dir or --checkpoint-dir: the ranks' heartbeat files go there")
+    beat_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="jaxpar-beats-"))
     command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
 
     def start_ranks() -> list:
         address = f"localhost:{_free_port()}"  # a fresh coordinator for every (re)start
         envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
                  "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
-        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir),
-                              heartbeat=heartbeat_s is not None)
+        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir), beat_dir)
 
     return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
                         resume=resume, heartbeat_s=heartbeat_s)

@@ -32,6 +32,7 @@ from typing import Callable
 LOGGED_STEP = re.compile(r"^(?:step\s+(\d+)\s+loss|.*preempted.*: step (\d+) saved)", re.MULTILINE)
 RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
 HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # a file the rank rewrites after every step (run/training.py): its mtime is the beat
+CONFIGURATION_ERROR = 2  # `jaxpar` exits 2 on a bad command line or configuration (cli.py), found before training
 
 
 @dataclasses.dataclass
@@ -54,6 +55,13 @@ class Rank:
 
     def alive(self) -> bool:
         return self.ended_at is None
+
+    def step(self) -> int | None:
+        """The last step this rank completed, from its heartbeat file (None before its first)."""
+        try:
+            return int(self.heartbeat.read_text())
+        except (AttributeError, FileNotFoundError, ValueError):  # no file yet, or caught mid-rewrite
+            return None
 
     def silent_for(self) -> float | None:
         """Seconds since this rank's last step, or None before its first (start-up and compilation are not timed)."""
@@ -93,30 +101,31 @@ def _tee(source, console, log) -> None:
     log.close()
 
 
-def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, heartbeat: bool = False) -> list[Rank]:
+def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, beat_dir: Path | None = None) -> list[Rank]:
     """Start one process per command. Rank 0 prints to the console (and its logs); the others to their logs only.
 
     Each rank runs in its own session, so a terminal's Ctrl-C reaches the launcher
-    alone, and the launcher decides what the ranks get. With `heartbeat`, each rank
-    is told (HEARTBEAT_ENV) to touch `log_dir/rankN.beat` after every step.
+    alone, and the launcher decides what the ranks get. With `beat_dir`, each rank
+    is told (HEARTBEAT_ENV) to write its step to `beat_dir/rankN.beat` after every step.
     """
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (log_dir, beat_dir):
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
     _die_with_parent = _parent_death_signal()  # so even a SIGKILLed launcher leaves no orphan
     ranks = []
     for rank, (command, env) in enumerate(zip(commands, envs, strict=True)):
+        beat = None if beat_dir is None else Path(beat_dir) / f"rank{rank}.beat"
+        if beat is not None:
+            beat.unlink(missing_ok=True)  # a restart's clock starts at its own first step, not the last attempt's
+            env = {**env, HEARTBEAT_ENV: str(beat)}
         if log_dir is None:
             quiet = subprocess.DEVNULL if rank else None
             process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet, start_new_session=True,
                                        preexec_fn=_die_with_parent)
-            ranks.append(Rank(rank, process))
+            ranks.append(Rank(rank, process, heartbeat=beat))
             continue
         logs = (log_dir / f"rank{rank}.out", log_dir / f"rank{rank}.err")
         files = [path.open("ab") for path in logs]
-        beat = log_dir / f"rank{rank}.beat" if heartbeat else None
-        if beat is not None:
-            beat.unlink(missing_ok=True)  # a restart's clock starts at its own first step, not the last attempt's
-            env = {**env, HEARTBEAT_ENV: str(beat)}
         if rank:
             env = {**env, RANK_OUTPUT_ENV: "1"}
             process = subprocess.Popen(command, env=env, stdout=files[0], stderr=files[1], start_new_session=True,
@@ -248,7 +257,7 @@ def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str |
               resume: list[str] = (), heartbeat_s: float | None = None) -> int:
     """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code."""
     with _Signals() as signals:
-        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
+        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)[0]
 
 
 def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s: float = 30.0,
@@ -260,8 +269,8 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
     """
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
-            code = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
-            if code == 0 or signals.stop_requested or attempt == max_restarts:
+            code, restartable = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
+            if not restartable or signals.stop_requested or attempt == max_restarts:
                 return code
             step = last_complete_checkpoint(checkpoint_dir)
             where = "the start (no complete checkpoint)" if step is None else f"step {step}"
@@ -275,28 +284,47 @@ def _silent_rank(ranks: list[Rank], heartbeat_s: float | None) -> Rank | None:
     return next((r for r in ranks if r.alive() and (r.silent_for() or 0) > heartbeat_s), None)
 
 
+def _configuration_error(ranks: list[Rank], failed: Rank) -> tuple[int, bool]:
+    """A rank exited 2 before its first step: the command's own error (a mesh too large, a bad flag), which every
+    rank finds alike. Not a death: the error once, no report, no resume command, no restart."""
+    deadline = time.monotonic() + 2
+    while any(r.alive() for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the others stop on the same error
+    _signal_all(ranks, signal.SIGKILL)
+    _reap(ranks)
+    if ranks[0].process.returncode != CONFIGURATION_ERROR:  # rank 0 did not print it: show the failing rank's
+        lines = [l for path in failed.logs[1:] if path.is_file() for l in path.read_text(errors="replace").splitlines()]
+        print(next((l for l in reversed(lines) if l.startswith("error:")),
+                   f"error: rank {failed.rank} exited with code 2 before its first step"), file=sys.stderr, flush=True)
+    return CONFIGURATION_ERROR, False
+
+
 def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, resume: list[str],
-               signals: _Signals, heartbeat_s: float | None = None) -> int:
-    """One start of the job, from its ranks' start to the last one's end (see the module docstring)."""
+               signals: _Signals, heartbeat_s: float | None = None) -> tuple[int, bool]:
+    """One start of the job, from its ranks' start to the last one's end (see the module docstring).
+
+    Returns the exit code and whether a restart could help (a death: yes; a configuration error, a finish: no)."""
     try:
         while True:
             dead = min((r for r in ranks if not r.alive() and r.process.returncode), key=lambda r: r.ended_at,
                        default=None)  # the first to die: its peers may fail after it (a lost collective)
+            if dead is not None and dead.process.returncode == CONFIGURATION_ERROR and dead.step() is None:
+                return _configuration_error(ranks, dead)
             if dead is not None:
                 killed = _end(ranks, grace_s, signals)
                 print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
-                return _exit_code(dead.process.returncode)
+                return _exit_code(dead.process.returncode), True
             silent = _silent_rank(ranks, heartbeat_s)
             if silent is not None:
                 killed = _end(ranks, grace_s, signals)
                 reason = f"rank {silent.rank}: no step logged for {heartbeat_s:g} s (heartbeat)"
                 print(_report(ranks, silent, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
-                return _exit_code(silent.process.returncode)
+                return _exit_code(silent.process.returncode), True
             if not any(r.alive() for r in ranks):
                 if signals.stop_requested:
                     print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
                           file=sys.stderr, flush=True)
-                return 0
+                return 0, False
             if signals.stop_requested:
                 print(f"jaxpar launch: {signals.stop_requested}: asked every rank to save and stop "
                       f"(up to {grace_s:g} s; Ctrl-C again to kill now)", file=sys.stderr, flush=True)
@@ -304,7 +332,7 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
                 if killed or any(r.process.returncode for r in ranks):
                     dead = next((r for r in ranks if r.rank in killed or r.process.returncode), ranks[0])
                     print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
-                    return _exit_code(dead.process.returncode)
+                    return _exit_code(dead.process.returncode), False
                 continue
             time.sleep(0.1)
     finally:
