@@ -244,6 +244,7 @@ def test_real_launch_sigterm_saves_one_step_and_resumes_to_the_same_losses(tmp_p
     assert saved == [stopped_at] and stopped_at < STEPS  # one checkpoint, of the step the run stopped after
     for rank in (0, 1):  # every rank saved that step (jax's preemption sync point agreed on it)
         assert f"step {stopped_at} saved" in (tmp_path / "ck" / "logs" / f"rank{rank}.out").read_text()
+    assert (tmp_path / "ck" / "PREEMPTED").read_text() == f"{stopped_at}\n"  # what the Slurm recipe requeues on
     resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
