@@ -97,14 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
     launch.add_argument("--grace-s", type=float, default=30.0,
-                        help="after a death or a SIGTERM/SIGINT, seconds the ranks get to stop before SIGKILL (default 30)")
+                        help="after a SIGTERM/SIGINT, seconds the ranks get to save and stop before SIGKILL (default 30; "
+                             "after a death the others are ended at once)")
     launch.add_argument("--log-dir", default=None,
                         help="every rank's stdout/stderr as rankN.out/.err (default <checkpoint-dir>/logs when given)")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="after a death, start the job again (it resumes from --checkpoint-dir) up to N times")
     launch.add_argument("--heartbeat-s", type=float, default=None,
-                        help="a rank that logs no step for S seconds (counted from its first step; start-up and "
-                             "compilation are not timed) is treated as dead: reported and the job ended (default off)")
+                        help="no step for S seconds (counted from the first step; start-up and compilation are not "
+                             "timed) ends the job, naming the hung rank (default: 10x the slowest step, at least 60; "
+                             "0: off)")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
     _add_plan_command(sub)
     return parser

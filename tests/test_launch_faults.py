@@ -6,6 +6,7 @@ they stand in for ranks that log steps, save on SIGTERM, or hang.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxpar.train.launcher import describe_exit, last_complete_checkpoint, last_logged_step, run, start, supervise
+from jaxpar.train.launcher import default_heartbeat_s, describe_exit, last_complete_checkpoint, run, start, supervise
 
-# A rank: logs a step, says it is ready (its SIGTERM handler is in place), then waits; on SIGTERM it "saves".
+# A rank: completes step 7 (its heartbeat), says it is ready (its SIGTERM handler is in place), then waits; on
+# SIGTERM it "saves".
 RANK = """
 import os, signal, sys, time
 mode = sys.argv[1]
@@ -25,6 +27,7 @@ def save(signum, frame):
     print("preempted (SIGTERM): step 7 saved in ck", flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, {"saves": save, "hangs": signal.SIG_IGN}[mode])
+open(os.environ["JAXPAR_HEARTBEAT_FILE"], "w").write("7")
 print("step     7  loss 1.234567", flush=True)
 print("rank error line", file=sys.stderr, flush=True)
 open(sys.argv[2], "w").write(str(os.getpid()))
@@ -35,7 +38,7 @@ RESUME = ["jaxpar", "launch", "-n", "2", "train", "--checkpoint-dir", "ck"]
 
 def launch(tmp_path, modes):
     commands = [[sys.executable, "-c", RANK, mode, str(tmp_path / f"ready{rank}")] for rank, mode in enumerate(modes)]
-    ranks = start(commands, [dict(os.environ)] * len(modes), tmp_path / "logs")
+    ranks = start(commands, [dict(os.environ)] * len(modes), tmp_path / "logs", tmp_path / "logs")
     deadline = time.monotonic() + 30
     while not all((tmp_path / f"ready{rank}").exists() for rank in range(len(modes))):
         assert time.monotonic() < deadline, "the children did not start"
@@ -61,11 +64,12 @@ def test_describe_exit_names_rank_and_signal():
 
 
 def test_death_is_contained_and_reported(tmp_path, capfd):
-    """SIGKILL of rank 1: rank 0 ignores SIGTERM, so it is SIGKILLed after the grace; one block says it all."""
+    """SIGKILL of rank 1: rank 0 ignores SIGTERM (stuck in a collective on its dead peer), so it is SIGKILLed a
+    second later, not after the 30 s grace a requested stop gets; one block says it all."""
     ranks = launch(tmp_path, ["hangs", "saves"])
     start_s = time.monotonic()
     os.kill(ranks[1].process.pid, signal.SIGKILL)
-    code = supervise(ranks, grace_s=1.0, checkpoint_dir=str(tmp_path / "ck"), resume=RESUME)
+    code = supervise(ranks, grace_s=30, checkpoint_dir=str(tmp_path / "ck"), resume=RESUME)
     death_to_report_s = time.monotonic() - start_s
     assert gone(ranks)
     assert code == 128 + signal.SIGKILL
@@ -73,9 +77,9 @@ def test_death_is_contained_and_reported(tmp_path, capfd):
     err = capfd.readouterr().err
     report = err[err.index("jaxpar launch: rank 1"):]
     assert f"rank 1 was killed by SIGKILL (pid {ranks[1].process.pid})" in report
-    assert "last step it logged:      7" in report
+    assert "last step it completed:   7" in report
     assert f"last complete checkpoint: none in {tmp_path / 'ck'}" in report
-    assert "SIGKILLed after the grace period: [0]" in report
+    assert "SIGKILLed 1 s after SIGTERM: [0]" in report
     assert "resume with:              jaxpar launch -n 2 train --checkpoint-dir ck" in report
 
 
@@ -100,7 +104,7 @@ def test_every_rank_has_its_logs_and_rank0_its_console(tmp_path, capfd):
     for rank in (0, 1):
         assert "step     7  loss" in (tmp_path / "logs" / f"rank{rank}.out").read_text()
         assert "rank error line" in (tmp_path / "logs" / f"rank{rank}.err").read_text()
-        assert last_logged_step(ranks[rank].logs) == 7
+        assert ranks[rank].step() == 7
 
 
 def test_sigterm_is_forwarded_and_a_completed_save_exits_0(tmp_path, capfd):
@@ -122,16 +126,17 @@ def test_a_rank_that_does_not_stop_is_killed_after_the_grace(tmp_path, capfd):
     assert 1.0 <= time.monotonic() - start_s < 4
     assert gone(ranks)
     assert code == 128 + signal.SIGKILL
-    assert "SIGKILLed after the grace period: [1]" in capfd.readouterr().err
+    assert "SIGKILLed 1 s after SIGTERM: [1]" in capfd.readouterr().err
 
 
-def test_second_ctrl_c_kills_at_once(tmp_path):
+def test_second_ctrl_c_kills_at_once(tmp_path, capfd):
     ranks = launch(tmp_path, ["hangs", "hangs"])
     signal_self_later(signal.SIGINT, signal.SIGINT)
     start_s = time.monotonic()
     assert supervise(ranks, grace_s=60) == 128 + signal.SIGKILL
     assert time.monotonic() - start_s < 5  # far inside the 60 s grace
     assert gone(ranks)
+    assert "SIGKILLed at the second Ctrl-C: [0, 1]" in capfd.readouterr().err
 
 
 def test_a_killed_launcher_leaves_no_orphan(tmp_path):
@@ -261,7 +266,7 @@ def test_real_launch_sigkill_of_rank1_restarts_and_finishes_with_the_same_losses
     whole run, give bitwise the losses of an uninterrupted launch."""
     import psutil
 
-    command, env = real_launch(tmp_path, "--grace-s", "5", "--max-restarts", "1", save_every=4)
+    command, env = real_launch(tmp_path, "--max-restarts", "1", save_every=4)  # the default 30 s grace: not waited
     metrics = tmp_path / "multi.jsonl"
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
@@ -287,43 +292,88 @@ def test_real_launch_sigkill_of_rank1_restarts_and_finishes_with_the_same_losses
         assert row["loss"] == second[row["step"] - 5]["loss"], row["step"]
     assert [row["loss"] for row in first[:4] + second] == uninterrupted_losses
 
-# A rank that beats (rewrites its heartbeat file) every 0.05 s; "stalls" stops after 5 beats and hangs, SIGTERM ignored.
+# A rank that completes a step every 0.05 s (its heartbeat file) with a thread touching its sign of life, SIGTERM
+# ignored; "stalls" stops stepping and living after 5 steps (a wedged process), "waits" stops stepping but lives
+# on (a rank blocked in a collective whose peer hung).
 BEATING = """
-import os, signal, sys, time
+import os, signal, sys, threading, time
 from pathlib import Path
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 beat = Path(os.environ["JAXPAR_HEARTBEAT_FILE"])
+def live():
+    while True:
+        beat.with_suffix(".alive").touch()
+        time.sleep(0.5)
+threading.Thread(target=live, daemon=True).start()
 for step in range(1, 10**6):
-    if sys.argv[1] == "stalls" and step > 5:
-        time.sleep(60)
+    if sys.argv[1] != "beats" and step > 5:
+        os.kill(os.getpid(), signal.SIGSTOP) if sys.argv[1] == "stalls" else time.sleep(60)
     beat.write_text(str(step))
     time.sleep(0.05)
 """
 
 
-def test_a_rank_that_stops_stepping_is_ended_by_the_heartbeat(tmp_path, capfd):
-    """Rank 1 stops beating (hung in a collective, say): reported as silent and killed within heartbeat + grace."""
-    commands = [[sys.executable, "-c", BEATING, mode] for mode in ("beats", "stalls")]
+def beating(tmp_path, *modes):
+    commands = [[sys.executable, "-c", BEATING, mode] for mode in modes]
+    return start(commands, [dict(os.environ)] * len(modes), tmp_path / "logs", tmp_path / "logs")
+
+
+def test_the_rank_that_hangs_is_named_not_the_one_waiting_on_it(tmp_path, capfd):
+    """Both ranks stop at step 5; rank 1 is stopped (SIGSTOP), rank 0 waits on it alive: rank 1 is named."""
+    ranks = beating(tmp_path, "waits", "stalls")
     start_s = time.monotonic()
-    ranks = start(commands, [dict(os.environ)] * 2, tmp_path / "logs", tmp_path / "logs")
-    code = supervise(ranks, grace_s=0.5, heartbeat_s=1.0, resume=RESUME)
+    code = supervise(ranks, grace_s=30, heartbeat_s=4.0, resume=RESUME)
     took_s = time.monotonic() - start_s
     assert gone(ranks)
     assert code == 128 + signal.SIGKILL
-    assert 1.0 + 0.5 <= took_s < 1.0 + 0.5 + 2, took_s  # 5 beats (0.25 s), 1 s silence, 0.5 s grace, start-up
+    assert 4.0 <= took_s < 4.0 + 1 + 3, took_s  # 5 steps, 4 s without one, 1 s for the waiting rank's SIGTERM
     report = capfd.readouterr().err
-    assert "jaxpar launch: rank 1: no step logged for 1 s (heartbeat)" in report
-    assert "SIGKILLed after the grace period: [0, 1]" in report
+    assert re.search(r"jaxpar launch: rank 1 hung: no step for 4 s and no sign of life for \d s; the others waited on it "
+                     r"\(heartbeat 4 s\)", report), report
+    assert "last step it completed:   5" in report
 
 
-def test_no_heartbeat_before_the_first_step(tmp_path):
-    """Start-up and compilation are not timed: a rank that has not yet stepped is not silent."""
+def test_a_rank_aborted_because_its_peer_hung_is_named_the_consequence(tmp_path, capfd):
+    """jax's coordination service aborts rank 0 when its peer goes silent: the report blames the silent rank 1."""
+    ranks = beating(tmp_path, "waits", "stalls")
+    while not (tmp_path / "logs" / "rank1.beat").exists() or ranks[1].lifeless_for() < 3.5:
+        time.sleep(0.1)
+    os.kill(ranks[0].process.pid, signal.SIGABRT)
+    assert supervise(ranks, grace_s=30, heartbeat_s=0) == 128 + signal.SIGKILL
+    assert gone(ranks)
+    report = capfd.readouterr().err
+    assert re.search(r"jaxpar launch: rank 1 hung \(no sign of life for \d s\); rank 0 was killed by SIGABRT as a "
+                     r"consequence", report), report
+
+
+def test_a_rank_that_stops_stepping_is_ended_by_the_heartbeat(tmp_path, capfd):
+    """Rank 1 stops stepping but lives (no sign-of-life thread to tell): the rank furthest behind is named."""
+    ranks = beating(tmp_path, "beats", "waits")
+    start_s = time.monotonic()
+    code = supervise(ranks, grace_s=30, heartbeat_s=1.0, resume=RESUME)
+    took_s = time.monotonic() - start_s
+    assert gone(ranks)
+    assert code == 128 + signal.SIGKILL
+    assert 1.0 + 1.0 <= took_s < 1.0 + 1.0 + 2, took_s  # 5 steps (0.25 s), 1 s silence, 1 s after SIGTERM, start-up
+    report = capfd.readouterr().err
+    assert "jaxpar launch: rank 1: no step for 1 s (heartbeat)" in report
+    assert "SIGKILLed 1 s after SIGTERM: [0, 1]" in report
+
+
+def test_the_default_heartbeat_follows_the_slowest_step(tmp_path):
+    """10x the slowest step between two steps (the first, which compiles, not counted), at least 60 s."""
     ranks = start([[sys.executable, "-c", "import time; time.sleep(60)"]], [dict(os.environ)], tmp_path, tmp_path)
+    beat = ranks[0].heartbeat
     try:
-        time.sleep(0.3)
-        assert ranks[0].silent_for() is None
-        ranks[0].heartbeat.write_text("1")
-        assert 0 <= ranks[0].silent_for() < 1
+        assert ranks[0].silent_for() is None and ranks[0].step() is None  # start-up and compilation are not timed
+        for step, at in ((1, 1000.0), (2, 1002.0), (3, 1011.0), (4, 1012.0)):
+            beat.write_text(str(step))
+            os.utime(beat, (at, at))
+            ranks[0].observe()
+        assert ranks[0].step() == 4 and ranks[0].slowest_step_s == 9.0
+        assert default_heartbeat_s(ranks) == 90.0
+        ranks[0].slowest_step_s = 0.5
+        assert default_heartbeat_s(ranks) == 60.0
     finally:
         ranks[0].process.kill()
         ranks[0].process.wait()

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
+import time
 
 PREEMPTED_MARKER = "PREEMPTED"  # written into --checkpoint-dir by a preemption save; the Slurm recipe requeues on it
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
@@ -21,6 +23,7 @@ def initialize() -> bool:
     """Join the multi-process runtime when launched as part of one; True if it did."""
     if not any(name in os.environ for name in CLUSTER_ENV):
         return False
+    show_life()
     import jax
 
     if jax.config.jax_platforms in (None, "", "cpu") and "JAX_COORDINATOR_ADDRESS" in os.environ:
@@ -34,6 +37,23 @@ def initialize() -> bool:
     else:
         jax.distributed.initialize()
     return True
+
+
+def show_life(every_s: float = 0.5) -> None:
+    """Under `jaxpar launch`, touch this rank's sign-of-life file from a thread, which runs on while the main thread
+    waits in a collective but not when the process hangs: the launcher names the hung rank, not its waiting peers."""
+    from jaxpar.train.launcher import HEARTBEAT_ENV, alive_file
+
+    if HEARTBEAT_ENV not in os.environ:
+        return
+    path = alive_file(os.environ[HEARTBEAT_ENV])
+
+    def beat() -> None:
+        while True:
+            path.touch()
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, daemon=True, name="jaxpar-alive").start()
 
 
 def is_leader() -> bool:
@@ -58,7 +78,8 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
     `resume` is the command line printed as the way to resume after a death;
     `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
-    `heartbeat_s`: a rank with no step for that long (after its first) is ended as dead.
+    `heartbeat_s`: no step for that long (after the first) ends the job as a death, naming the hung rank
+    (None: 10x the slowest step seen, at least 60 s; 0: off).
     Every rank writes its step to `<log-dir>/rankN.beat` (a temporary directory without one): the launcher's
     exact "last step", and how it tells a configuration error (exit 2 before any step) from a death.
     """
@@ -78,8 +99,8 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
         raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
     if log_dir is None and checkpoint_dir is not None:
         log_dir = str(Path(checkpoint_dir) / "logs")
-    if heartbeat_s is not None and heartbeat_s <= 0:
-        raise ValueError(f"--heartbeat-s must be > 0, got {heartbeat_s}")
+    if heartbeat_s is not None and heartbeat_s < 0:
+        raise ValueError(f"--heartbeat-s must be >= 0 (0: off), got {heartbeat_s}")
     beat_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="jaxpar-beats-"))
     command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
 

@@ -2,24 +2,30 @@
 
 A job of N cooperating processes is only as alive as its weakest rank: when
 one dies the others block in a collective forever. So on a death the launcher
-ends the rest (SIGTERM, then SIGKILL after the grace period), checks that none
-remains, and prints one block saying who died, how, where the run stands and
-the command that resumes it. SIGTERM or SIGINT to the launcher (a scheduler's
-preemption notice, a Ctrl-C) is forwarded to every rank as SIGTERM, on which
-`jaxpar train` saves and stops; a second Ctrl-C kills everything at once.
+ends the rest at once (SIGTERM, SIGKILL a second later: a rank whose peer is
+dead cannot save), checks that none remains, and prints one block saying who
+died, how, the last step it completed, the last checkpoint and the command that
+resumes. SIGTERM or SIGINT to the launcher (a scheduler's preemption notice, a
+Ctrl-C) is forwarded to every rank as SIGTERM, on which `jaxpar train` saves and
+stops within the grace period; a second Ctrl-C kills everything at once.
 With `max_restarts`, a death starts the job again (it resumes from its checkpoints).
-With `heartbeat_s`, a rank that has stepped once and then goes that long without a
-step (stuck in a collective whose peer hangs, say) is ended and reported like a death.
+
+Every rank writes its step to its heartbeat file after each step (run/training.py)
+and touches a sign of life twice a second from a thread (distributed.py), which a
+rank waiting in a collective keeps doing and a hung (stopped, wedged) rank does
+not. When no step comes for `heartbeat_s` (default: 10 times the slowest step
+seen, at least a minute) the job is ended, and the rank named is the one without
+a sign of life: the hung one, not the peers waiting on it.
 
 Exit codes: 0 when every rank exited 0 (also after a forwarded SIGTERM whose
-save completed); otherwise the first failing rank's code, or 128 + the signal
-number when a signal killed it (the shell's convention: 137 for SIGKILL).
+save completed); 2 for a configuration error found before any step; otherwise
+the first failing rank's code, or 128 + the signal number when a signal killed
+it (the shell's convention: 137 for SIGKILL).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import shlex
 import signal
 import subprocess
@@ -29,22 +35,31 @@ import time
 from pathlib import Path
 from typing import Callable
 
-LOGGED_STEP = re.compile(r"^(?:step\s+(\d+)\s+loss|.*preempted.*: step (\d+) saved)", re.MULTILINE)
 RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
-HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # a file the rank rewrites after every step (run/training.py): its mtime is the beat
+HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # the rank writes its step there after every step; `.alive` beside it: life
 CONFIGURATION_ERROR = 2  # `jaxpar` exits 2 on a bad command line or configuration (cli.py), found before training
+DEATH_GRACE_S = 1.0  # survivors of a death get this long after SIGTERM before SIGKILL (they wait on a dead peer)
+LIFE_S = 3.0  # a rank whose sign of life (touched every 0.5 s) is older than this is hung, not waiting
+MIN_HEARTBEAT_S, SLOWEST_STEPS = 60.0, 10  # the default heartbeat: 10x the slowest step seen, at least a minute
+
+
+def alive_file(beat: Path) -> Path:
+    """Where a rank's sign of life goes, beside its heartbeat file."""
+    return Path(beat).with_suffix(".alive")
 
 
 @dataclasses.dataclass
 class Rank:
-    """One started process of the job, with where its output goes and when it ended."""
+    """One started process of the job, with where its output goes, its heartbeat and when it ended."""
 
     rank: int
     process: subprocess.Popen
     logs: tuple[Path, ...] = ()
     copiers: tuple[threading.Thread, ...] = ()  # rank 0's output to the console and its logs
     ended_at: float | None = None  # when the process ended, by a thread waiting on it: deaths are told apart by order
-    heartbeat: Path | None = None  # the file whose mtime says when this rank last finished a step
+    heartbeat: Path | None = None  # holds the last step this rank completed; its mtime is when
+    last_step: int | None = None
+    slowest_step_s: float = 0.0  # the longest time between two of its steps (the first, which compiles, not counted)
 
     def __post_init__(self):
         threading.Thread(target=self._watch, daemon=True).start()
@@ -58,17 +73,34 @@ class Rank:
 
     def step(self) -> int | None:
         """The last step this rank completed, from its heartbeat file (None before its first)."""
+        self.observe()
+        return self.last_step
+
+    def observe(self) -> None:
+        """Read the heartbeat: the last step, and the slowest step so far (for the default heartbeat)."""
         try:
-            return int(self.heartbeat.read_text())
+            stat, step = self.heartbeat.stat(), int(self.heartbeat.read_text())
         except (AttributeError, FileNotFoundError, ValueError):  # no file yet, or caught mid-rewrite
-            return None
+            return
+        if step != self.last_step:
+            if self.last_step is not None:
+                self.slowest_step_s = max(self.slowest_step_s, stat.st_mtime - self._stepped_at)
+            self.last_step, self._stepped_at = step, stat.st_mtime
 
     def silent_for(self) -> float | None:
         """Seconds since this rank's last step, or None before its first (start-up and compilation are not timed)."""
-        try:
-            return time.time() - self.heartbeat.stat().st_mtime
-        except (AttributeError, FileNotFoundError):
-            return None
+        return _age(self.heartbeat)
+
+    def lifeless_for(self) -> float | None:
+        """Seconds since this rank last showed a sign of life, or None if it never did (no thread: not judged)."""
+        return None if self.heartbeat is None else _age(alive_file(self.heartbeat))
+
+
+def _age(path: Path | None) -> float | None:
+    try:
+        return time.time() - path.stat().st_mtime
+    except (AttributeError, FileNotFoundError):
+        return None
 
 
 def checkpoint_dir_of(argv: list[str]) -> str | None:
@@ -116,7 +148,8 @@ def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, bea
     for rank, (command, env) in enumerate(zip(commands, envs, strict=True)):
         beat = None if beat_dir is None else Path(beat_dir) / f"rank{rank}.beat"
         if beat is not None:
-            beat.unlink(missing_ok=True)  # a restart's clock starts at its own first step, not the last attempt's
+            for stale in (beat, alive_file(beat)):  # a restart's clock starts at its own first step
+                stale.unlink(missing_ok=True)
             env = {**env, HEARTBEAT_ENV: str(beat)}
         if log_dir is None:
             quiet = subprocess.DEVNULL if rank else None
@@ -150,15 +183,6 @@ def describe_exit(rank: int, code: int) -> str:
     if code < 0:
         return f"rank {rank} was killed by {signal.Signals(-code).name}"
     return f"rank {rank} exited with code {code}"
-
-
-def last_logged_step(logs: tuple[Path, ...]) -> int | None:
-    """The last step a rank printed (a `step N  loss ...` line or its preemption save), read from its logs."""
-    steps = []
-    for path in logs:
-        if path.is_file():
-            steps += [int(a or b) for a, b in LOGGED_STEP.findall(path.read_text(errors="replace"))]
-    return max(steps, default=None)
 
 
 def last_complete_checkpoint(directory: str | None) -> int | None:
@@ -207,18 +231,18 @@ def _signal_all(ranks: list[Rank], signum: int) -> None:
                 pass
 
 
-def _end(ranks: list[Rank], grace_s: float, signals: _Signals) -> list[int]:
-    """SIGTERM every live rank, SIGKILL what remains after `grace_s` (or at a second Ctrl-C); ranks SIGKILLed."""
+def _end(ranks: list[Rank], grace_s: float, signals: _Signals) -> tuple[list[int], str]:
+    """SIGTERM every live rank, SIGKILL what remains after `grace_s` (or at a second Ctrl-C).
+
+    Returns the ranks SIGKILLed and when, for the report."""
     _signal_all(ranks, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while any(rank.alive() for rank in ranks):
-        if time.monotonic() >= deadline or signals.kill_now:
-            break
+    while any(rank.alive() for rank in ranks) and time.monotonic() < deadline and not signals.kill_now:
         time.sleep(0.05)
     killed = [rank.rank for rank in ranks if rank.alive()]
     _signal_all(ranks, signal.SIGKILL)
     _reap(ranks)
-    return killed
+    return killed, "at the second Ctrl-C" if signals.kill_now else f"{grace_s:g} s after SIGTERM"
 
 
 def _reap(ranks: list[Rank]) -> None:
@@ -229,20 +253,19 @@ def _reap(ranks: list[Rank]) -> None:
             copier.join(timeout=5)
 
 
-def _report(ranks: list[Rank], dead: Rank, killed: list[int], checkpoint_dir: str | None, resume: list[str],
-            reason: str | None = None) -> str:
-    code = dead.process.returncode
-    step = last_logged_step(dead.logs)
+def _report(ranks: list[Rank], dead: Rank, killed: tuple[list[int], str], checkpoint_dir: str | None,
+            resume: list[str], reason: str | None = None) -> str:
+    step = dead.step()
+    logged = "unknown (no heartbeat)" if dead.heartbeat is None else ("none" if step is None else str(step))
     checkpoint = last_complete_checkpoint(checkpoint_dir)
-    logged = "unknown (no --log-dir)" if not dead.logs else ("none" if step is None else str(step))
     where = (f"step {checkpoint} in {checkpoint_dir}" if checkpoint is not None
              else f"none in {checkpoint_dir}" if checkpoint_dir else "none (no --checkpoint-dir: the run cannot resume)")
     ended = ", ".join(describe_exit(r.rank, r.process.returncode) for r in ranks if r is not dead) or "no other ranks"
     lines = [
-        f"jaxpar launch: {reason or describe_exit(dead.rank, code)} (pid {dead.process.pid})",
-        f"  last step it logged:      {logged}" + (f"  ({dead.logs[0].parent})" if dead.logs else ""),
+        f"jaxpar launch: {reason or describe_exit(dead.rank, dead.process.returncode)} (pid {dead.process.pid})",
+        f"  last step it completed:   {logged}" + (f"  ({dead.logs[0].parent})" if dead.logs else ""),
         f"  last complete checkpoint: {where}",
-        f"  the other ranks:          {ended}" + (f"; SIGKILLed after the grace period: {killed}" if killed else ""),
+        f"  the other ranks:          {ended}" + (f"; SIGKILLed {killed[1]}: {killed[0]}" if killed[0] else ""),
         f"  no process of the job remains",
         f"  resume with:              {shlex.join(resume)}",
     ]
@@ -255,7 +278,10 @@ def _exit_code(code: int) -> int:
 
 def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str | None = None,
               resume: list[str] = (), heartbeat_s: float | None = None) -> int:
-    """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code."""
+    """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code.
+
+    `heartbeat_s`: how long without a step ends the job (None: the default that follows the slowest step; 0: never).
+    """
     with _Signals() as signals:
         return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)[0]
 
@@ -277,11 +303,38 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
             print(f"jaxpar launch: restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr, flush=True)
 
 
-def _silent_rank(ranks: list[Rank], heartbeat_s: float | None) -> Rank | None:
-    """The first live rank whose last step is more than `heartbeat_s` ago: hung, so treated as dead."""
-    if heartbeat_s is None:
+def default_heartbeat_s(ranks: list[Rank]) -> float:
+    """10x the slowest step seen (a save or an evaluation included), at least a minute: a hang ends by default."""
+    return max(MIN_HEARTBEAT_S, SLOWEST_STEPS * max(r.slowest_step_s for r in ranks))
+
+
+def _hung(ranks: list[Rank], heartbeat_s: float | None) -> tuple[Rank, str] | None:
+    """When a live rank has made no step for the heartbeat: the rank to blame, and why.
+
+    Ranks in one job step together, so a hung rank silences its waiting peers too: the one named is the rank
+    without a sign of life (hung), else the one furthest behind."""
+    for rank in ranks:
+        rank.observe()
+    limit = default_heartbeat_s(ranks) if heartbeat_s is None else heartbeat_s
+    if not limit or not any(r.alive() and (r.silent_for() or 0) > limit for r in ranks):
         return None
-    return next((r for r in ranks if r.alive() and (r.silent_for() or 0) > heartbeat_s), None)
+    live = [r for r in ranks if r.alive() and r.step() is not None]
+    lifeless = max(live, key=lambda r: r.lifeless_for() or 0)
+    if (lifeless.lifeless_for() or 0) > LIFE_S:
+        return lifeless, (f"rank {lifeless.rank} hung: no step for {lifeless.silent_for():.0f} s and no sign of life "
+                          f"for {lifeless.lifeless_for():.0f} s; the others waited on it (heartbeat {limit:g} s)")
+    behind = min(live, key=lambda r: r.step())
+    return behind, f"rank {behind.rank}: no step for {limit:g} s (heartbeat)"
+
+
+def _cause_of(dead: Rank, ranks: list[Rank]) -> tuple[Rank, str | None]:
+    """The rank to blame for a death: a live peer without a sign of life when there is one (jax's coordination
+    service aborts the ranks whose peer went silent, so the first to die can be the consequence), else the dead."""
+    hung = [r for r in ranks if r.alive() and (r.lifeless_for() or 0) > LIFE_S]
+    if not hung:
+        return dead, None
+    return hung[0], (f"rank {hung[0].rank} hung (no sign of life for {hung[0].lifeless_for():.0f} s); "
+                     f"{describe_exit(dead.rank, dead.process.returncode)} as a consequence")
 
 
 def _configuration_error(ranks: list[Rank], failed: Rank) -> tuple[int, bool]:
@@ -310,16 +363,12 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
                        default=None)  # the first to die: its peers may fail after it (a lost collective)
             if dead is not None and dead.process.returncode == CONFIGURATION_ERROR and dead.step() is None:
                 return _configuration_error(ranks, dead)
-            if dead is not None:
-                killed = _end(ranks, grace_s, signals)
-                print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
-                return _exit_code(dead.process.returncode), True
-            silent = _silent_rank(ranks, heartbeat_s)
-            if silent is not None:
-                killed = _end(ranks, grace_s, signals)
-                reason = f"rank {silent.rank}: no step logged for {heartbeat_s:g} s (heartbeat)"
-                print(_report(ranks, silent, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
-                return _exit_code(silent.process.returncode), True
+            hung = None if dead is not None else _hung(ranks, heartbeat_s)
+            if dead is not None or hung is not None:
+                culprit, reason = _cause_of(dead, ranks) if dead is not None else hung
+                killed = _end(ranks, DEATH_GRACE_S, signals)  # a death is certain: no save can complete, end them now
+                print(_report(ranks, culprit, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
+                return _exit_code(culprit.process.returncode), True
             if not any(r.alive() for r in ranks):
                 if signals.stop_requested:
                     print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
@@ -329,8 +378,8 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
                 print(f"jaxpar launch: {signals.stop_requested}: asked every rank to save and stop "
                       f"(up to {grace_s:g} s; Ctrl-C again to kill now)", file=sys.stderr, flush=True)
                 killed = _end(ranks, grace_s, signals)
-                if killed or any(r.process.returncode for r in ranks):
-                    dead = next((r for r in ranks if r.rank in killed or r.process.returncode), ranks[0])
+                if killed[0] or any(r.process.returncode for r in ranks):
+                    dead = next((r for r in ranks if r.rank in killed[0] or r.process.returncode), ranks[0])
                     print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
                     return _exit_code(dead.process.returncode), False
                 continue
