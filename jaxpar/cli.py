@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="no step for S seconds (counted from the first step; start-up and compilation are not "
                              "timed) ends the job, naming the hung rank (default: 10x the slowest step, at least 60; "
                              "0: off)")
+    launch.add_argument("--coordinator-port", type=int, default=None,
+                        help="the port rank 0 serves jax.distributed's coordinator on (default: a free one)")
+    launch.add_argument("--status", metavar="LOGDIR", default=None,
+                        help="print what happened to the launches logging to LOGDIR (its events.jsonl), then exit")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
     _add_plan_command(sub)
     return parser
@@ -336,9 +340,14 @@ def main(argv: list[str] | None = None) -> int:
 
         resume = ["jaxpar", *(sys.argv[1:] if argv is None else argv)]  # the same command resumes from --checkpoint-dir
         try:
+            if args.status is not None:
+                from jaxpar.train.launcher import status
+
+                print(status(args.status))
+                return 0
             return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
                                 log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume,
-                                heartbeat_s=args.heartbeat_s)
+                                heartbeat_s=args.heartbeat_s, coordinator_port=args.coordinator_port)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -188,11 +188,24 @@ def flaky_job(tmp_path, deaths):
 
 
 def test_max_restarts_starts_the_job_again_after_a_death(tmp_path, capfd):
-    assert run(flaky_job(tmp_path, deaths=2), max_restarts=2, grace_s=1) == 0
+    """Each start, death, restart and the stop are lines of events.jsonl, which `jaxpar launch --status` prints."""
+    from jaxpar.cli import main
+
+    events = tmp_path / "logs" / "events.jsonl"
+    assert run(flaky_job(tmp_path, deaths=2), max_restarts=2, grace_s=1, events=events) == 0
     assert (tmp_path / "count0").read_text() == "3"  # the whole job restarted, not just the dead rank
     err = capfd.readouterr().err
     assert err.count("rank 1 was killed by SIGKILL") == 2
     assert "restart 1 of 2, from the start (no complete checkpoint)" in err and "restart 2 of 2" in err
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [line["event"] for line in lines] == ["start", "death", "restart"] * 2 + ["start", "stop"]
+    assert lines[1]["rank"] == 1 and lines[1]["cause"] == "rank 1 was killed by SIGKILL"
+    assert lines[-1]["exit_code"] == 0 and lines[-1]["cause"] == "finished"
+    assert main(["launch", "--status", str(tmp_path / "logs")]) == 0
+    shown = capfd.readouterr().out.splitlines()
+    assert len(shown) == 8 and "death    rank 1  cause rank 1 was killed by SIGKILL" in shown[1], shown
+    assert main(["launch", "--status", str(tmp_path)]) == 2
+    assert capfd.readouterr().err.startswith(f"error: no {tmp_path / 'events.jsonl'}: ")
 
 
 def test_restarts_run_out(tmp_path, capfd):
@@ -407,3 +420,55 @@ def test_real_launch_configuration_error_ends_with_the_error_once(tmp_path):
     assert done.stderr.count("8 devices but 6 are available") == 1, done.stderr
     assert "jaxpar launch" not in done.stderr and "resume with" not in done.stderr
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+
+
+def _held_port():
+    """A port held by a listening socket, as another job's coordinator would hold it."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("localhost", 0))
+    held.listen()
+    return held
+
+
+def test_a_port_in_use_is_one_line_naming_it_and_the_way_out(tmp_path):
+    """`jaxpar launch --coordinator-port P` with P taken: one line before any rank starts."""
+    with _held_port() as held:
+        port = held.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "jaxpar.cli", "launch", "--coordinator-port", str(port), "train",
+                               "--mesh", "data=8", "--metrics", str(tmp_path / "m.jsonl")],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [f"error: coordinator port {port} is in use (another job on this node?): choose "
+                                        "another with `jaxpar launch --coordinator-port N` or JAX_COORDINATOR_PORT=N"]
+
+
+def test_a_rank_whose_coordinator_port_is_taken_says_so_in_one_line(tmp_path):
+    """Rank 0 started by a cluster (here: its variables by hand) finds its port taken: one line, exit 2 (srun's
+    --kill-on-bad-exit, or jaxpar launch, then ends the other ranks), not jax's RPC traceback."""
+    with _held_port() as held:
+        port = held.getsockname()[1]
+        env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"localhost:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": "0"}
+        done = subprocess.run([sys.executable, "-m", "jaxpar.cli", "train", "--mesh", "data=8", "--devices", "4",
+                               "--metrics", str(tmp_path / "m.jsonl")], env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [
+        f"error: coordinator port {port} is in use (another job on this node?): choose another with "
+        "`jaxpar launch --coordinator-port N` or JAX_COORDINATOR_PORT=N"]
+
+
+def test_the_slurm_coordinator_port_is_jaxs(monkeypatch):
+    """Under Slurm, rank 0 checks the port jax derives from the job id (or JAX_COORDINATOR_PORT), before jax does."""
+    from jaxpar.train.distributed import _coordinator_port
+
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", str(4096 * 5 + 7))
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert _coordinator_port() == 61440 + 7
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "12345")
+    assert _coordinator_port() == 12345
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    assert _coordinator_port() is None  # only the coordinator's process binds it

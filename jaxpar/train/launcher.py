@@ -26,6 +26,7 @@ it (the shell's convention: 137 for SIGKILL).
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 import signal
 import subprocess
@@ -287,20 +288,55 @@ def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str |
 
 
 def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s: float = 30.0,
-        checkpoint_dir: str | None = None, resume: list[str] = (), heartbeat_s: float | None = None) -> int:
+        checkpoint_dir: str | None = None, resume: list[str] = (), heartbeat_s: float | None = None,
+        events: Path | None = None) -> int:
     """Start the job and supervise it; after a death start it again, up to `max_restarts` times.
 
     A restart is the same command: `jaxpar train` resumes from the newest complete
     checkpoint. A stop the launcher was asked for (SIGTERM/SIGINT) is never restarted.
+    `events`: a JSON lines file that gets one line per start, death, restart and stop (`jaxpar launch --status`).
     """
+    record = _Events(events)
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
-            code, restartable = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
+            ranks = start_ranks()
+            record("start", attempt=attempt, pids=[r.process.pid for r in ranks])
+            code, restartable, outcome = _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
+            if restartable:
+                record("death", **outcome)
             if not restartable or signals.stop_requested or attempt == max_restarts:
+                record("stop", exit_code=code, **({} if restartable else outcome))
                 return code
             step = last_complete_checkpoint(checkpoint_dir)
             where = "the start (no complete checkpoint)" if step is None else f"step {step}"
             print(f"jaxpar launch: restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr, flush=True)
+            record("restart", attempt=attempt + 1, from_step=step)
+
+
+class _Events:
+    """The launcher's events.jsonl: one line per event with its time, appended (and flushed) as it happens."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def __call__(self, event: str, **fields) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as file:
+                file.write(json.dumps({"time": round(time.time(), 3), "event": event, **fields}) + "\n")
+
+
+def status(log_dir: str | Path) -> str:
+    """What happened to the launches that logged to `log_dir`: a line per event of its events.jsonl."""
+    path = Path(log_dir) / "events.jsonl"
+    if not path.is_file():
+        raise ValueError(f"no {path}: `jaxpar launch` writes it in its --log-dir (default <checkpoint-dir>/logs)")
+    lines = []
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.pop("time")))
+        lines.append(f"{when}  {event.pop('event'):<8} " + "  ".join(f"{k} {v}" for k, v in event.items()))
+    return "\n".join(lines)
 
 
 def default_heartbeat_s(ranks: list[Rank]) -> float:
@@ -337,7 +373,7 @@ def _cause_of(dead: Rank, ranks: list[Rank]) -> tuple[Rank, str | None]:
                      f"{describe_exit(dead.rank, dead.process.returncode)} as a consequence")
 
 
-def _configuration_error(ranks: list[Rank], failed: Rank) -> tuple[int, bool]:
+def _configuration_error(ranks: list[Rank], failed: Rank) -> tuple[int, bool, dict]:
     """A rank exited 2 before its first step: the command's own error (a mesh too large, a bad flag), which every
     rank finds alike. Not a death: the error once, no report, no resume command, no restart."""
     deadline = time.monotonic() + 2
@@ -349,14 +385,15 @@ def _configuration_error(ranks: list[Rank], failed: Rank) -> tuple[int, bool]:
         lines = [l for path in failed.logs[1:] if path.is_file() for l in path.read_text(errors="replace").splitlines()]
         print(next((l for l in reversed(lines) if l.startswith("error:")),
                    f"error: rank {failed.rank} exited with code 2 before its first step"), file=sys.stderr, flush=True)
-    return CONFIGURATION_ERROR, False
+    return CONFIGURATION_ERROR, False, {"cause": "configuration error (exit 2 before any step)"}
 
 
 def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, resume: list[str],
-               signals: _Signals, heartbeat_s: float | None = None) -> tuple[int, bool]:
+               signals: _Signals, heartbeat_s: float | None = None) -> tuple[int, bool, dict]:
     """One start of the job, from its ranks' start to the last one's end (see the module docstring).
 
-    Returns the exit code and whether a restart could help (a death: yes; a configuration error, a finish: no)."""
+    Returns the exit code, whether a restart could help (a death: yes; a configuration error, a finish, a requested
+    stop: no) and how it ended, for the events file."""
     try:
         while True:
             dead = min((r for r in ranks if not r.alive() and r.process.returncode), key=lambda r: r.ended_at,
@@ -368,12 +405,14 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
                 culprit, reason = _cause_of(dead, ranks) if dead is not None else hung
                 killed = _end(ranks, DEATH_GRACE_S, signals)  # a death is certain: no save can complete, end them now
                 print(_report(ranks, culprit, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
-                return _exit_code(culprit.process.returncode), True
+                return _exit_code(culprit.process.returncode), True, {
+                    "rank": culprit.rank, "cause": reason or describe_exit(culprit.rank, culprit.process.returncode),
+                    "last_step": culprit.step(), "checkpoint": last_complete_checkpoint(checkpoint_dir)}
             if not any(r.alive() for r in ranks):
                 if signals.stop_requested:
                     print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
                           file=sys.stderr, flush=True)
-                return 0, False
+                return 0, False, {"cause": f"{signals.stop_requested}: saved" if signals.stop_requested else "finished"}
             if signals.stop_requested:
                 print(f"jaxpar launch: {signals.stop_requested}: asked every rank to save and stop "
                       f"(up to {grace_s:g} s; Ctrl-C again to kill now)", file=sys.stderr, flush=True)
@@ -381,7 +420,8 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
                 if killed[0] or any(r.process.returncode for r in ranks):
                     dead = next((r for r in ranks if r.rank in killed[0] or r.process.returncode), ranks[0])
                     print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
-                    return _exit_code(dead.process.returncode), False
+                    return _exit_code(dead.process.returncode), False, {
+                        "cause": f"{signals.stop_requested}: " + describe_exit(dead.rank, dead.process.returncode)}
                 continue
             time.sleep(0.1)
     finally:
