@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "0: off)")
     launch.add_argument("--coordinator-port", type=int, default=None,
                         help="the port rank 0 serves jax.distributed's coordinator on (default: a free one)")
+    launch.add_argument("--min-processes", type=int, default=None,
+                        help="when a process cannot come back, restart on those left, down to M, with a smaller data "
+                             "axis and more gradient accumulation (needs --max-restarts)")
     launch.add_argument("--status", metavar="LOGDIR", default=None,
                         help="print what happened to the launches logging to LOGDIR (its events.jsonl), then exit")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
@@ -347,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
                                 log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume,
-                                heartbeat_s=args.heartbeat_s, coordinator_port=args.coordinator_port)
+                                heartbeat_s=args.heartbeat_s, coordinator_port=args.coordinator_port,
+                                min_processes=args.min_processes)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+LOST_RANKS_ENV = "JAXPAR_TEST_LOST_RANKS"  # a test hook: these ranks of the first start, once dead, never come back
 PREEMPTED_MARKER = "PREEMPTED"  # written into --checkpoint-dir by a preemption save; the Slurm recipe requeues on it
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
@@ -108,7 +109,8 @@ def _free_port() -> int:
 
 def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
                  log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = (),
-                 heartbeat_s: float | None = None, coordinator_port: int | None = None) -> int:
+                 heartbeat_s: float | None = None, coordinator_port: int | None = None,
+                 min_processes: int | None = None) -> int:
     """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
 
     Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
@@ -117,6 +119,8 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
     `heartbeat_s`: no step for that long (after the first) ends the job as a death, naming the hung rank
     (None: 10x the slowest step seen, at least 60 s; 0: off). `coordinator_port`: rank 0's port (default a free one).
+    `min_processes`: a rank that cannot come back (on one machine only by the test hook LOST_RANKS_ENV) restarts the
+    job on fewer processes, down to this, with a smaller data axis and more gradient accumulation (launcher.shrunk).
     Every rank writes its step to `<log-dir>/rankN.beat` (a temporary directory without one): the launcher's
     exact "last step", and how it tells a configuration error (exit 2 before any step) from a death.
     """
@@ -140,14 +144,35 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
         raise ValueError(f"--heartbeat-s must be >= 0 (0: off), got {heartbeat_s}")
     beat_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="jaxpar-beats-"))
     check_port(coordinator_port)
-    command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
+    if min_processes is not None and not 1 <= min_processes <= num_processes:
+        raise ValueError(f"--min-processes must be between 1 and -n {num_processes}, got {min_processes}")
+    job = {"processes": num_processes, "argv": list(argv)}  # what the next (re)start runs: a shrink changes it
+    lost = {int(r) for r in os.environ.get(LOST_RANKS_ENV, "").split(",") if r}
 
     def start_ranks() -> list:
         address = f"localhost:{coordinator_port or _free_port()}"  # a fresh coordinator for every (re)start
-        envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
-                 "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
-        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir), beat_dir)
+        n = job["processes"]
+        command = [sys.executable, "-m", "jaxpar.cli", *job["argv"], "--devices", str(devices_per_process)]
+        envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
+                 "JAX_PROCESS_ID": str(rank)} for rank in range(n)]
+        return launcher.start([command] * n, envs, None if log_dir is None else Path(log_dir), beat_dir)
+
+    def shrink(left: int) -> str | None:
+        """The largest count from `left` down to min_processes that the layout shrinks to; None without the option."""
+        if min_processes is None:
+            return None
+        why = f"{left} processes left, --min-processes {min_processes}"
+        for n in range(left, min_processes - 1, -1):
+            try:
+                job["argv"], change = launcher.shrunk(argv, num_processes, n)
+            except ValueError as error:
+                why = str(error)
+                continue
+            job["processes"] = n
+            return change
+        raise ValueError(why)
 
     return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
                         resume=resume, heartbeat_s=heartbeat_s,
-                        events=None if log_dir is None else Path(log_dir) / "events.jsonl")
+                        events=None if log_dir is None else Path(log_dir) / "events.jsonl",
+                        lost=lambda rank: job["processes"] == num_processes and rank in lost, shrink=shrink)

@@ -114,6 +114,56 @@ def checkpoint_dir_of(argv: list[str]) -> str | None:
     return None
 
 
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of `name` in a command line (`--name v` or `--name=v`), the last one given; None when absent."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _with_flag(argv: list[str], name: str, value: str) -> list[str]:
+    """`argv` with `name` set to `value` (every earlier occurrence dropped)."""
+    out, skip = [], False
+    for index, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == name and index + 1 < len(argv):
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return [*out, name, value]
+
+
+def shrunk(argv: list[str], processes: int, left: int) -> tuple[list[str], str]:
+    """The `jaxpar train` command line for `left` of `processes` processes: the same layout with its `data` (or
+    `replica`) axis smaller by processes/left and `--grad-accum` larger by as much, so the global batch and the loss
+    curve carry on. ValueError saying why when the layout cannot shrink so (another axis would have to change)."""
+    if processes % left:
+        raise ValueError(f"{processes} processes do not shrink evenly to {left}")
+    factor = processes // left
+    mesh = _flag(argv, "--mesh")
+    sizes = dict(item.split("=") for item in mesh.split(",")) if mesh and "=" in mesh else None
+    if mesh is not None and sizes is None:
+        raise ValueError(f"--mesh {mesh} is a file or preset: give the axis sizes inline (data=8,...) to shrink it")
+    sizes = {"data": "-1"} if sizes is None else sizes
+    axis = next((a for a in ("data", "replica") if a in sizes and (sizes[a] == "-1" or int(sizes[a]) % factor == 0)),
+                None)
+    if axis is None or any(v == "-1" for a, v in sizes.items() if a != axis):
+        raise ValueError(f"mesh {mesh}: neither data nor replica divides by {factor} (tensor, pipe, ... cannot shrink)")
+    new_sizes = {**sizes, axis: sizes[axis] if sizes[axis] == "-1" else str(int(sizes[axis]) // factor)}
+    accum = int(_flag(argv, "--grad-accum") or 1)
+    new_mesh = ",".join(f"{a}={v}" for a, v in new_sizes.items())
+    argv = _with_flag(argv, "--grad-accum", str(accum * factor))
+    if mesh is not None:
+        argv = _with_flag(argv, "--mesh", new_mesh)
+    return argv, (f"processes {processes} -> {left}, mesh {mesh or 'data=-1'} -> {new_mesh}, "
+                  f"grad-accum {accum} -> {accum * factor}")
+
+
 def _parent_death_signal():
     """Linux's prctl(PR_SET_PDEATHSIG, SIGKILL), looked up before any fork (dlopen is not safe in a forked child)."""
     if not sys.platform.startswith("linux"):
@@ -289,12 +339,15 @@ def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str |
 
 def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s: float = 30.0,
         checkpoint_dir: str | None = None, resume: list[str] = (), heartbeat_s: float | None = None,
-        events: Path | None = None) -> int:
+        events: Path | None = None, lost: Callable[[int], bool] = lambda rank: False,
+        shrink: Callable[[int], str] | None = None) -> int:
     """Start the job and supervise it; after a death start it again, up to `max_restarts` times.
 
     A restart is the same command: `jaxpar train` resumes from the newest complete
     checkpoint. A stop the launcher was asked for (SIGTERM/SIGINT) is never restarted.
-    `events`: a JSON lines file that gets one line per start, death, restart and stop (`jaxpar launch --status`).
+    `events`: a JSON lines file that gets one line per start, death, restart, shrink and stop (`jaxpar launch --status`).
+    A dead rank that cannot come back (`lost`) is restarted without: `shrink(processes left)` makes the next start
+    smaller and says how, or raises ValueError saying why it cannot.
     """
     record = _Events(events)
     with _Signals() as signals:
@@ -309,6 +362,21 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
                 return code
             step = last_complete_checkpoint(checkpoint_dir)
             where = "the start (no complete checkpoint)" if step is None else f"step {step}"
+            if lost(outcome["rank"]):
+                try:
+                    change = shrink(len(ranks) - 1) if shrink is not None else None
+                except ValueError as error:
+                    change, why = None, str(error)
+                else:
+                    why = "no --min-processes"
+                if change is None:
+                    print(f"jaxpar launch: rank {outcome['rank']} cannot come back and the job cannot shrink: {why}",
+                          file=sys.stderr, flush=True)
+                    record("stop", exit_code=code, cause=f"rank {outcome['rank']} lost; cannot shrink: {why}")
+                    return code
+                print(f"jaxpar launch: rank {outcome['rank']} cannot come back; shrinking: {change}",
+                      file=sys.stderr, flush=True)
+                record("shrink", lost_rank=outcome["rank"], change=change)
             print(f"jaxpar launch: restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr, flush=True)
             record("restart", attempt=attempt + 1, from_step=step)
 
