@@ -484,7 +484,9 @@ def test_a_layout_shrinks_on_its_data_axis_with_more_accumulation():
     assert shrunk(["train", "--mesh=replica=2,data=4", "--grad-accum", "2"], 4, 2)[0][-4:] == [
         "--grad-accum", "4", "--mesh", "replica=2,data=2"]
     for argv, left, why in ((["train", "--mesh", "data=2,tensor=4"], 1, "neither data nor replica divides by 4"),
-                            (["train", "--mesh", "zero3-8"], 2, "give the axis sizes inline"),
+                            (["train", "--mesh", "zero3-8"], 2, "give --mesh with axis sizes"),
+                            (["train"], 2, "give --mesh with axis sizes"),
+                            (["train", "--config", "r.toml", "--mesh", "data=8"], 2, "give --grad-accum"),
                             (["train", "--mesh", "data=8"], 3, "4 processes do not shrink evenly to 3")):
         with pytest.raises(ValueError, match=why):
             shrunk(argv, 4, left)

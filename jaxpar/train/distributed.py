@@ -124,6 +124,7 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     Every rank writes its step to `<log-dir>/rankN.beat` (a temporary directory without one): the launcher's
     exact "last step", and how it tells a configuration error (exit 2 before any step) from a death.
     """
+    import shutil
     import tempfile
     from pathlib import Path
 
@@ -146,6 +147,8 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     check_port(coordinator_port)
     if min_processes is not None and not 1 <= min_processes <= num_processes:
         raise ValueError(f"--min-processes must be between 1 and -n {num_processes}, got {min_processes}")
+    if min_processes is not None and not max_restarts:
+        raise ValueError("--min-processes needs --max-restarts: the job restarts on the processes left")
     job = {"processes": num_processes, "argv": list(argv)}  # what the next (re)start runs: a shrink changes it
     lost = {int(r) for r in os.environ.get(LOST_RANKS_ENV, "").split(",") if r}
 
@@ -172,7 +175,11 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
             return change
         raise ValueError(why)
 
-    return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
-                        resume=resume, heartbeat_s=heartbeat_s,
-                        events=None if log_dir is None else Path(log_dir) / "events.jsonl",
-                        lost=lambda rank: job["processes"] == num_processes and rank in lost, shrink=shrink)
+    try:
+        return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
+                            resume=resume, heartbeat_s=heartbeat_s,
+                            events=None if log_dir is None else Path(log_dir) / "events.jsonl",
+                            lost=lambda rank: job["processes"] == num_processes and rank in lost, shrink=shrink)
+    finally:
+        if log_dir is None:
+            shutil.rmtree(beat_dir, ignore_errors=True)  # the temporary heartbeat directory

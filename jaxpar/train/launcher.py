@@ -146,10 +146,11 @@ def shrunk(argv: list[str], processes: int, left: int) -> tuple[list[str], str]:
         raise ValueError(f"{processes} processes do not shrink evenly to {left}")
     factor = processes // left
     mesh = _flag(argv, "--mesh")
-    sizes = dict(item.split("=") for item in mesh.split(",")) if mesh and "=" in mesh else None
-    if mesh is not None and sizes is None:
-        raise ValueError(f"--mesh {mesh} is a file or preset: give the axis sizes inline (data=8,...) to shrink it")
-    sizes = {"data": "-1"} if sizes is None else sizes
+    if mesh is None or "=" not in mesh or mesh.endswith(".toml"):  # a preset, a file, --config or the default mesh
+        raise ValueError("the layout is not on the command line: give --mesh with axis sizes (data=8,...) to shrink it")
+    if _flag(argv, "--config") is not None and _flag(argv, "--grad-accum") is None:
+        raise ValueError("--config may set grad_accum: give --grad-accum on the command line to shrink the job")
+    sizes = dict(item.split("=") for item in mesh.split(","))
     axis = next((a for a in ("data", "replica") if a in sizes and (sizes[a] == "-1" or int(sizes[a]) % factor == 0)),
                 None)
     if axis is None or any(v == "-1" for a, v in sizes.items() if a != axis):
@@ -157,10 +158,8 @@ def shrunk(argv: list[str], processes: int, left: int) -> tuple[list[str], str]:
     new_sizes = {**sizes, axis: sizes[axis] if sizes[axis] == "-1" else str(int(sizes[axis]) // factor)}
     accum = int(_flag(argv, "--grad-accum") or 1)
     new_mesh = ",".join(f"{a}={v}" for a, v in new_sizes.items())
-    argv = _with_flag(argv, "--grad-accum", str(accum * factor))
-    if mesh is not None:
-        argv = _with_flag(argv, "--mesh", new_mesh)
-    return argv, (f"processes {processes} -> {left}, mesh {mesh or 'data=-1'} -> {new_mesh}, "
+    argv = _with_flag(_with_flag(argv, "--grad-accum", str(accum * factor)), "--mesh", new_mesh)
+    return argv, (f"processes {processes} -> {left}, mesh {mesh} -> {new_mesh}, "
                   f"grad-accum {accum} -> {accum * factor}")
 
 
