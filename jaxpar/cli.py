@@ -100,14 +100,23 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
     launch.add_argument("--grace-s", type=float, default=30.0,
-                        help="after a death or a SIGTERM/SIGINT, seconds the ranks get to stop before SIGKILL (default 30)")
+                        help="after a SIGTERM/SIGINT, seconds the ranks get to save and stop before SIGKILL (default 30; "
+                             "after a death the others are ended at once)")
     launch.add_argument("--log-dir", default=None,
                         help="every rank's stdout/stderr as rankN.out/.err (default <checkpoint-dir>/logs when given)")
     launch.add_argument("--max-restarts", type=int, default=0,
                         help="after a death, start the job again (it resumes from --checkpoint-dir) up to N times")
     launch.add_argument("--heartbeat-s", type=float, default=None,
-                        help="a rank that logs no step for S seconds (counted from its first step; start-up and "
-                             "compilation are not timed) is treated as dead: reported and the job ended (default off)")
+                        help="no step for S seconds (counted from the first step; start-up and compilation are not "
+                             "timed) ends the job, naming the hung rank (default: 10x the slowest step, at least 60; "
+                             "0: off)")
+    launch.add_argument("--coordinator-port", type=int, default=None,
+                        help="the port rank 0 serves jax.distributed's coordinator on (default: a free one)")
+    launch.add_argument("--min-processes", type=int, default=None,
+                        help="when a process cannot come back, restart on those left, down to M, with a smaller data "
+                             "axis and more gradient accumulation (needs --max-restarts)")
+    launch.add_argument("--status", metavar="LOGDIR", default=None,
+                        help="print what happened to the launches logging to LOGDIR (its events.jsonl), then exit")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
     _add_plan_command(sub)
     return parser
@@ -337,9 +346,15 @@ def main(argv: list[str] | None = None) -> int:
 
         resume = ["jaxpar", *(sys.argv[1:] if argv is None else argv)]  # the same command resumes from --checkpoint-dir
         try:
+            if args.status is not None:
+                from jaxpar.train.launcher import status
+
+                print(status(args.status))
+                return 0
             return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
                                 log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume,
-                                heartbeat_s=args.heartbeat_s)
+                                heartbeat_s=args.heartbeat_s, coordinator_port=args.coordinator_port,
+                                min_processes=args.min_processes)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -23,6 +23,7 @@ from jaxpar.run.training import (
     resume,
 )
 from jaxpar.train.data import BadBatch
+from jaxpar.train.distributed import PREEMPTED_MARKER
 from jaxpar.train.block_packing import BlockBatches
 from jaxpar.train.epochs import EpochBatches
 from jaxpar.train.packed_mixture import CHUNK, PackedMixture
@@ -155,6 +156,8 @@ def train_with_progress(run: Run, console: Console) -> int:
                 checkpoints.close()
     if row.get("preempted"):
         console.print(f"[bold yellow]preempted[/] (SIGTERM): step {row['step']} saved in {checkpoints.directory}")
+        if jax.process_index() == 0:  # this attempt was preempted, saved: a scheduler's script requeues on it (README)
+            (checkpoints.directory / PREEMPTED_MARKER).write_text(f"{row['step']}\n")
     if losses:
         steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # the first step's time includes compiling
         console.print(f"[bold green]done[/]: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "

@@ -12,27 +12,86 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
+import time
 
+LOST_RANKS_ENV = "JAXPAR_TEST_LOST_RANKS"  # a test hook: these ranks of the first start, once dead, never come back
+PREEMPTED_MARKER = "PREEMPTED"  # written into --checkpoint-dir by a preemption save; the Slurm recipe requeues on it
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
 
 def initialize() -> bool:
-    """Join the multi-process runtime when launched as part of one; True if it did."""
+    """Join the multi-process runtime when launched as part of one; True if it did.
+
+    A coordinator port that cannot be bound is a ValueError of one line (the port and how to choose another),
+    not jax's traceback: the rank exits 2 and the others end with it (`jaxpar launch`, srun --kill-on-bad-exit)."""
     if not any(name in os.environ for name in CLUSTER_ENV):
         return False
+    show_life()
     import jax
 
     if jax.config.jax_platforms in (None, "", "cpu") and "JAX_COORDINATOR_ADDRESS" in os.environ:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if "JAX_COORDINATOR_ADDRESS" in os.environ:
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["JAX_PROCESS_ID"]),
-        )
-    else:
-        jax.distributed.initialize()
+    check_port(_coordinator_port())
+    try:
+        if "JAX_COORDINATOR_ADDRESS" in os.environ:
+            jax.distributed.initialize(
+                coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                process_id=int(os.environ["JAX_PROCESS_ID"]),
+            )
+        else:
+            jax.distributed.initialize()
+    except jax.errors.JaxRuntimeError as error:
+        if "Failed to start RPC server" not in str(error):
+            raise
+        from jax._src.distributed import global_state  # the address jax chose (Slurm: from the job id)
+
+        raise ValueError(_port_in_use(str(global_state.coordinator_address).rsplit(":", 1)[-1])) from None
     return True
+
+
+def _coordinator_port() -> int | None:
+    """The port this process will serve the coordinator on, when it is the coordinator and the port is known ahead."""
+    if "JAX_COORDINATOR_ADDRESS" in os.environ and os.environ.get("JAX_PROCESS_ID") == "0":
+        return int(os.environ["JAX_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+    if "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_PROCID") == "0":  # jax's rule (clusters/slurm_cluster.py)
+        return int(os.environ.get("JAX_COORDINATOR_PORT") or int(os.environ["SLURM_JOB_ID"]) % 4096 + 61440)
+    return None
+
+
+def _port_in_use(port) -> str:
+    return (f"coordinator port {port} is in use (another job on this node?): choose another with "
+            f"`jaxpar launch --coordinator-port N` or JAX_COORDINATOR_PORT=N")
+
+
+def check_port(port: int | None) -> None:
+    """ValueError naming `port` if it cannot be bound here (as jax's coordinator binds it: every address)."""
+    if port is None:
+        return
+    with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to a server
+        try:
+            probe.bind(("::" if probe.family == socket.AF_INET6 else "", port))
+        except OSError:
+            raise ValueError(_port_in_use(port)) from None
+
+
+def show_life(every_s: float = 0.5) -> None:
+    """Under `jaxpar launch`, touch this rank's sign-of-life file from a thread, which runs on while the main thread
+    waits in a collective but not when the process hangs: the launcher names the hung rank, not its waiting peers."""
+    from jaxpar.train.launcher import HEARTBEAT_ENV, alive_file
+
+    if HEARTBEAT_ENV not in os.environ:
+        return
+    path = alive_file(os.environ[HEARTBEAT_ENV])
+
+    def beat() -> None:
+        while True:
+            path.touch()
+            time.sleep(every_s)
+
+    threading.Thread(target=beat, daemon=True, name="jaxpar-alive").start()
 
 
 def is_leader() -> bool:
@@ -50,15 +109,23 @@ def _free_port() -> int:
 
 def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
                  log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = (),
-                 heartbeat_s: float | None = None) -> int:
+                 heartbeat_s: float | None = None, coordinator_port: int | None = None,
+                 min_processes: int | None = None) -> int:
     """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
 
     Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
     (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
     `resume` is the command line printed as the way to resume after a death;
     `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
-    `heartbeat_s`: a rank with no step for that long (after its first) is ended as dead.
+    `heartbeat_s`: no step for that long (after the first) ends the job as a death, naming the hung rank
+    (None: 10x the slowest step seen, at least 60 s; 0: off). `coordinator_port`: rank 0's port (default a free one).
+    `min_processes`: a rank that cannot come back (on one machine only by the test hook LOST_RANKS_ENV) restarts the
+    job on fewer processes, down to this, with a smaller data axis and more gradient accumulation (launcher.shrunk).
+    Every rank writes its step to `<log-dir>/rankN.beat` (a temporary directory without one): the launcher's
+    exact "last step", and how it tells a configuration error (exit 2 before any step) from a death.
     """
+    import shutil
+    import tempfile
     from pathlib import Path
 
     from jaxpar.train import launcher
@@ -74,18 +141,45 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
         raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
     if log_dir is None and checkpoint_dir is not None:
         log_dir = str(Path(checkpoint_dir) / "logs")
-    if heartbeat_s is not None and heartbeat_s <= 0:
-        raise ValueError(f"--heartbeat-s must be > 0, got {heartbeat_s}")
-    if heartbeat_s is not None and log_dir is None:
-        raise ValueError("--heartbeat-s needs --log-dir or --checkpoint-dir: the ranks' heartbeat files go there")
-    command = [sys.executable, "-m", "jaxpar.cli", *argv, "--devices", str(devices_per_process)]
+    if heartbeat_s is not None and heartbeat_s < 0:
+        raise ValueError(f"--heartbeat-s must be >= 0 (0: off), got {heartbeat_s}")
+    beat_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="jaxpar-beats-"))
+    check_port(coordinator_port)
+    if min_processes is not None and not 1 <= min_processes <= num_processes:
+        raise ValueError(f"--min-processes must be between 1 and -n {num_processes}, got {min_processes}")
+    if min_processes is not None and not max_restarts:
+        raise ValueError("--min-processes needs --max-restarts: the job restarts on the processes left")
+    job = {"processes": num_processes, "argv": list(argv)}  # what the next (re)start runs: a shrink changes it
+    lost = {int(r) for r in os.environ.get(LOST_RANKS_ENV, "").split(",") if r}
 
     def start_ranks() -> list:
-        address = f"localhost:{_free_port()}"  # a fresh coordinator for every (re)start
-        envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(num_processes),
-                 "JAX_PROCESS_ID": str(rank)} for rank in range(num_processes)]
-        return launcher.start([command] * num_processes, envs, None if log_dir is None else Path(log_dir),
-                              heartbeat=heartbeat_s is not None)
+        address = f"localhost:{coordinator_port or _free_port()}"  # a fresh coordinator for every (re)start
+        n = job["processes"]
+        command = [sys.executable, "-m", "jaxpar.cli", *job["argv"], "--devices", str(devices_per_process)]
+        envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
+                 "JAX_PROCESS_ID": str(rank)} for rank in range(n)]
+        return launcher.start([command] * n, envs, None if log_dir is None else Path(log_dir), beat_dir)
 
-    return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
-                        resume=resume, heartbeat_s=heartbeat_s)
+    def shrink(left: int) -> str | None:
+        """The largest count from `left` down to min_processes that the layout shrinks to; None without the option."""
+        if min_processes is None:
+            return None
+        why = f"{left} processes left, --min-processes {min_processes}"
+        for n in range(left, min_processes - 1, -1):
+            try:
+                job["argv"], change = launcher.shrunk(argv, num_processes, n)
+            except ValueError as error:
+                why = str(error)
+                continue
+            job["processes"] = n
+            return change
+        raise ValueError(why)
+
+    try:
+        return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
+                            resume=resume, heartbeat_s=heartbeat_s,
+                            events=None if log_dir is None else Path(log_dir) / "events.jsonl",
+                            lost=lambda rank: job["processes"] == num_processes and rank in lost, shrink=shrink)
+    finally:
+        if log_dir is None:
+            shutil.rmtree(beat_dir, ignore_errors=True)  # the temporary heartbeat directory

@@ -2,24 +2,31 @@
 
 A job of N cooperating processes is only as alive as its weakest rank: when
 one dies the others block in a collective forever. So on a death the launcher
-ends the rest (SIGTERM, then SIGKILL after the grace period), checks that none
-remains, and prints one block saying who died, how, where the run stands and
-the command that resumes it. SIGTERM or SIGINT to the launcher (a scheduler's
-preemption notice, a Ctrl-C) is forwarded to every rank as SIGTERM, on which
-`jaxpar train` saves and stops; a second Ctrl-C kills everything at once.
+ends the rest at once (SIGTERM, SIGKILL a second later: a rank whose peer is
+dead cannot save), checks that none remains, and prints one block saying who
+died, how, the last step it completed, the last checkpoint and the command that
+resumes. SIGTERM or SIGINT to the launcher (a scheduler's preemption notice, a
+Ctrl-C) is forwarded to every rank as SIGTERM, on which `jaxpar train` saves and
+stops within the grace period; a second Ctrl-C kills everything at once.
 With `max_restarts`, a death starts the job again (it resumes from its checkpoints).
-With `heartbeat_s`, a rank that has stepped once and then goes that long without a
-step (stuck in a collective whose peer hangs, say) is ended and reported like a death.
+
+Every rank writes its step to its heartbeat file after each step (run/training.py)
+and touches a sign of life twice a second from a thread (distributed.py), which a
+rank waiting in a collective keeps doing and a hung (stopped, wedged) rank does
+not. When no step comes for `heartbeat_s` (default: 10 times the slowest step
+seen, at least a minute) the job is ended, and the rank named is the one without
+a sign of life: the hung one, not the peers waiting on it.
 
 Exit codes: 0 when every rank exited 0 (also after a forwarded SIGTERM whose
-save completed); otherwise the first failing rank's code, or 128 + the signal
-number when a signal killed it (the shell's convention: 137 for SIGKILL).
+save completed); 2 for a configuration error found before any step; otherwise
+the first failing rank's code, or 128 + the signal number when a signal killed
+it (the shell's convention: 137 for SIGKILL).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
+import json
 import shlex
 import signal
 import subprocess
@@ -29,21 +36,31 @@ import time
 from pathlib import Path
 from typing import Callable
 
-LOGGED_STEP = re.compile(r"^(?:step\s+(\d+)\s+loss|.*preempted.*: step (\d+) saved)", re.MULTILINE)
 RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
-HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # a file the rank rewrites after every step (run/training.py): its mtime is the beat
+HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # the rank writes its step there after every step; `.alive` beside it: life
+CONFIGURATION_ERROR = 2  # `jaxpar` exits 2 on a bad command line or configuration (cli.py), found before training
+DEATH_GRACE_S = 1.0  # survivors of a death get this long after SIGTERM before SIGKILL (they wait on a dead peer)
+LIFE_S = 3.0  # a rank whose sign of life (touched every 0.5 s) is older than this is hung, not waiting
+MIN_HEARTBEAT_S, SLOWEST_STEPS = 60.0, 10  # the default heartbeat: 10x the slowest step seen, at least a minute
+
+
+def alive_file(beat: Path) -> Path:
+    """Where a rank's sign of life goes, beside its heartbeat file."""
+    return Path(beat).with_suffix(".alive")
 
 
 @dataclasses.dataclass
 class Rank:
-    """One started process of the job, with where its output goes and when it ended."""
+    """One started process of the job, with where its output goes, its heartbeat and when it ended."""
 
     rank: int
     process: subprocess.Popen
     logs: tuple[Path, ...] = ()
     copiers: tuple[threading.Thread, ...] = ()  # rank 0's output to the console and its logs
     ended_at: float | None = None  # when the process ended, by a thread waiting on it: deaths are told apart by order
-    heartbeat: Path | None = None  # the file whose mtime says when this rank last finished a step
+    heartbeat: Path | None = None  # holds the last step this rank completed; its mtime is when
+    last_step: int | None = None
+    slowest_step_s: float = 0.0  # the longest time between two of its steps (the first, which compiles, not counted)
 
     def __post_init__(self):
         threading.Thread(target=self._watch, daemon=True).start()
@@ -55,12 +72,36 @@ class Rank:
     def alive(self) -> bool:
         return self.ended_at is None
 
+    def step(self) -> int | None:
+        """The last step this rank completed, from its heartbeat file (None before its first)."""
+        self.observe()
+        return self.last_step
+
+    def observe(self) -> None:
+        """Read the heartbeat: the last step, and the slowest step so far (for the default heartbeat)."""
+        try:
+            stat, step = self.heartbeat.stat(), int(self.heartbeat.read_text())
+        except (AttributeError, FileNotFoundError, ValueError):  # no file yet, or caught mid-rewrite
+            return
+        if step != self.last_step:
+            if self.last_step is not None:
+                self.slowest_step_s = max(self.slowest_step_s, stat.st_mtime - self._stepped_at)
+            self.last_step, self._stepped_at = step, stat.st_mtime
+
     def silent_for(self) -> float | None:
         """Seconds since this rank's last step, or None before its first (start-up and compilation are not timed)."""
-        try:
-            return time.time() - self.heartbeat.stat().st_mtime
-        except (AttributeError, FileNotFoundError):
-            return None
+        return _age(self.heartbeat)
+
+    def lifeless_for(self) -> float | None:
+        """Seconds since this rank last showed a sign of life, or None if it never did (no thread: not judged)."""
+        return None if self.heartbeat is None else _age(alive_file(self.heartbeat))
+
+
+def _age(path: Path | None) -> float | None:
+    try:
+        return time.time() - path.stat().st_mtime
+    except (AttributeError, FileNotFoundError):
+        return None
 
 
 def checkpoint_dir_of(argv: list[str]) -> str | None:
@@ -71,6 +112,55 @@ def checkpoint_dir_of(argv: list[str]) -> str | None:
         if arg.startswith("--checkpoint-dir="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of `name` in a command line (`--name v` or `--name=v`), the last one given; None when absent."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _with_flag(argv: list[str], name: str, value: str) -> list[str]:
+    """`argv` with `name` set to `value` (every earlier occurrence dropped)."""
+    out, skip = [], False
+    for index, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == name and index + 1 < len(argv):
+            skip = True
+        elif not arg.startswith(name + "="):
+            out.append(arg)
+    return [*out, name, value]
+
+
+def shrunk(argv: list[str], processes: int, left: int) -> tuple[list[str], str]:
+    """The `jaxpar train` command line for `left` of `processes` processes: the same layout with its `data` (or
+    `replica`) axis smaller by processes/left and `--grad-accum` larger by as much, so the global batch and the loss
+    curve carry on. ValueError saying why when the layout cannot shrink so (another axis would have to change)."""
+    if processes % left:
+        raise ValueError(f"{processes} processes do not shrink evenly to {left}")
+    factor = processes // left
+    mesh = _flag(argv, "--mesh")
+    if mesh is None or "=" not in mesh or mesh.endswith(".toml"):  # a preset, a file, --config or the default mesh
+        raise ValueError("the layout is not on the command line: give --mesh with axis sizes (data=8,...) to shrink it")
+    if _flag(argv, "--config") is not None and _flag(argv, "--grad-accum") is None:
+        raise ValueError("--config may set grad_accum: give --grad-accum on the command line to shrink the job")
+    sizes = dict(item.split("=") for item in mesh.split(","))
+    axis = next((a for a in ("data", "replica") if a in sizes and (sizes[a] == "-1" or int(sizes[a]) % factor == 0)),
+                None)
+    if axis is None or any(v == "-1" for a, v in sizes.items() if a != axis):
+        raise ValueError(f"mesh {mesh}: neither data nor replica divides by {factor} (tensor, pipe, ... cannot shrink)")
+    new_sizes = {**sizes, axis: sizes[axis] if sizes[axis] == "-1" else str(int(sizes[axis]) // factor)}
+    accum = int(_flag(argv, "--grad-accum") or 1)
+    new_mesh = ",".join(f"{a}={v}" for a, v in new_sizes.items())
+    argv = _with_flag(_with_flag(argv, "--grad-accum", str(accum * factor)), "--mesh", new_mesh)
+    return argv, (f"processes {processes} -> {left}, mesh {mesh} -> {new_mesh}, "
+                  f"grad-accum {accum} -> {accum * factor}")
 
 
 def _parent_death_signal():
@@ -93,30 +183,32 @@ def _tee(source, console, log) -> None:
     log.close()
 
 
-def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, heartbeat: bool = False) -> list[Rank]:
+def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, beat_dir: Path | None = None) -> list[Rank]:
     """Start one process per command. Rank 0 prints to the console (and its logs); the others to their logs only.
 
     Each rank runs in its own session, so a terminal's Ctrl-C reaches the launcher
-    alone, and the launcher decides what the ranks get. With `heartbeat`, each rank
-    is told (HEARTBEAT_ENV) to touch `log_dir/rankN.beat` after every step.
+    alone, and the launcher decides what the ranks get. With `beat_dir`, each rank
+    is told (HEARTBEAT_ENV) to write its step to `beat_dir/rankN.beat` after every step.
     """
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (log_dir, beat_dir):
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
     _die_with_parent = _parent_death_signal()  # so even a SIGKILLed launcher leaves no orphan
     ranks = []
     for rank, (command, env) in enumerate(zip(commands, envs, strict=True)):
+        beat = None if beat_dir is None else Path(beat_dir) / f"rank{rank}.beat"
+        if beat is not None:
+            for stale in (beat, alive_file(beat)):  # a restart's clock starts at its own first step
+                stale.unlink(missing_ok=True)
+            env = {**env, HEARTBEAT_ENV: str(beat)}
         if log_dir is None:
             quiet = subprocess.DEVNULL if rank else None
             process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet, start_new_session=True,
                                        preexec_fn=_die_with_parent)
-            ranks.append(Rank(rank, process))
+            ranks.append(Rank(rank, process, heartbeat=beat))
             continue
         logs = (log_dir / f"rank{rank}.out", log_dir / f"rank{rank}.err")
         files = [path.open("ab") for path in logs]
-        beat = log_dir / f"rank{rank}.beat" if heartbeat else None
-        if beat is not None:
-            beat.unlink(missing_ok=True)  # a restart's clock starts at its own first step, not the last attempt's
-            env = {**env, HEARTBEAT_ENV: str(beat)}
         if rank:
             env = {**env, RANK_OUTPUT_ENV: "1"}
             process = subprocess.Popen(command, env=env, stdout=files[0], stderr=files[1], start_new_session=True,
@@ -141,15 +233,6 @@ def describe_exit(rank: int, code: int) -> str:
     if code < 0:
         return f"rank {rank} was killed by {signal.Signals(-code).name}"
     return f"rank {rank} exited with code {code}"
-
-
-def last_logged_step(logs: tuple[Path, ...]) -> int | None:
-    """The last step a rank printed (a `step N  loss ...` line or its preemption save), read from its logs."""
-    steps = []
-    for path in logs:
-        if path.is_file():
-            steps += [int(a or b) for a, b in LOGGED_STEP.findall(path.read_text(errors="replace"))]
-    return max(steps, default=None)
 
 
 def last_complete_checkpoint(directory: str | None) -> int | None:
@@ -198,18 +281,18 @@ def _signal_all(ranks: list[Rank], signum: int) -> None:
                 pass
 
 
-def _end(ranks: list[Rank], grace_s: float, signals: _Signals) -> list[int]:
-    """SIGTERM every live rank, SIGKILL what remains after `grace_s` (or at a second Ctrl-C); ranks SIGKILLed."""
+def _end(ranks: list[Rank], grace_s: float, signals: _Signals) -> tuple[list[int], str]:
+    """SIGTERM every live rank, SIGKILL what remains after `grace_s` (or at a second Ctrl-C).
+
+    Returns the ranks SIGKILLed and when, for the report."""
     _signal_all(ranks, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while any(rank.alive() for rank in ranks):
-        if time.monotonic() >= deadline or signals.kill_now:
-            break
+    while any(rank.alive() for rank in ranks) and time.monotonic() < deadline and not signals.kill_now:
         time.sleep(0.05)
     killed = [rank.rank for rank in ranks if rank.alive()]
     _signal_all(ranks, signal.SIGKILL)
     _reap(ranks)
-    return killed
+    return killed, "at the second Ctrl-C" if signals.kill_now else f"{grace_s:g} s after SIGTERM"
 
 
 def _reap(ranks: list[Rank]) -> None:
@@ -220,20 +303,19 @@ def _reap(ranks: list[Rank]) -> None:
             copier.join(timeout=5)
 
 
-def _report(ranks: list[Rank], dead: Rank, killed: list[int], checkpoint_dir: str | None, resume: list[str],
-            reason: str | None = None) -> str:
-    code = dead.process.returncode
-    step = last_logged_step(dead.logs)
+def _report(ranks: list[Rank], dead: Rank, killed: tuple[list[int], str], checkpoint_dir: str | None,
+            resume: list[str], reason: str | None = None) -> str:
+    step = dead.step()
+    logged = "unknown (no heartbeat)" if dead.heartbeat is None else ("none" if step is None else str(step))
     checkpoint = last_complete_checkpoint(checkpoint_dir)
-    logged = "unknown (no --log-dir)" if not dead.logs else ("none" if step is None else str(step))
     where = (f"step {checkpoint} in {checkpoint_dir}" if checkpoint is not None
              else f"none in {checkpoint_dir}" if checkpoint_dir else "none (no --checkpoint-dir: the run cannot resume)")
     ended = ", ".join(describe_exit(r.rank, r.process.returncode) for r in ranks if r is not dead) or "no other ranks"
     lines = [
-        f"jaxpar launch: {reason or describe_exit(dead.rank, code)} (pid {dead.process.pid})",
-        f"  last step it logged:      {logged}" + (f"  ({dead.logs[0].parent})" if dead.logs else ""),
+        f"jaxpar launch: {reason or describe_exit(dead.rank, dead.process.returncode)} (pid {dead.process.pid})",
+        f"  last step it completed:   {logged}" + (f"  ({dead.logs[0].parent})" if dead.logs else ""),
         f"  last complete checkpoint: {where}",
-        f"  the other ranks:          {ended}" + (f"; SIGKILLed after the grace period: {killed}" if killed else ""),
+        f"  the other ranks:          {ended}" + (f"; SIGKILLed {killed[1]}: {killed[0]}" if killed[0] else ""),
         f"  no process of the job remains",
         f"  resume with:              {shlex.join(resume)}",
     ]
@@ -246,65 +328,167 @@ def _exit_code(code: int) -> int:
 
 def supervise(ranks: list[Rank], *, grace_s: float = 30.0, checkpoint_dir: str | None = None,
               resume: list[str] = (), heartbeat_s: float | None = None) -> int:
-    """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code."""
+    """Wait for the ranks; contain and report a death; forward the launcher's SIGTERM/SIGINT. Returns the exit code.
+
+    `heartbeat_s`: how long without a step ends the job (None: the default that follows the slowest step; 0: never).
+    """
     with _Signals() as signals:
-        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
+        return _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)[0]
 
 
 def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s: float = 30.0,
-        checkpoint_dir: str | None = None, resume: list[str] = (), heartbeat_s: float | None = None) -> int:
+        checkpoint_dir: str | None = None, resume: list[str] = (), heartbeat_s: float | None = None,
+        events: Path | None = None, lost: Callable[[int], bool] = lambda rank: False,
+        shrink: Callable[[int], str] | None = None) -> int:
     """Start the job and supervise it; after a death start it again, up to `max_restarts` times.
 
     A restart is the same command: `jaxpar train` resumes from the newest complete
     checkpoint. A stop the launcher was asked for (SIGTERM/SIGINT) is never restarted.
+    `events`: a JSON lines file that gets one line per start, death, restart, shrink and stop (`jaxpar launch --status`).
+    A dead rank that cannot come back (`lost`) is restarted without: `shrink(processes left)` makes the next start
+    smaller and says how, or raises ValueError saying why it cannot.
     """
+    record = _Events(events)
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
-            code = _supervise(start_ranks(), grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
-            if code == 0 or signals.stop_requested or attempt == max_restarts:
+            ranks = start_ranks()
+            record("start", attempt=attempt, pids=[r.process.pid for r in ranks])
+            code, restartable, outcome = _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
+            if restartable:
+                record("death", **outcome)
+            if not restartable or signals.stop_requested or attempt == max_restarts:
+                record("stop", exit_code=code, **({} if restartable else outcome))
                 return code
             step = last_complete_checkpoint(checkpoint_dir)
             where = "the start (no complete checkpoint)" if step is None else f"step {step}"
+            if lost(outcome["rank"]):
+                try:
+                    change = shrink(len(ranks) - 1) if shrink is not None else None
+                except ValueError as error:
+                    change, why = None, str(error)
+                else:
+                    why = "no --min-processes"
+                if change is None:
+                    print(f"jaxpar launch: rank {outcome['rank']} cannot come back and the job cannot shrink: {why}",
+                          file=sys.stderr, flush=True)
+                    record("stop", exit_code=code, cause=f"rank {outcome['rank']} lost; cannot shrink: {why}")
+                    return code
+                print(f"jaxpar launch: rank {outcome['rank']} cannot come back; shrinking: {change}",
+                      file=sys.stderr, flush=True)
+                record("shrink", lost_rank=outcome["rank"], change=change)
             print(f"jaxpar launch: restart {attempt + 1} of {max_restarts}, from {where}", file=sys.stderr, flush=True)
+            record("restart", attempt=attempt + 1, from_step=step)
 
 
-def _silent_rank(ranks: list[Rank], heartbeat_s: float | None) -> Rank | None:
-    """The first live rank whose last step is more than `heartbeat_s` ago: hung, so treated as dead."""
-    if heartbeat_s is None:
+class _Events:
+    """The launcher's events.jsonl: one line per event with its time, appended (and flushed) as it happens."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def __call__(self, event: str, **fields) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as file:
+                file.write(json.dumps({"time": round(time.time(), 3), "event": event, **fields}) + "\n")
+
+
+def status(log_dir: str | Path) -> str:
+    """What happened to the launches that logged to `log_dir`: a line per event of its events.jsonl."""
+    path = Path(log_dir) / "events.jsonl"
+    if not path.is_file():
+        raise ValueError(f"no {path}: `jaxpar launch` writes it in its --log-dir (default <checkpoint-dir>/logs)")
+    lines = []
+    for line in path.read_text().splitlines():
+        event = json.loads(line)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.pop("time")))
+        lines.append(f"{when}  {event.pop('event'):<8} " + "  ".join(f"{k} {v}" for k, v in event.items()))
+    return "\n".join(lines)
+
+
+def default_heartbeat_s(ranks: list[Rank]) -> float:
+    """10x the slowest step seen (a save or an evaluation included), at least a minute: a hang ends by default."""
+    return max(MIN_HEARTBEAT_S, SLOWEST_STEPS * max(r.slowest_step_s for r in ranks))
+
+
+def _hung(ranks: list[Rank], heartbeat_s: float | None) -> tuple[Rank, str] | None:
+    """When a live rank has made no step for the heartbeat: the rank to blame, and why.
+
+    Ranks in one job step together, so a hung rank silences its waiting peers too: the one named is the rank
+    without a sign of life (hung), else the one furthest behind."""
+    for rank in ranks:
+        rank.observe()
+    limit = default_heartbeat_s(ranks) if heartbeat_s is None else heartbeat_s
+    if not limit or not any(r.alive() and (r.silent_for() or 0) > limit for r in ranks):
         return None
-    return next((r for r in ranks if r.alive() and (r.silent_for() or 0) > heartbeat_s), None)
+    live = [r for r in ranks if r.alive() and r.step() is not None]
+    lifeless = max(live, key=lambda r: r.lifeless_for() or 0)
+    if (lifeless.lifeless_for() or 0) > LIFE_S:
+        return lifeless, (f"rank {lifeless.rank} hung: no step for {lifeless.silent_for():.0f} s and no sign of life "
+                          f"for {lifeless.lifeless_for():.0f} s; the others waited on it (heartbeat {limit:g} s)")
+    behind = min(live, key=lambda r: r.step())
+    return behind, f"rank {behind.rank}: no step for {limit:g} s (heartbeat)"
+
+
+def _cause_of(dead: Rank, ranks: list[Rank]) -> tuple[Rank, str | None]:
+    """The rank to blame for a death: a live peer without a sign of life when there is one (jax's coordination
+    service aborts the ranks whose peer went silent, so the first to die can be the consequence), else the dead."""
+    hung = [r for r in ranks if r.alive() and (r.lifeless_for() or 0) > LIFE_S]
+    if not hung:
+        return dead, None
+    return hung[0], (f"rank {hung[0].rank} hung (no sign of life for {hung[0].lifeless_for():.0f} s); "
+                     f"{describe_exit(dead.rank, dead.process.returncode)} as a consequence")
+
+
+def _configuration_error(ranks: list[Rank], failed: Rank) -> tuple[int, bool, dict]:
+    """A rank exited 2 before its first step: the command's own error (a mesh too large, a bad flag), which every
+    rank finds alike. Not a death: the error once, no report, no resume command, no restart."""
+    deadline = time.monotonic() + 2
+    while any(r.alive() for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the others stop on the same error
+    _signal_all(ranks, signal.SIGKILL)
+    _reap(ranks)
+    if ranks[0].process.returncode != CONFIGURATION_ERROR:  # rank 0 did not print it: show the failing rank's
+        lines = [l for path in failed.logs[1:] if path.is_file() for l in path.read_text(errors="replace").splitlines()]
+        print(next((l for l in reversed(lines) if l.startswith("error:")),
+                   f"error: rank {failed.rank} exited with code 2 before its first step"), file=sys.stderr, flush=True)
+    return CONFIGURATION_ERROR, False, {"cause": "configuration error (exit 2 before any step)"}
 
 
 def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, resume: list[str],
-               signals: _Signals, heartbeat_s: float | None = None) -> int:
-    """One start of the job, from its ranks' start to the last one's end (see the module docstring)."""
+               signals: _Signals, heartbeat_s: float | None = None) -> tuple[int, bool, dict]:
+    """One start of the job, from its ranks' start to the last one's end (see the module docstring).
+
+    Returns the exit code, whether a restart could help (a death: yes; a configuration error, a finish, a requested
+    stop: no) and how it ended, for the events file."""
     try:
         while True:
             dead = min((r for r in ranks if not r.alive() and r.process.returncode), key=lambda r: r.ended_at,
                        default=None)  # the first to die: its peers may fail after it (a lost collective)
-            if dead is not None:
-                killed = _end(ranks, grace_s, signals)
-                print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
-                return _exit_code(dead.process.returncode)
-            silent = _silent_rank(ranks, heartbeat_s)
-            if silent is not None:
-                killed = _end(ranks, grace_s, signals)
-                reason = f"rank {silent.rank}: no step logged for {heartbeat_s:g} s (heartbeat)"
-                print(_report(ranks, silent, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
-                return _exit_code(silent.process.returncode)
+            if dead is not None and dead.process.returncode == CONFIGURATION_ERROR and dead.step() is None:
+                return _configuration_error(ranks, dead)
+            hung = None if dead is not None else _hung(ranks, heartbeat_s)
+            if dead is not None or hung is not None:
+                culprit, reason = _cause_of(dead, ranks) if dead is not None else hung
+                killed = _end(ranks, DEATH_GRACE_S, signals)  # a death is certain: no save can complete, end them now
+                print(_report(ranks, culprit, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
+                return _exit_code(culprit.process.returncode), True, {
+                    "rank": culprit.rank, "cause": reason or describe_exit(culprit.rank, culprit.process.returncode),
+                    "last_step": culprit.step(), "checkpoint": last_complete_checkpoint(checkpoint_dir)}
             if not any(r.alive() for r in ranks):
                 if signals.stop_requested:
                     print(f"jaxpar launch: {signals.stop_requested} forwarded; every rank saved and exited 0",
                           file=sys.stderr, flush=True)
-                return 0
+                return 0, False, {"cause": f"{signals.stop_requested}: saved" if signals.stop_requested else "finished"}
             if signals.stop_requested:
                 print(f"jaxpar launch: {signals.stop_requested}: asked every rank to save and stop "
                       f"(up to {grace_s:g} s; Ctrl-C again to kill now)", file=sys.stderr, flush=True)
                 killed = _end(ranks, grace_s, signals)
-                if killed or any(r.process.returncode for r in ranks):
-                    dead = next((r for r in ranks if r.rank in killed or r.process.returncode), ranks[0])
+                if killed[0] or any(r.process.returncode for r in ranks):
+                    dead = next((r for r in ranks if r.rank in killed[0] or r.process.returncode), ranks[0])
                     print(_report(ranks, dead, killed, checkpoint_dir, resume), file=sys.stderr, flush=True)
-                    return _exit_code(dead.process.returncode)
+                    return _exit_code(dead.process.returncode), False, {
+                        "cause": f"{signals.stop_requested}: " + describe_exit(dead.rank, dead.process.returncode)}
                 continue
             time.sleep(0.1)
     finally:
