@@ -308,18 +308,38 @@ def saved_model_config(path) -> tuple[str, LlamaConfig]:
     if is_hf_dir(path):
         cfg = config_from_hf(read_hf_config(path))
         return jaxpar_name(cfg), cfg
-    from jaxpar.interop.export import CONFIG_FILE
-
-    if (path / CONFIG_FILE).is_file():
-        model = json.loads((path / CONFIG_FILE).read_text()).get("model")
-    else:
-        from jaxpar.train.checkpoint import Checkpoints
-
-        with Checkpoints(path, read_only=True) as checkpoints:
-            model = (checkpoints.metadata()["config"] or {}).get("model")
+    model = _saved_model(path)
     if not model:
         raise ValueError(f"{path}: holds no model config (saved without a run config)")
     return model["name"], _saved_config(model["config"])
+
+
+def saved_hf_config(path) -> dict | None:
+    """The Hugging Face config.json the weights at `path` came from (None if they never came through one).
+
+    An HF dir's own; an import-hf directory's `hf_config`; a checkpoint's (or its export's) run config carries
+    the one its `--init-from` had, so a chain import -> train -> train -> export keeps it.
+    """
+    path = Path(path)
+    if is_hf_dir(path):
+        return read_hf_config(path)
+    from jaxpar.interop.export import CONFIG_FILE
+
+    if (path / CONFIG_FILE).is_file() and "hf_config" in (saved := json.loads((path / CONFIG_FILE).read_text())):
+        return saved["hf_config"]
+    return (_saved_model(path) or {}).get("hf_config")
+
+
+def _saved_model(path: Path) -> dict | None:
+    """The `model` entry ({"name", "config", ...}) of an export directory's config or a checkpoint's run config."""
+    from jaxpar.interop.export import CONFIG_FILE
+
+    if (path / CONFIG_FILE).is_file():
+        return json.loads((path / CONFIG_FILE).read_text()).get("model")
+    from jaxpar.train.checkpoint import Checkpoints
+
+    with Checkpoints(path, read_only=True) as checkpoints:
+        return (checkpoints.metadata()["config"] or {}).get("model")
 
 
 def _saved_config(fields: dict) -> LlamaConfig:
