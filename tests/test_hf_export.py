@@ -4,12 +4,14 @@ A tiny Mixtral (module fixture) is imported and trained one step from `--init-fr
 MoE model, so `generate` and `eval` read it, and its export writes the source `config.json` back field by field.
 """
 
+import dataclasses
 import json
 
 import pytest
 
 from jaxpar.cli import main
-from test_hf import needs_torch, saved_family
+from jaxpar.interop import hf_config
+from test_hf import needs_torch, saved_family, torch, transformers
 from test_hf_mixtral import family_model as mixtral_model
 
 
@@ -54,3 +56,54 @@ def test_a_mixtral_trained_from_init_from_generates_and_evaluates(trained_mixtra
     exported = run_json(["eval", "--checkpoint-dir", str(tmp_path / "hf"), "--seq-len", "16"], capsys)
     assert evaluated["eval_tokens"] == exported["eval_tokens"] > 0
     assert abs(evaluated["eval_loss"] / exported["eval_loss"] - 1) <= 1e-5
+
+
+def unchanged(source: dict, exported: dict) -> list[str]:
+    """The source config's fields the export lost or changed (the files' dtype aside)."""
+    return [f"{k}: {v!r} -> {exported.get(k, '(absent)')!r}" for k, v in source.items()
+            if k not in ("dtype", "torch_dtype") and exported.get(k, KeyError) != v]
+
+
+@needs_torch
+def test_an_export_of_a_trained_mixtral_keeps_its_source_config(trained_mixtral, tmp_path):
+    """import -> train on 16-token rows -> export: every field of the source config.json comes back as it was,
+    max_position_embeddings (128, not 16), the token ids and router_aux_loss_coef among them."""
+    directory, _, run = trained_mixtral
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    source = json.loads((directory / "config.json").read_text())
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert unchanged(source, exported) == []
+    assert (exported["max_position_embeddings"], exported["bos_token_id"], exported["eos_token_id"]) == (128, 1, 2)
+    assert exported["router_aux_loss_coef"] == source["router_aux_loss_coef"] == 0.001
+
+
+@needs_torch
+def test_an_export_of_an_imported_qwen2_keeps_its_source_config(tmp_path):
+    """A Qwen2 with its token ids, max_window_layers and layer_types: import-hf, then export from the import."""
+    from test_hf_families import FIELDS
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**FIELDS, bos_token_id=5, eos_token_id=7, pad_token_id=0, max_window_layers=1,
+                                      sliding_window=64)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "source")
+    assert main(["import-hf", str(tmp_path / "source"), "--out", str(tmp_path / "imported")]) == 0
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "imported"), "--out", str(tmp_path / "hf"),
+                 "--format", "hf"]) == 0
+    source = json.loads((tmp_path / "source" / "config.json").read_text())
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert unchanged(source, exported) == []
+    assert (exported["layer_types"], exported["max_window_layers"]) == (["full_attention"] * 2, 1)
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (5, 7, 0)
+
+
+def test_an_export_writes_what_training_changed_over_its_source_config():
+    """The fields the trained config maps to differently are the trained ones; the rest are the source's."""
+    source = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "intermediate_size": 96, "rms_norm_eps": 1e-6,
+              "max_position_embeddings": 512, "bos_token_id": 128000, "eos_token_id": [128001, 128009],
+              "initializer_range": 0.02, "dtype": "bfloat16"}
+    cfg = hf_config.config_from_hf(source)
+    assert hf_config.config_to_hf(cfg, "float32", source) == {**source, "dtype": "float32", "torch_dtype": "float32"}
+    trained = dataclasses.replace(cfg, norm_eps=1e-5, seq_len=1024)
+    assert hf_config.config_to_hf(trained, "bfloat16", source) == {
+        **source, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}

@@ -201,15 +201,16 @@ def hf_state_dict(params: dict, cfg: LlamaConfig, dtype=np.float32) -> dict[str,
 
 
 def write_hf(params: dict, cfg: LlamaConfig, out, dtype: str = "float32",
-             max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    """Write `config.json` and safetensors (split with an index beyond `max_shard_bytes`); returns a summary."""
+             max_shard_bytes: int = MAX_SHARD_BYTES, source: dict | None = None) -> dict:
+    """Write `config.json` (`source`'s fields kept: `config_to_hf`) and safetensors (split with an index beyond
+    `max_shard_bytes`); returns a summary."""
     out = Path(out)
     if out.exists():
         raise ValueError(f"export target {str(out)!r} already exists; choose another --out or remove it")
     np_dtype = _numpy_dtype(dtype)
     tensors = hf_state_dict(params, cfg, np.float32)
     out.mkdir(parents=True)
-    (out / HF_CONFIG).write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
+    (out / HF_CONFIG).write_text(json.dumps(config_to_hf(cfg, dtype, source), indent=2) + "\n")
     groups: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, array in tensors.items():
@@ -416,7 +417,7 @@ def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dic
         with Checkpoints(path, read_only=True) as checkpoints:
             saved_step = checkpoints.metadata(step)["step"]
             params = checkpoints.read_params(saved_step)
-    return {**write_hf(params, cfg, out, dtype), "step": saved_step}
+    return {**write_hf(params, cfg, out, dtype, source=saved_hf_config(path)), "step": saved_step}
 
 
 def initial_state(path, model, optimizer, plan, step: int | None = None):

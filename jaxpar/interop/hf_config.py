@@ -9,6 +9,7 @@ soft-capping and local/global layers).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -207,8 +208,27 @@ def _rope_from_hf(hf: dict) -> dict:
     }
 
 
-def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
-    """A Hugging Face `config.json` for `cfg` in its family's architecture, readable by transformers 4 and 5."""
+def config_to_hf(cfg: LlamaConfig, dtype: str = "float32", source: dict | None = None) -> dict:
+    """A Hugging Face `config.json` for `cfg` in its family's architecture, readable by transformers 4 and 5.
+
+    With `source`, the config.json the weights were imported from, its every field is written back as it was
+    (token ids, `max_position_embeddings`, Mixtral's `router_aux_loss_coef`, Qwen's `max_window_layers`, ...)
+    except those `cfg` changes: where `cfg` maps to another value than the source's own config does. Training
+    on shorter sequences changes no field; on longer ones, `max_position_embeddings`. The dtype is the files'.
+    """
+    fields = _config_to_hf(cfg, dtype)
+    if source is None:
+        return fields
+    imported = _config_to_hf(dataclasses.replace(config_from_hf(source), seq_len=cfg.seq_len), dtype)
+    changed = {k: v for k, v in fields.items() if k not in imported or imported[k] != v}
+    merged = {**source, **changed, "torch_dtype": dtype, "dtype": dtype}
+    if cfg.seq_len > source.get("max_position_embeddings", cfg.seq_len):
+        merged["max_position_embeddings"] = cfg.seq_len
+    return merged
+
+
+def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
+    """Every field of `config_to_hf` for `cfg` alone."""
     family = family_of(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "llama3":
