@@ -7,6 +7,7 @@ MoE model, so `generate` and `eval` read it, and its export writes the source `c
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from jaxpar.cli import main
@@ -107,3 +108,101 @@ def test_an_export_writes_what_training_changed_over_its_source_config():
     trained = dataclasses.replace(cfg, norm_eps=1e-5, seq_len=1024)
     assert hf_config.config_to_hf(trained, "bfloat16", source) == {
         **source, "rms_norm_eps": 1e-5, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+
+
+# -- export a tensor at a time ------------------------------------------------------------------------------
+
+
+@needs_torch
+def test_export_reads_one_layer_at_a_time_and_writes_the_checkpoint(trained_mixtral, tmp_path, monkeypatch):
+    """Every block export reads of a training checkpoint is one layer's (one expert's) tensor, never a stacked
+    parameter; the files hold the checkpoint's parameters exactly (padded vocabulary rows dropped)."""
+    from jaxpar.interop import hf
+    from jaxpar.train.checkpoint import Checkpoints
+
+    _, _, run = trained_mixtral
+    blocks = []
+    opened = hf._tensorstore_parameter
+
+    def recording(saved):
+        parameter = opened(saved)
+        return hf.SavedParameter(parameter.shape, lambda index: blocks.append((saved.name, parameter.read(index)))
+                                 or blocks[-1][1])
+
+    monkeypatch.setattr(hf, "_tensorstore_parameter", recording)
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    stacked = [(name, block.shape) for name, block in blocks if name.startswith("blocks.")]
+    assert stacked and all(shape[0] == 1 for _, shape in stacked)
+    experts = [shape for name, shape in stacked if name.startswith("blocks.moe.expert_")]
+    assert experts and all(shape[:2] == (1, 1) for shape in experts)  # [layer, expert, ...]: one expert's tensor
+    assert {name for name, _ in blocks} == {"embedding", "final_norm", "head"} | {n for n, _ in stacked}
+
+    with Checkpoints(run, read_only=True) as checkpoints:
+        saved = checkpoints.read_params()
+    _, written = hf.load_hf_params(tmp_path / "hf")
+    for path, expected in hf._flat_paths(saved).items():
+        got = hf._flat_paths(written)[path]
+        if path in ("embedding", "head"):  # the padded vocabulary rows (head columns) are not exported
+            rows = slice(0, 300)
+            expected, got = (expected[rows], got[rows]) if path == "embedding" else (expected[:, rows], got[:, rows])
+        np.testing.assert_array_equal(got, expected, err_msg=path)
+
+
+def test_block_checksums_add_up_to_the_saved_checksum():
+    """The checksum export sums a layer at a time is `jaxpar.train.checksums`' of the whole array."""
+    import jax.numpy as jnp
+
+    from jaxpar.interop.hf import _block_checksum
+    from jaxpar.train.checksums import checksums
+
+    rng = np.random.default_rng(0)
+    for array in (rng.standard_normal((3, 5, 7), np.float32), np.asarray(jnp.asarray(rng.standard_normal((4, 6)),
+                                                                                  jnp.bfloat16))):
+        layer = array[0].size
+        summed = sum(_block_checksum(array[i], i * layer) for i in range(len(array))) % 2**32
+        assert summed == checksums({"a": array})["a"] == _block_checksum(array, 0, chunk=11)
+
+
+@needs_torch
+def test_a_corrupted_parameter_stops_the_export_and_leaves_no_directory(trained_mixtral, tmp_path, monkeypatch,
+                                                                       capsys):
+    """A parameter whose blocks do not add up to its saved checksum is named, and nothing is left at --out."""
+    from jaxpar.interop import hf
+
+    _, _, run = trained_mixtral
+    real = hf._Checksums.__init__
+    monkeypatch.setattr(hf._Checksums, "__init__", lambda self, saved, where: real(
+        self, {**saved, "params/blocks/moe/wq": (saved["params/blocks/moe/wq"] + 1) % 2**32}, where))
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 2
+    assert "params/blocks/moe/wq differs from the checksum" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_of_a_zero1_bf16_run_writes_its_fp32_master(tmp_path):
+    """ZeRO-1 under bf16 saves an fp32 master beside its bf16 params: the export reads the master, a layer at a
+    time, and verifies it against its checksums."""
+    import jax
+    from flax import nnx
+
+    from jaxpar.core.plan import Plan
+    from jaxpar.interop import hf
+    from jaxpar.models.llama import Llama, LlamaConfig
+    from jaxpar.run.training import TrainConfig, make_optimizer
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.run_config import run_config
+    from jaxpar.train.state import init_state
+
+    cfg = LlamaConfig(vocab=250, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16)
+    plan = Plan.create("data=4,tensor=2", zero=1, precision="bf16")
+    optimizer = make_optimizer(TrainConfig())
+    _, state = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optimizer, plan)
+    master = jax.device_get(state.opt_state.master)
+    assert jax.tree.leaves(state.params)[0].dtype != np.float32  # the params are the bf16 casts
+    with Checkpoints(tmp_path / "run", config=run_config(TrainConfig(), cfg, plan)) as checkpoints:
+        checkpoints.save(1, state)
+    assert hf.export_hf(tmp_path / "run", tmp_path / "hf")["step"] == 1
+    _, written = hf.load_hf_params(tmp_path / "hf")
+    for path, expected in hf._flat_paths(master).items():
+        got = hf._flat_paths(written)[path]
+        rows = (slice(0, 250),) if path == "embedding" else (slice(None), slice(0, 250)) if path == "head" else ()
+        np.testing.assert_array_equal(got[rows], np.asarray(expected)[rows], err_msg=path)
