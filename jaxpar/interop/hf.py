@@ -8,6 +8,9 @@ head_dim]), a Hugging Face one is one torch `Linear` per layer ([out, in]).
 Loading builds every parameter with `jax.make_array_from_callback` on the plan's
 sharding: each device's shard is read from the safetensors files as a slice
 (per layer), so no device and no host buffer ever holds a whole large model.
+Export is the same the other way: each layer's tensor is read alone from the
+checkpoint and written at its place in safetensors files whose headers were
+laid out first (`write_hf_from`), so the host holds about one tensor at a time.
 The config mapping, and the refusal by name of what the model cannot represent,
 is `jaxpar.interop.hf_config`'s.
 """
