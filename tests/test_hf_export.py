@@ -1,7 +1,8 @@
-"""What a fine-tuned Hugging Face model's checkpoint keeps: the model it holds, and its source config on export.
+"""What a fine-tuned Hugging Face model's checkpoint keeps, and how it goes out again.
 
-A tiny Mixtral (module fixture) is imported and trained one step from `--init-from`; its checkpoint names the
-MoE model, so `generate` and `eval` read it, and its export writes the source `config.json` back field by field.
+A tiny Mixtral (module fixture) is imported and trained one step from `--init-from`: its checkpoint names the
+MoE model, so `generate` and `eval` read it; its export writes the source `config.json` back field by field, and
+reads the checkpoint a layer's (an expert's) tensor at a time, verified against the checksums saved with it.
 """
 
 import dataclasses
@@ -74,6 +75,11 @@ def test_an_export_of_a_trained_mixtral_keeps_its_source_config(trained_mixtral,
     source = json.loads((directory / "config.json").read_text())
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert unchanged(source, exported) == []
+    # and through a jaxpar export of the checkpoint, whose config carries the run's
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "jaxpar")]) == 0
+    assert main(["export", "--checkpoint-dir", str(tmp_path / "jaxpar"), "--out", str(tmp_path / "hf2"),
+                 "--format", "hf"]) == 0
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text()) == exported
     assert (exported["max_position_embeddings"], exported["bos_token_id"], exported["eos_token_id"]) == (128, 1, 2)
     assert exported["router_aux_loss_coef"] == source["router_aux_loss_coef"] == 0.001
 
