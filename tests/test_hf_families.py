@@ -112,11 +112,47 @@ def test_import_train_export_round_trip(saved, tmp_path):
     print(f"{family}: step-1 loss {loss_diff:.2e}, round trip {round_trip:.2e}")
 
 
+@needs_torch
+@pytest.mark.parametrize("family, window_fields", [
+    ("qwen2", {"max_window_layers": 0}),  # every layer local, as transformers derives it
+    ("qwen3", {"num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2}),
+])
+def test_qwen_sliding_windows_match_transformers(family, window_fields, tmp_path):
+    """use_sliding_window=true on the layers transformers makes local: logits within 1e-5 both ways, and the window
+    matters to them (> 1e-3 without it); the export says the same layers are local."""
+    config_class, model_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**FIELDS, **extra, "use_sliding_window": True,
+                                                    "sliding_window": 5, **window_fields})
+    reference = getattr(transformers, model_class)(config).float().eval()
+    reference.save_pretrained(tmp_path / "hf")
+    cfg, params = hf.load_hf_params(tmp_path / "hf")
+    assert (cfg.sliding_window, cfg.sliding_pattern) == (5, 1 if family == "qwen2" else 2)
+    imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))),
+                        torch_logits(reference, TOKENS))
+    assert imported <= 1e-5, imported
+    full = dataclasses.replace(cfg, sliding_window=None, sliding_pattern=1)
+    unwindowed = relative(np.asarray(jaxpar_model(full, params).logits(jnp.asarray(TOKENS))),
+                          torch_logits(reference, TOKENS))
+    assert unwindowed > 1e-3, unwindowed
+
+    hf.write_hf(params, cfg, tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["use_sliding_window"], exported["sliding_window"]) == (True, 5)
+    assert exported["layer_types"] == reference.config.layer_types
+    back = getattr(transformers, model_class).from_pretrained(tmp_path / "out").float().eval()
+    assert relative(torch_logits(back, TOKENS), torch_logits(reference, TOKENS)) <= 1e-5
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true"),
-        ({"model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+         "max_window_layers=1 with use_sliding_window=true.*first 1 layers global and the other 1 local have no period"),
+        ({"model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"]},
+         r"layer_types \['sliding_attention'\] with use_sliding_window=false"),
+        ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": None, "max_window_layers": 0},
+         "sliding_window=None with sliding_attention layers"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=true"),
         ({"model_type": "gemma3"}, "model_type='gemma3'"),
     ],

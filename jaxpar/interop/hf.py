@@ -8,17 +8,25 @@ head_dim]), a Hugging Face one is one torch `Linear` per layer ([out, in]).
 Loading builds every parameter with `jax.make_array_from_callback` on the plan's
 sharding: each device's shard is read from the safetensors files as a slice
 (per layer), so no device and no host buffer ever holds a whole large model.
+Export is the same the other way: each layer's tensor is read alone from the
+checkpoint and written at its place in safetensors files whose headers were
+laid out first (`write_hf_from`), so the host holds about one tensor at a time.
 The config mapping, and the refusal by name of what the model cannot represent,
 is `jaxpar.interop.hf_config`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import math
+import shutil
+import struct
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -28,7 +36,7 @@ from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
                                       resolve_source)
-from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader, on_host
+from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
 
@@ -183,55 +191,113 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
     raise AssertionError(layout)
 
 
-def hf_state_dict(params: dict, cfg: LlamaConfig, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Hugging Face tensor name -> numpy array (contiguous, `dtype`) from jaxpar parameters (a pure dict)."""
-    flat = {k: np.asarray(v) for k, v in _flat_paths(params).items()}
-    out = {}
-    for key, (name, layout) in TOP_PARAMS.items():
-        if key in flat:
-            out[name] = _to_hf(flat[key], layout, cfg.vocab)
-    for key, (suffix, layout) in layer_params(cfg).items():
-        for i, layer in enumerate(flat[f"{blocks_path(cfg)}/{key}"]):
-            if "{expert}" in suffix:
-                out.update({f"model.layers.{i}.{suffix.format(expert=e)}": _to_hf(w, layout, cfg.vocab)
-                            for e, w in enumerate(layer)})
-            else:
-                out[f"model.layers.{i}.{suffix}"] = _to_hf(layer, layout, cfg.vocab)
-    return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
+def _hf_tensors(cfg: LlamaConfig, path: str, array) -> Iterator[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors (name, torch layout) of one jaxpar parameter (numpy or a SavedParameter, read a
+    layer, or a layer's expert, at a time): one per layer (and expert)."""
+    if path in TOP_PARAMS:
+        name, layout = TOP_PARAMS[path]
+        yield name, _to_hf(np.asarray(array), layout, cfg.vocab)
+        return
+    suffix, layout = layer_params(cfg)[path.removeprefix(f"{blocks_path(cfg)}/")]
+    for i in range(cfg.n_layers):
+        if "{expert}" in suffix:
+            for e in range(cfg.n_experts):
+                yield f"model.layers.{i}.{suffix.format(expert=e)}", _to_hf(array[i, e], layout, cfg.vocab)
+        else:
+            yield f"model.layers.{i}.{suffix}", _to_hf(array[i], layout, cfg.vocab)
+
+
+class SafetensorsFile:
+    """One safetensors file laid out before any tensor is in memory: the header (every name, shape and offset)
+    first, then each tensor written at its offset when it comes, in any order, so none waits for the others."""
+
+    CODES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(jax.numpy.bfloat16): "BF16"}
+
+    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]], dtype: np.dtype, metadata: dict):
+        self.path, self.dtype, self.places, self.written = path, dtype, {}, set()
+        header, offset = {"__metadata__": metadata}, 0
+        for name, shape in shapes.items():
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": self.CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.places[name] = (tuple(shape), offset)
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        self.start = 8 + len(raw)
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.file.truncate(self.start + offset)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        shape, offset = self.places[name]
+        if array.shape != shape:
+            raise ValueError(f"{name}: shape {list(array.shape)}, the file's header says {list(shape)}")
+        self.file.seek(self.start + offset)
+        self.file.write(np.ascontiguousarray(array, self.dtype).reshape(-1).view(np.uint8).data)  # bf16: as bytes
+        self.written.add(name)
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, error_type, *_) -> None:
+        self.file.close()
+        unwritten = sorted(set(self.places) - self.written)
+        if error_type is None and unwritten:
+            raise ValueError(f"{self.path}: tensors {unwritten[:8]} were never written")
 
 
 def write_hf(params: dict, cfg: LlamaConfig, out, dtype: str = "float32",
-             max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    """Write `config.json` and safetensors (split with an index beyond `max_shard_bytes`); returns a summary."""
+             max_shard_bytes: int = MAX_SHARD_BYTES, source: dict | None = None) -> dict:
+    """Write jaxpar parameters (a pure dict) as a Hugging Face directory: `write_hf_from`."""
+    flat = _flat_paths(params)
+    return write_hf_from(lambda path: np.asarray(flat[path]), cfg, out, dtype, max_shard_bytes, source)
+
+
+def write_hf_from(read: Callable[[str], np.ndarray], cfg: LlamaConfig, out, dtype: str = "float32",
+                  max_shard_bytes: int = MAX_SHARD_BYTES, source: dict | None = None) -> dict:
+    """Write `config.json` (`source`'s fields kept: `config_to_hf`) and safetensors (split with an index beyond
+    `max_shard_bytes`); returns a summary.
+
+    `read(path)` gives one jaxpar parameter ('blocks/wq'): numpy, or a SavedParameter that reads one layer (or
+    one layer's expert) at a time. Each block is cut into its Hugging Face tensor and written at its place in
+    the files before the next is read, so the host holds about one tensor, not the model. A failed export
+    leaves no directory behind.
+    """
     out = Path(out)
     if out.exists():
         raise ValueError(f"export target {str(out)!r} already exists; choose another --out or remove it")
     np_dtype = _numpy_dtype(dtype)
-    tensors = hf_state_dict(params, cfg, np.float32)
-    out.mkdir(parents=True)
-    (out / HF_CONFIG).write_text(json.dumps(config_to_hf(cfg, dtype), indent=2) + "\n")
-    groups: list[dict[str, np.ndarray]] = [{}]
+    shapes = expected_hf_shapes(cfg)
+    groups: list[dict[str, tuple[int, ...]]] = [{}]
     size = 0
-    for name, array in tensors.items():
-        nbytes = array.size * np_dtype.itemsize
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * np_dtype.itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append({})
             size = 0
-        groups[-1][name] = array
+        groups[-1][name] = shape
         size += nbytes
-    total = sum(a.size * np_dtype.itemsize for a in tensors.values())
-    metadata = {"format": "pt"}
-    if len(groups) == 1:
-        _save(groups[0], np_dtype, out / SINGLE_FILE, metadata)
-        files = [SINGLE_FILE]
-    else:
-        files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-        weight_map = {}
-        for file, group in zip(files, groups):
-            _save(group, np_dtype, out / file, metadata)
-            weight_map.update({name: file for name in group})
+    files = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                     for i in range(len(groups))]
+    config = config_to_hf(cfg, dtype, source)
+    out.mkdir(parents=True)
+    try:
+        (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        with contextlib.ExitStack() as stack:
+            writers = [stack.enter_context(SafetensorsFile(out / file, group, np_dtype, {"format": "pt"}))
+                       for file, group in zip(files, groups)]
+            where = {name: writer for writer in writers for name in writer.places}
+            for path in jaxpar_shapes(cfg):
+                for name, tensor in _hf_tensors(cfg, path, read(path)):
+                    where[name].write(name, tensor)
+    except BaseException:
+        shutil.rmtree(out)
+        raise
+    total = sum(math.prod(shape) * np_dtype.itemsize for shape in shapes.values())
+    if len(files) > 1:
+        weight_map = {name: file for file, group in zip(files, groups) for name in group}
         (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return {"path": str(out), "format": "hf", "files": files, "tensors": len(tensors), "bytes": total}
+    return {"path": str(out), "format": "hf", "files": files, "tensors": len(shapes), "bytes": total}
 
 
 def _numpy_dtype(dtype: str) -> np.dtype:
@@ -241,16 +307,10 @@ def _numpy_dtype(dtype: str) -> np.dtype:
 
 
 def _save(group: dict[str, np.ndarray], dtype: np.dtype, path: Path, metadata: dict) -> None:
-    """One safetensors file; bfloat16 (which safetensors' numpy writer lacks) goes through its flax writer on the CPU."""
-    if dtype == np.dtype(jax.numpy.bfloat16):
-        from safetensors.flax import save_file
-
-        with on_host():
-            save_file({k: jax.numpy.asarray(v, jax.numpy.bfloat16) for k, v in group.items()}, path, metadata=metadata)
-        return
-    from safetensors.numpy import save_file
-
-    save_file({k: v.astype(dtype) for k, v in group.items()}, path, metadata=metadata)
+    """One safetensors file of whole arrays in `dtype` (benchmarks/hf_import.py's synthetic checkpoints)."""
+    with SafetensorsFile(path, {name: array.shape for name, array in group.items()}, dtype, metadata) as writer:
+        for name, array in group.items():
+            writer.write(name, array)
 
 
 # -- commands -----------------------------------------------------------------------------------------------
@@ -308,18 +368,38 @@ def saved_model_config(path) -> tuple[str, LlamaConfig]:
     if is_hf_dir(path):
         cfg = config_from_hf(read_hf_config(path))
         return jaxpar_name(cfg), cfg
-    from jaxpar.interop.export import CONFIG_FILE
-
-    if (path / CONFIG_FILE).is_file():
-        model = json.loads((path / CONFIG_FILE).read_text()).get("model")
-    else:
-        from jaxpar.train.checkpoint import Checkpoints
-
-        with Checkpoints(path, read_only=True) as checkpoints:
-            model = (checkpoints.metadata()["config"] or {}).get("model")
+    model = _saved_model(path)
     if not model:
         raise ValueError(f"{path}: holds no model config (saved without a run config)")
     return model["name"], _saved_config(model["config"])
+
+
+def saved_hf_config(path) -> dict | None:
+    """The Hugging Face config.json the weights at `path` came from (None if they never came through one).
+
+    An HF dir's own; an import-hf directory's `hf_config`; a checkpoint's (or its export's) run config carries
+    the one its `--init-from` had, so a chain import -> train -> train -> export keeps it.
+    """
+    path = Path(path)
+    if is_hf_dir(path):
+        return read_hf_config(path)
+    from jaxpar.interop.export import CONFIG_FILE
+
+    if (path / CONFIG_FILE).is_file() and "hf_config" in (saved := json.loads((path / CONFIG_FILE).read_text())):
+        return saved["hf_config"]
+    return (_saved_model(path) or {}).get("hf_config")
+
+
+def _saved_model(path: Path) -> dict | None:
+    """The `model` entry ({"name", "config", ...}) of an export directory's config or a checkpoint's run config."""
+    from jaxpar.interop.export import CONFIG_FILE
+
+    if (path / CONFIG_FILE).is_file():
+        return json.loads((path / CONFIG_FILE).read_text()).get("model")
+    from jaxpar.train.checkpoint import Checkpoints
+
+    with Checkpoints(path, read_only=True) as checkpoints:
+        return (checkpoints.metadata()["config"] or {}).get("model")
 
 
 def _saved_config(fields: dict) -> LlamaConfig:
@@ -378,25 +458,155 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
 
 
 def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dict:
-    """`jaxpar export --format hf`: a training checkpoint (or export) as a Hugging Face Llama directory."""
-    from jaxpar.interop.export import CONFIG_FILE
-    from jaxpar.interop.export import load_params as load_export
-    from jaxpar.train.checkpoint import Checkpoints
-
+    """`jaxpar export --format hf`: a training checkpoint, export or Hugging Face directory as a Hugging Face
+    directory, read and written one parameter at a time (`write_hf_from`), with its source config's fields."""
     path = Path(path)
     _numpy_dtype(dtype)
-    name, cfg = saved_model_config(path)
+    _, cfg = saved_model_config(path)
+    with _parameter_reader(path, cfg, step) as (read, saved_step):
+        return {**write_hf_from(read, cfg, out, dtype, source=saved_hf_config(path)), "step": saved_step}
+
+
+class SavedParameter:
+    """One saved parameter read a block at a time: `p[i]` is layer i of a stacked one (`p[i, e]` its expert e),
+    `np.asarray(p)` all of it; `read(index)` gives the block of a tuple of slices as host numpy."""
+
+    def __init__(self, shape: tuple[int, ...], read: Callable[[tuple[slice, ...]], np.ndarray]):
+        self.shape, self.read = tuple(shape), read
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        block = (*(slice(i, i + 1) for i in index), *(slice(None) for _ in self.shape[len(index):]))
+        return self.read(block).reshape(self.shape[len(index):])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.read(tuple(slice(None) for _ in self.shape))
+
+
+@contextlib.contextmanager
+def _parameter_reader(path: Path, cfg: LlamaConfig, step: int | None) -> Iterator[tuple[Callable, int | None]]:
+    """(read, step): `read('blocks/wq')` is that parameter as a SavedParameter, from a Hugging Face directory, an
+    export directory or a training checkpoint (its fp32 master under bf16/fp16, as `Checkpoints.read_params`).
+
+    Orbax's arrays are read by TensorStore a block at a time; a training checkpoint's blocks are checked against
+    the checksums saved with it once every block of a parameter has been read (`_Checksums`).
+    """
+    from jaxpar.interop.export import CONFIG_FILE, PARAMS_DIR
+    from jaxpar.train.checkpoint import CHECKSUMS, MASTER, Checkpoints
+
     if is_hf_dir(path):
-        params = load_hf_params(path, cfg)[1]
-        saved_step = None
+        reader = SafetensorsReader(path)
+        try:
+            check_tensors(reader, cfg)
+            sources, shapes = _param_sources(cfg, reader), jaxpar_shapes(cfg)
+            yield lambda name: SavedParameter(shapes[name], functools.partial(sources[name], shapes[name])), None
+        finally:
+            reader.close()
     elif (path / CONFIG_FILE).is_file():
-        params, config = load_export(path)
-        saved_step = config.get("step")
+        import orbax.checkpoint as ocp
+
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            saved = checkpointer.metadata(path.absolute() / PARAMS_DIR)
+        tree = getattr(saved, "item_metadata", saved).tree
+        yield lambda name: _tensorstore_parameter(_leaf(tree, name.split("/"))), \
+            json.loads((path / CONFIG_FILE).read_text()).get("step")
     else:
         with Checkpoints(path, read_only=True) as checkpoints:
-            saved_step = checkpoints.metadata(step)["step"]
-            params = checkpoints.read_params(saved_step)
-    return {**write_hf(params, cfg, out, dtype), "step": saved_step}
+            step = checkpoints._step(step)
+            meta = checkpoints.metadata(step)
+            optimizer = checkpoints._array_metadata(step, "opt_state")
+            if isinstance(optimizer, dict) and MASTER in optimizer:
+                item, root, tree = "opt_state", [MASTER], optimizer
+            else:
+                item, root, tree = "params", [], checkpoints._array_metadata(step, "params")
+        sums = _Checksums(meta.get(CHECKSUMS) or {}, f"checkpoint step {step} in {checkpoints.directory}")
+
+        def read(name: str) -> SavedParameter:
+            keys = [*root, *name.split("/")]
+            return sums.checked("/".join([item, *keys]), _tensorstore_parameter(_leaf(tree, keys)))
+
+        yield read, step
+
+
+def _leaf(tree: dict, keys: list[str]):
+    """The node of a nested dict at `keys`."""
+    for key in keys:
+        tree = tree[key]
+    return tree
+
+
+def _tensorstore_parameter(saved) -> SavedParameter:
+    """An Orbax-saved array (its ArrayMetadata: directory and name) as a SavedParameter read through TensorStore."""
+    import tensorstore as ts
+
+    directory = Path(saved.directory)
+    if not (directory / "manifest.ocdbt").is_file():
+        raise ValueError(f"{directory}: no manifest.ocdbt; export reads checkpoints written with Orbax's OCDBT format")
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{directory.absolute()}/",
+                                                   "path": saved.name}}, open=True, read=True).result()
+    chunk = array.chunk_layout.read_chunk.shape
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        """The block, read a stored chunk at a time into one buffer: TensorStore decodes every chunk a read
+        overlaps at once, and a chunk spans all the layers one saving device held."""
+        bounds = [_bounds(i, n) for i, n in zip(index, array.shape)]
+        out = np.empty([b - a for a, b in bounds], array.dtype.numpy_dtype)
+        for corner in itertools.product(*(range(a - a % c, b, c) for (a, b), c in zip(bounds, chunk))):
+            part = tuple(slice(max(s, a), min(s + c, b)) for s, c, (a, b) in zip(corner, chunk, bounds))
+            out[tuple(slice(p.start - a, p.stop - a) for p, (a, _) in zip(part, bounds))] = array[part].read().result()
+        return out
+
+    return SavedParameter(array.shape, read)
+
+
+class _Checksums:
+    """The checksums of a training checkpoint's parameters, summed block by block as export reads them, each
+    compared with the one saved once all of its blocks are read (each block is read once).
+
+    `jaxpar.train.checksums` sums a hash of each element's bits and flat index modulo 2**32, so blocks in the
+    flat order of their array (layers, experts) add up to the whole array's checksum.
+    """
+
+    def __init__(self, saved: dict[str, int], where: str):
+        self.saved, self.where = saved, where
+
+    def checked(self, key: str, parameter: SavedParameter) -> SavedParameter:
+        if key not in self.saved:  # a checkpoint from before checksums: unverified, as its restore is
+            return parameter
+        read, summed = parameter.read, {"sum": 0, "size": 0}
+
+        def read_summed(index: tuple[slice, ...]) -> np.ndarray:
+            block = read(index)
+            start = np.ravel_multi_index([i.start or 0 for i in index], parameter.shape) if block.size else 0
+            summed["sum"] = (summed["sum"] + _block_checksum(block, start)) % 2**32
+            summed["size"] += block.size
+            if summed["size"] == math.prod(parameter.shape) and summed["sum"] != self.saved[key]:
+                raise ValueError(f"{self.where} is corrupted: {key} differs from the checksum written when it "
+                                 "was saved")
+            return block
+
+        return SavedParameter(parameter.shape, read_summed)
+
+
+def _block_checksum(block: np.ndarray, start: int, chunk: int = 1 << 20) -> int:
+    """`jaxpar.train.checksums._array_checksum`'s sum over the elements of `block`, whose first is element `start` of
+    its array in flat order; in numpy, a chunk at a time, so that it holds no more than the block in memory."""
+    bits = block.reshape(-1).view(f"uint{8 * block.dtype.itemsize}")
+    total = 0
+    for lo in range(0, bits.size, chunk):
+        part = bits[lo:lo + chunk].astype(np.uint32)
+        index = np.arange(part.size, dtype=np.uint32) + np.uint32((start + lo) % 2**32)
+        total += int(_mix(part ^ _mix(index + np.uint32(0x9E3779B9))).sum(dtype=np.uint64))
+    return total % 2**32
+
+
+def _mix(h: np.ndarray) -> np.ndarray:
+    """`jaxpar.train.checksums._mix` (MurmurHash3's 32-bit finaliser) on uint32 numpy arrays."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
 
 
 def initial_state(path, model, optimizer, plan, step: int | None = None):

@@ -1,6 +1,7 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
-other activations, `pretraining_tp`, rope scaling other than Llama 3's, sliding windows) is refused with the
-config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); `mistral` (a
+other activations, `pretraining_tp`, rope scaling other than Llama 3's, local layers of no period) is refused with
+the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); Qwen's
+sliding windows where their local layers repeat with a period; `mistral` (a
 Llama with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`);
 `gemma` (GeGLU, (1 + w) RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit
 soft-capping and local/global layers).
@@ -8,6 +9,7 @@ soft-capping and local/global layers).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -40,8 +42,10 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA_ACTIVATIONS = {"gemma": ("hidden_act", {**ACTIVATIONS, "gelu": "gelu_tanh"}),
                      "gemma2": ("hidden_activation", ACTIVATIONS)}
 # LlamaConfig fields beyond the block options -> the families whose Hugging Face config can express them when on
+QWEN = ("qwen2", "qwen3")  # use_sliding_window: a window on the layers from max_window_layers on
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default, where config.json leaves it out
 FAMILY_FIELDS = {"final_softcap": ("gemma2",), "attn_softcap": ("gemma2",), "query_scale": ("gemma2",),
-                 "sliding_pattern": ("gemma2",), "sliding_window": ("gemma2", *WINDOWED)}
+                 "sliding_pattern": ("gemma2", *QWEN), "sliding_window": ("gemma2", *QWEN, *WINDOWED)}
 FIELD_OFF = {"sliding_pattern": 1}  # the others are off at None
 
 
@@ -66,8 +70,9 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
                          f"{[name for name, ours in activations.items() if ours == options['mlp_activation']]}")
     if model_type in GEMMA_ACTIVATIONS:
         extra = _gemma_fields(hf, model_type)
+    elif model_type in QWEN:
+        extra = _qwen_window(hf)
     else:
-        _refuse_sliding_window(hf)
         extra = _window_from_hf(hf, model_type)
     if hf.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"config.json: pretraining_tp={hf['pretraining_tp']} is not supported (only 1)")
@@ -90,17 +95,32 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
-def _refuse_sliding_window(hf: dict) -> None:
-    """Qwen configs carry sliding-window fields; jaxpar's attention is full causal, so only 'off' is accepted."""
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported: jaxpar's attention is full causal")
-    other = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
-    if other:
-        raise ValueError(f"config.json: layer_types {other} are not supported; only 'full_attention' is")
+def _qwen_window(hf: dict) -> dict:
+    """Qwen2's and Qwen3's window, as transformers applies it: only under use_sliding_window, on the layers
+    `layer_types` marks 'sliding_attention' (without it, those from max_window_layers on).
+
+    jaxpar's local layers repeat with a period (`_sliding_pattern`): every layer local (max_window_layers=0),
+    none, or a Gemma 2-like alternation. Global layers first and local ones after (0 < max_window_layers <
+    num_hidden_layers, Qwen's own form) have no period, and are refused naming max_window_layers.
+    """
+    n, given = hf["num_hidden_layers"], hf.get("layer_types")
+    if not hf.get("use_sliding_window"):
+        local = sorted(set(given or []) - {"full_attention"})
+        if local:
+            raise ValueError(f"config.json: layer_types {local} with use_sliding_window=false: transformers then "
+                             "has no window for those layers")
+        return {}
+    first = hf.get("max_window_layers", QWEN_MAX_WINDOW_LAYERS)
+    types = given or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if given is None and 0 < first < n:
+        raise ValueError(f"config.json: max_window_layers={first} with use_sliding_window=true is not supported: "
+                         f"its first {first} layers global and the other {n - first} local have no period; jaxpar's local "
+                         "layers repeat with one (layer i global iff (i + 1) % P == 0)")
+    return _sliding_pattern({**hf, "layer_types": types})
 
 
 def _window_from_hf(hf: dict, model_type: str) -> dict:
-    """Mistral's and Mixtral's `sliding_window` (null: full causal attention) on every layer; others' refused above."""
+    """Mistral's and Mixtral's `sliding_window` (null: full causal attention) on every layer; Llama's has none."""
     if model_type not in WINDOWED or hf.get("sliding_window") is None:
         return {}
     return {"sliding_window": int(hf["sliding_window"]), "sliding_pattern": 1}
@@ -121,7 +141,7 @@ def _gemma_fields(hf: dict, model_type: str) -> dict:
 
 
 def _sliding_pattern(hf: dict) -> dict:
-    """sliding_window and sliding_pattern P (layer i global iff (i + 1) % P == 0) of Gemma 2's `layer_types`.
+    """sliding_window and sliding_pattern P (layer i global iff (i + 1) % P == 0) of Gemma 2's (or Qwen's) `layer_types`.
 
     Without `layer_types`, transformers alternates (sliding first), as Gemma 2 was
     released. Layer types of no such period are refused by name.
@@ -188,8 +208,27 @@ def _rope_from_hf(hf: dict) -> dict:
     }
 
 
-def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
-    """A Hugging Face `config.json` for `cfg` in its family's architecture, readable by transformers 4 and 5."""
+def config_to_hf(cfg: LlamaConfig, dtype: str = "float32", source: dict | None = None) -> dict:
+    """A Hugging Face `config.json` for `cfg` in its family's architecture, readable by transformers 4 and 5.
+
+    With `source`, the config.json the weights were imported from, its every field is written back as it was
+    (token ids, `max_position_embeddings`, Mixtral's `router_aux_loss_coef`, Qwen's `max_window_layers`, ...)
+    except those `cfg` changes: where `cfg` maps to another value than the source's own config does. Training
+    on shorter sequences changes no field; on longer ones, `max_position_embeddings`. The dtype is the files'.
+    """
+    fields = _config_to_hf(cfg, dtype)
+    if source is None:
+        return fields
+    imported = _config_to_hf(dataclasses.replace(config_from_hf(source), seq_len=cfg.seq_len), dtype)
+    changed = {k: v for k, v in fields.items() if k not in imported or imported[k] != v}
+    merged = {**source, **changed, "torch_dtype": dtype, "dtype": dtype}
+    if cfg.seq_len > source.get("max_position_embeddings", cfg.seq_len):
+        merged["max_position_embeddings"] = cfg.seq_len
+    return merged
+
+
+def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
+    """Every field of `config_to_hf` for `cfg` alone."""
     family = family_of(cfg)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "llama3":
@@ -206,11 +245,20 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32") -> dict:
                                                                  if cfg.rope_type == "llama3" else cfg.seq_len),
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
-        **({"use_sliding_window": False, "sliding_window": None} if family in ("qwen2", "qwen3") else {}),
+        **(_qwen_window_to_hf(cfg) if family in QWEN else {}),
         **({"sliding_window": cfg.sliding_window} if family in WINDOWED else {}),
         **(hf_mixtral.moe_fields_to_hf(cfg) if family == hf_mixtral.MODEL_TYPE else {}),
         **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }
+
+
+def _qwen_window_to_hf(cfg: LlamaConfig) -> dict:
+    """Qwen's window fields: off, or on with each layer's type (max_window_layers=0 when every layer is local)."""
+    if cfg.sliding_window is None:
+        return {"use_sliding_window": False, "sliding_window": None}
+    types = ["full_attention" if layer_window(cfg, i) is None else "sliding_attention" for i in range(cfg.n_layers)]
+    return {"use_sliding_window": True, "sliding_window": cfg.sliding_window, "layer_types": types,
+            **({"max_window_layers": 0} if cfg.sliding_pattern == 1 else {})}
 
 
 def _gemma_to_hf(cfg: LlamaConfig, family: str) -> dict:

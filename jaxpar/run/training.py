@@ -115,6 +115,7 @@ class Run:
     step_fn: Step
     mfu: mfu_lib.Mfu
     heldout: Any = None  # what --eval-every evaluates, never trained on: tokens, a DocumentSource, or a mixture's HeldOut list
+    hf_config: dict | None = None  # the Hugging Face config.json --init-from's weights came from, for export
 
     @property
     def batch_sharding(self):
@@ -228,15 +229,16 @@ def _with_epoch_steps(config: TrainConfig, batches) -> TrainConfig:
 
 def prepare(config: TrainConfig, plan: Plan) -> Run:
     """Build and check everything a run needs; raises ValueError on any bad input."""
-    name, saved = config.model, {}
+    name, saved, hf_config = config.model, {}, None
     if config.init_from:  # the model is the one the weights belong to; [model] fields may still override
-        from jaxpar.interop.hf import saved_model_config
+        from jaxpar.interop.hf import saved_hf_config, saved_model_config
 
         name, saved_config = saved_model_config(config.init_from)
-        saved = dataclasses.asdict(saved_config)
+        saved, hf_config = dataclasses.asdict(saved_config), saved_hf_config(config.init_from)
         if config.model not in (TrainConfig.model, name):
             raise ValueError(f"--model {config.model} and --init-from {config.init_from} name different models; "
                              "the weights decide the model: drop --model")
+        config = dataclasses.replace(config, model=name)  # what the run config saved with each checkpoint names
     mcfg = model_config(name, {**saved, "seq_len": config.seq_len, **config.model_overrides})
     plan.check_batch(config.batch_size)
     make_model = model_factory(name, mcfg, config.seed)
@@ -254,7 +256,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
-    return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn, mfu, heldout)
+    return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn, mfu, heldout, hf_config)
 
 
 def scalar_metrics(metrics: dict) -> dict[str, Any]:
@@ -282,7 +284,7 @@ def open_checkpoints(run: Run) -> Checkpoints | None:
     if not config.checkpoint_dir:
         return None
     return Checkpoints(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
-                       config=run_config(config, run.model_config, run.plan))
+                       config=run_config(config, run.model_config, run.plan, run.hf_config))
 
 
 def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]:

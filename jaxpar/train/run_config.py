@@ -15,11 +15,17 @@ from jaxpar.core.plan import Plan
 from jaxpar.models.llama import LlamaConfig
 
 
-def run_config(train: Any, model_config: Any, plan: Plan) -> dict:
-    """The config saved with every checkpoint, as JSON-ready values: model, mesh, plan and train."""
+def run_config(train: Any, model_config: Any, plan: Plan, hf_config: dict | None = None) -> dict:
+    """The config saved with every checkpoint, as JSON-ready values: model, mesh, plan and train.
+
+    `train.model` names the model built (for `--init-from`, the one its weights belong to). `hf_config`, the
+    Hugging Face config.json the weights were imported from, rides along under `model` so that an export
+    writes its fields back (`jaxpar.interop.hf_config.config_to_hf`).
+    """
     options = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "mesh"}
+    model = {"name": train.model, "config": dataclasses.asdict(model_config)}
     config = {
-        "model": {"name": train.model, "config": dataclasses.asdict(model_config)},
+        "model": model if hf_config is None else {**model, "hf_config": hf_config},
         "mesh": plan.shape,
         "plan": options,
         "train": dataclasses.asdict(train),
