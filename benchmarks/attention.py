@@ -63,7 +63,8 @@ def measure(name: str, seq: int, args, dtype) -> dict:
     row = {"seq": seq, "implementation": name, "compile_s": round(time.perf_counter() - start, 2),
            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "backend": jax.default_backend(),
            "device": jax.devices()[0].device_kind, "dtype": jnp.dtype(dtype).name}
-    inputs = [jax.random.normal(key, s.shape, dtype) for key, s in zip(jax.random.split(jax.random.key(0), 3), abstract)]
+    keys = jax.random.split(jax.random.key(0), 3)
+    inputs = [jax.random.normal(key, s.shape, dtype) for key, s in zip(keys, abstract)]
     if row["temp_bytes"] > 0.8 * free_bytes():
         return {**row, "fwd_bwd_ms": None, "why": "its temp memory does not fit this device"}
     jax.block_until_ready(compiled(*inputs))

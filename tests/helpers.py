@@ -117,3 +117,9 @@ def sharded_lookup_bytes(config, group_rows: int, accum: int = 1) -> dict[str, i
         return {"table": 0, "tokens": 0, "rows": 0}
     return {"table": config.vocab * config.d_model * 4, "tokens": group_rows * config.seq_len * 4,
             "rows": group_rows * config.seq_len * config.d_model * 4}
+
+
+def flash_recomputed_flops(config, sequences: int, seq: int) -> float:
+    """The matmul FLOPs flash attention's backward adds to the model FLOPs (6 N + attention): it recomputes q . k^T,
+    2 s^2 h hd per sequence and layer (one block pair at the tests' lengths, so the whole square)."""
+    return sequences * config.n_layers * 2 * seq * seq * config.n_heads * config.head_dim

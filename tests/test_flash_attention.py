@@ -105,7 +105,9 @@ def test_flash_matches_the_masked_softmax(name):
     segments = jnp.asarray(documents_crossing_blocks(q.shape[0], q.shape[1])) if packed else None
     pos = np.arange(q.shape[1])
     scoring = Scoring(**options)
-    flash = lambda q, k, v: flash_attention(q, k, v, pos, pos, scoring, segments, segments, Blocks(8, 16))[0]  # noqa: E731
+    def flash(q, k, v):
+        return flash_attention(q, k, v, pos, pos, scoring, segments, segments, Blocks(8, 16))[0]
+
     got = value_and_grads(flash, q, k, v, weights)
     want = value_and_grads(functools.partial(reference, segments=segments, **options), q, k, v, weights)
     value_error, grad_error = errors(got, want)

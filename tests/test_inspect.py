@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from helpers import flash_recomputed_flops
 from jaxpar.planner import inspect
 from jaxpar.core.mesh import MeshSpec, make_mesh
 
@@ -82,8 +83,7 @@ def test_matmul_flops_count_every_layer_of_the_scan(layers):
     optimizer = optax.sgd(0.1)
     batch = {k: jax.ShapeDtypeStruct((4, 32), np.int32) for k in ("inputs", "targets")}
     model_flops = mfu.model_flops_per_step("tiny", config, 4, 32)
-    # Flash attention's backward recomputes q . k (one block pair here): 2 s^2 h hd more per sequence and layer.
-    recomputed = 4 * layers * 2 * 32 * 32 * config.n_heads * config.head_dim
+    recomputed = flash_recomputed_flops(config, 4, 32)
     for attention, expected in (("xla", model_flops), ("flash", model_flops + recomputed)):
         plan = Plan.create("data=1", devices=jax.devices()[:1], attention=attention)
         compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(

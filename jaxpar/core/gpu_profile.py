@@ -50,7 +50,8 @@ def nvidia_gpu_in_use() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return False
-    return any(_installed(name) for name in CUDA_PLUGINS) and (os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None)
+    driver = os.path.exists("/dev/nvidiactl") or shutil.which("nvidia-smi") is not None
+    return driver and any(_installed(name) for name in CUDA_PLUGINS)
 
 
 def apply(profile: str = "auto", environ=os.environ) -> dict[str, str]:

@@ -7,13 +7,12 @@ VJP) recomputes each block pair's probabilities from q, k, v, the output and
 the log-sum-exp. No array of [queries, keys] outlives one block pair, on any
 backend: this is jaxpar's attention wherever no fused kernel applies.
 
-The (query block, key block) pairs run as one `lax.scan` over a table of
-pairs. When the positions are known at trace time (numpy arrays: one device,
-the ring's own chunks), the table holds only the pairs with a visible entry,
-so the blocks above the diagonal or beyond a sliding window are never
-computed. When they are traced (the all-gather context form, where a rank's
-query positions depend on its index) every pair is in the table and a
-`lax.cond` skips the hidden ones at run time.
+The (query block, key block) pairs run as one while loop over a table of
+pairs. When the positions are known at trace time (numpy arrays: one device),
+the table holds only the pairs with a visible entry, so the blocks above the
+diagonal or beyond a sliding window are never computed. When they are traced
+(the context forms, where a rank's positions depend on its index) every pair
+is in the table and a `lax.cond` skips the hidden ones at run time.
 
 Besides the output, `flash_attention` returns each row's log-sum-exp, and its
 VJP takes a cotangent for it: the ring form of context parallelism merges the
@@ -66,8 +65,8 @@ def flash_attention(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=N
     q [b, sq, heads, d], k [b, sk, kv_heads, d], v [b, sk, kv_heads, dv] (dv may differ from d);
     q_pos [sq], k_pos [sk] (numpy: block pairs with nothing visible are left out of the loop; jax arrays:
     skipped at run time); q_seg [b, sq], k_seg [b, sk] packed documents' segment ids, or None.
-    Returns (out [b, sq, heads, dv] in `out_dtype` (default v's dtype), lse [b, kv_heads, group, sq] in fp32); a query that sees no
-    key has output 0 and log-sum-exp MASKED.
+    Returns (out [b, sq, heads, dv] in `out_dtype` (default v's dtype), lse [b, kv_heads, group, sq] in fp32);
+    a query that sees no key has output 0 and log-sum-exp MASKED. A window of 1 needs no softmax at all.
     """
     blocks = blocks or default_blocks()
     b, sq, h, d = q.shape
@@ -93,7 +92,8 @@ def flash_attention(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=N
     if pairs is None:
         out, lse = _flash(None, scoring, sizes, None, grouped, k, v, q_pos, k_pos, q_seg, k_seg)
     else:  # positions known at trace time are compiled in, never residuals
-        out, lse = _flash(pairs, scoring, sizes, (_Fixed(q_pos), _Fixed(k_pos)), grouped, k, v, None, None, q_seg, k_seg)
+        fixed = (_Fixed(q_pos), _Fixed(k_pos))
+        out, lse = _flash(pairs, scoring, sizes, fixed, grouped, k, v, None, None, q_seg, k_seg)
     return out[:, :sq].reshape(b, sq, h, v.shape[-1]), lse[..., :sq]
 
 

@@ -21,10 +21,10 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     the projection (h hd) and the MLP's gate, up and their product (3 f). dots
     (ZeRO-3's policy): every matmul output: Q, K, V, the scores and the
     attention output (the plain softmax's: flash attention's are no matmul's,
-    and recomputed), both projections' outputs (2 d) and gate and up. selective: the weight matmuls' outputs: Q, K, V, gate, up and the
-    two row-parallel outputs (2 d). full: the block input (d). Tensor
-    parallelism splits all but the d-sized values by t; sequence parallelism
-    those too.
+    and recomputed), both projections' outputs (2 d) and gate and up.
+    selective: the weight matmuls' outputs: Q, K, V, gate, up and the two
+    row-parallel outputs (2 d). full: the block input (d). Tensor parallelism
+    splits all but the d-sized values by t; sequence parallelism those too.
 
     Where the block has no collective inside (no tensor split, no ZeRO-2/3
     gather), XLA fuses each projection into its consumer, so selective remat
@@ -84,7 +84,8 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
     t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
     h, kv, hd, f, d = model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.d_model
     if layout.pipe > 1 and remat_policy(layout) == "none":
-        return (2 * h * scores_kept(layout, seq) + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
+        keys = scores_kept(layout, seq)
+        return (2 * h * keys + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
     values = activation_values_per_token(model, layout, seq)
     if model.n_experts and remat_policy(layout) != "full":
         share = model.moe_layers / model.n_layers
