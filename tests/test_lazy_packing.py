@@ -147,7 +147,7 @@ def test_fine_tuning_records_read_lazily_match_the_whole_read(tmp_path):
         np.testing.assert_array_equal(doc.tokens, expected.tokens)
         np.testing.assert_array_equal(doc.mask, expected.mask)
     path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(ValueError, match="record 1 has no field 'completion'"):
+    with pytest.raises(ValueError, match="line 2 has no field 'completion'"):
         records.LazyDocuments(str(path), None).documents(0, 2)
 
 

@@ -359,7 +359,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     config = run.config
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
         lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
-    outputs = _Outputs(config)
+    outputs = _Outputs(config, start)
     evaluator = _evaluator(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
     batches = prefetched(run.batch, range(start, config.steps), DATA_WORKERS)
@@ -441,10 +441,17 @@ def _evaluator(run: Run):
 
 
 class _Outputs:
-    """Where process 0 writes every row: `--metrics` (JSON lines) and `--tensorboard`."""
+    """Where process 0 writes every row: `--metrics` (JSON lines) and `--tensorboard`.
 
-    def __init__(self, config: TrainConfig):
-        self.file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
+    A run resumed from step `start` first drops the metrics rows of later steps (written after the checkpoint it
+    resumes from, before the run was stopped) and a row cut short by a kill, so the file holds each step once.
+    """
+
+    def __init__(self, config: TrainConfig, start: int = 0):
+        self.file = None
+        if config.metrics and is_leader():
+            keep_rows_through(Path(config.metrics), start)
+            self.file = Path(config.metrics).open("a")
         self.board = None
         if config.tensorboard and is_leader():
             from jaxpar.run.tensorboard import TensorBoard
@@ -463,6 +470,29 @@ class _Outputs:
             self.file.close()
         if self.board:
             self.board.close()
+
+
+def keep_rows_through(path: Path, step: int) -> None:
+    """Rewrite the metrics file `path` (if any) to its whole rows of steps <= `step`, the rows a resume keeps."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # the row a kill cut short
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    partial.replace(path)
+
+
+def skipped_records(batches) -> int:
+    """Conversations skipped so far for having no assistant reply, over the sources of `batches`."""
+    parts = getattr(batches, "sources", None) or [batches]  # a packed mixture's batches per source, or the batches
+    return sum(len(getattr(getattr(part, "source", None), "skipped", ())) for part in parts)
 
 
 def param_table(run: Run) -> list[dict]:

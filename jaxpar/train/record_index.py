@@ -79,9 +79,9 @@ class RecordIndex:
                 out.append({self.field: ""} if self.field else None)
                 continue
             try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                raise ValueError(f"{where} is not JSON ({getattr(error, 'msg', error)})") from None
+                record = json.loads(sources.utf8_line(line, where))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where} is not JSON ({error.msg} at column {error.colno})") from None
             out.append(record)
         return out
 
@@ -154,16 +154,17 @@ class RecordIndex:
         if names is not None and self.field not in names:
             raise ValueError(f"{self.where} has no field {self.field!r} (it has {', '.join(map(repr, names))}); "
                              "choose the field with --text-field")
-        return [sources.text_of(r, self.field, self._name(i)) for i, r in zip(range(lo, hi), self._read(lo, hi))]
+        return [sources.text_of(r, self.field, self.name(i)) for i, r in zip(range(lo, hi), self._read(lo, hi))]
 
-    def _name(self, index: int) -> str:
-        """Record `index` as a message names it: a JSON lines file's line, else the record (0-based)."""
+    def name(self, index: int) -> str:
+        """Record `index` (0-based) as a message names it: a JSON lines file's 1-based line, else its 1-based
+        record number, as a person counts them."""
         lines = getattr(self, "_lines", None)
-        return f"{self.where} line {lines[index]}" if lines is not None else f"{self.where} record {index}"
+        return f"{self.where} line {lines[index]}" if lines is not None else f"{self.where} record {index + 1}"
 
     def records(self, lo: int, hi: int, kind: str) -> list[dict]:
         """Fine-tuning records lo:hi, each checked (`sources.check_record`); the index is opened with field None."""
-        return [sources.check_record(r, i, kind, self.where) for i, r in zip(range(lo, hi), self._read(lo, hi))]
+        return [sources.check_record(r, kind, self.name(i)) for i, r in zip(range(lo, hi), self._read(lo, hi))]
 
 
 def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
