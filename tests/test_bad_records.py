@@ -158,6 +158,10 @@ def test_a_conversation_without_a_reply_is_skipped_and_counted(tmp_path):
     run = types.SimpleNamespace(config=types.SimpleNamespace(batch_size=2, seq_len=32), batches=batches,
                                 mfu=types.SimpleNamespace(peak=None, why_not="n/a (CPU)"))
     assert "; 2 conversations with no assistant reply skipped" in closing_line(run, [1.0, 0.5], [9.0, 0.1])
+    none = records.LazyDocuments(str(chat_file(tmp_path / "none.jsonl", [conversations[4], conversations[9]])),
+                                 str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="none.jsonl' has nothing to train on: its 2 documents pack into no rows"):
+        BlockBatches(none, batch_size=2, seq_len=32, name=none.path).rows(0)
 
 
 # -- defect 5: a binary file named .jsonl is refused naming the file and the line ----------------------------------
