@@ -170,9 +170,9 @@ def test_a_conversation_without_a_reply_is_skipped_and_counted(tmp_path):
 def test_a_binary_jsonl_names_the_file_and_the_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_bytes(b'{"text": "fine"}\n{"text": "also fine"}\n\n' + b'{"text": "\xd0\xd0 broken"}\n')
-    with pytest.raises(ValueError) as error:
-        records.LazyDocuments(str(path), None).documents(0, 3)
-    assert str(error.value).startswith(f"--data {str(path)!r} line 4 is not UTF-8 text (byte 0xd0 at column 11")
+    assert records.LazyDocuments(str(path), None).bad == [
+        f"--data {str(path)!r} line 4 is not UTF-8 text (byte 0xd0 at column 11: invalid continuation byte); "
+        "a .jsonl file holds one JSON object per line"]
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(bytes(range(200, 256)) * 4)
     with pytest.raises(ValueError, match=rf"binary.jsonl' line 1 is not UTF-8 text \(byte 0xc8 at column 1"):
@@ -229,3 +229,76 @@ def test_train_killed_after_its_last_save_and_resumed_writes_each_step_once(tmp_
     assert main([*common, "--steps", "4"]) == 0
     assert "resumed from step 2" in capsys.readouterr().out
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+# -- defect 1: every bad record is caught before the run spends compute on it --------------------------------------
+
+
+def documents_file(path, count, bad_lines=(), bad=b'{"text": "cut off'):
+    lines = [json.dumps({"text": f"document number {i}"}).encode() for i in range(count)]
+    for number in bad_lines:
+        lines[number - 1] = bad
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_a_malformed_line_past_the_first_block_is_refused_at_start_up(tmp_path, capsys):
+    path = documents_file(tmp_path / "docs.jsonl", 1200, bad_lines=(1001,))
+    metrics, directory = tmp_path / "m.jsonl", tmp_path / "ck"
+    code = main(["train", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--data", str(path),
+                 "--metrics", str(metrics), "--checkpoint-dir", str(directory)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and not metrics.exists() and not any(directory.glob("*"))
+    assert " ".join(err.split()) == (f"error: --data {str(path)!r} line 1001 is not JSON (Unterminated string starting at: "
+                                     "column 10); fix the data, or train without the bad records: --skip-bad-records")
+
+
+def test_bad_records_are_left_out_in_place_and_counted(tmp_path):
+    path = documents_file(tmp_path / "docs.jsonl", 12, bad_lines=(3, 8))
+    lines = path.read_bytes().split(b"\n")
+    lines[9] = json.dumps({"body": "no text field"}).encode()  # line 10
+    path.write_bytes(b"\n".join(lines))
+    documents = records.LazyDocuments(str(path), None)
+    assert len(documents) == 9 and len(documents.bad) == 3
+    assert documents.bad[0].endswith("line 3 is not JSON (Unterminated string starting at: column 10)")
+    assert documents.bad[2].endswith("line 10 has no field 'text' (it has 'body'); choose the field with --text-field")
+    texts = [bytes(d.tokens.astype(np.uint8)).decode().strip() for d in documents.documents(0, 9)]
+    assert texts == [f"document number {i}" for i in (0, 1, 3, 4, 5, 6, 8, 10, 11)]
+    assert documents.index.name(2) == f"--data {str(path)!r} line 4"  # names stay the file's lines
+
+
+def test_a_bad_parquet_record_is_named_by_its_1_based_number(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), path, row_group_size=2)
+    documents = records.LazyDocuments(str(path), None)
+    assert len(documents) == 3 and documents.bad == [f"--data {str(path)!r} record 3: field 'text' holds NoneType, not text"]
+
+
+def test_skip_bad_records_trains_on_without_them_and_says_how_many(tmp_path, capsys):
+    path = documents_file(tmp_path / "docs.jsonl", 300, bad_lines=(5, 280))
+    metrics = tmp_path / "m.jsonl"
+    code = main(["train", "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--data", str(path),
+                 "--metrics", str(metrics), "--skip-bad-records"])
+    captured = capsys.readouterr()
+    err, out = " ".join(captured.err.split()), " ".join(captured.out.split())
+    assert code == 0 and len(metrics.read_text().splitlines()) == 2, err
+    assert (f"warning: --skip-bad-records: training without 2 bad records of --data {str(path)!r}; the first: "
+            f"--data {str(path)!r} line 5 is not JSON") in err
+    assert "2 bad records skipped (--skip-bad-records)" in out and "298 documents" in out
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_at_start_up(tmp_path, capsys):
+    tokens = np.full(100_000, 7, np.uint16)
+    tokens[90_000] = 65000  # tiny's vocabulary is 256
+    path = tmp_path / "train.bin"
+    tokens.tofile(path)
+    metrics = tmp_path / "m.jsonl"
+    code = main(["train", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--data", str(path),
+                 "--metrics", str(metrics)])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and not metrics.exists() and "Traceback" not in err
+    assert f"--data {str(path)!r} holds token ids outside the model's vocabulary [0, 256): 65000 (smallest 7, " \
+           "largest 65000); the first is token 90,001 of 100,000 (1-based); re-tokenize" in err

@@ -44,8 +44,10 @@ from jaxpar.train.packing import Document, split_stream
 class LazyDocuments:
     """The documents of one `--data` source, read and tokenized by index range (`jaxpar.train.block_packing`).
 
-    Opening it reads the source's index only (`jaxpar.train.record_index`);
-    `documents(lo, hi)` reads records lo:hi and tokenizes them. `lo:hi` of a
+    Opening it reads the source's index and checks every record
+    (`jaxpar.train.record_index`), tokenizing none: the bad ones are left out and
+    named in `bad`, for the run to refuse or skip. `documents(lo, hi)` reads
+    records lo:hi and tokenizes them. `lo:hi` of a
     view (`view(lo, hi)`) is documents lo:hi of the source, so evaluation can
     hold out the last documents whole without reading the others.
     """
@@ -56,6 +58,7 @@ class LazyDocuments:
         source = Path(path)
         self.kind = sources.record_kind(source) if sources.is_document_source(source) else sources.TEXT
         self.index = RecordIndex(source, text_field if self.kind == sources.TEXT else None)
+        self.bad = self.index.check(self.kind)  # every record parsed and checked now; the bad ones left out
         self.chat = (ChatTemplate.of(tokenizer_path, f"--data {path!r} holds chat records (messages)")
                      if self.kind == sources.MESSAGES else None)
         self.lo, self.hi = 0, len(self.index)

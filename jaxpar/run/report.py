@@ -176,9 +176,11 @@ def closing_line(run: Run, losses: list[float], times: list[float]) -> str:
     else:
         line += (f"its time {times[0] * 1e3:.1f} ms includes compiling, so it gives no step time; "
                  "run 2 or more steps for one")
-    skipped = skipped_records(run.batches)
-    if skipped:
-        line += f"; {skipped:,} conversation{'s' if skipped > 1 else ''} with no assistant reply skipped (nothing to train on)"
+    bad, no_reply = skipped_records(run.batches)
+    if bad:
+        line += f"; {bad:,} bad record{'s' if bad > 1 else ''} skipped (--skip-bad-records)"
+    if no_reply:
+        line += f"; {no_reply:,} conversation{'s' if no_reply > 1 else ''} with no assistant reply skipped (nothing to train on)"
     return line
 
 
