@@ -40,6 +40,8 @@ TRAIN_FLAGS = {
                        "(default: UTF-8 bytes); with a .npy from `jaxpar tokenize`, check that it was made with it"),
     "tensorboard": (str, "also write loss, lr, grad norm, tokens/s, MFU and memory as TensorBoard scalars here"),
     "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.planner.devices) lacks the device"),
+    "skip_bad_records": (bool, "train without a document source's bad records (malformed JSON, missing fields, unknown "
+                               "chat roles) instead of refusing it; start-up says how many are left out"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
@@ -59,7 +61,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="auto: on NVIDIA GPUs, set the XLA flags that overlap communication with compute "
                              "(jaxpar.gpu_profile; a flag your XLA_FLAGS sets keeps your value); none: leave XLA_FLAGS as it is")
     for name, (kind, text) in TRAIN_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
+        if kind is bool:  # a switch
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=text)
     plan = parser.add_argument_group("plan", "how the step is laid out on the mesh")
     for field in _plan_fields():
         flag = "--" + field.name.replace("_", "-")

@@ -60,8 +60,8 @@ def test_token_ids_below_zero_are_refused_before_training(tmp_path):
 
 
 @pytest.mark.parametrize("name, write, fragments", [
-    ("big.npy", lambda p: np.save(p, np.arange(300, dtype=np.int64)),  # checked per batch: batch 0 holds some of 256..299
-     ["holds token ids outside the model's vocabulary [0, 256): 2", "in the batch of step 0;"]),
+    ("big.npy", lambda p: np.save(p, np.arange(300, dtype=np.int64)),  # the whole file, scanned at start-up
+     ["holds token ids outside the model's vocabulary [0, 256): 256, 257", "the first is token 257 of 300 (1-based);"]),
     ("odd.bin", lambda p: p.write_bytes(b"\0" * 101),
      ["a .bin file holds uint16 token ids of 2 bytes each", "its size, 101 bytes, is not a multiple of 2"]),
     ("text.npy", lambda p: p.write_text("not numpy at all " * 20),

@@ -6,26 +6,34 @@ A text document is its tokens with the tokenizer's BOS/EOS around it
 completion and the EOS. A `messages` record is rendered with the tokenizer's
 chat template (`chat_template` of the `tokenizer_config.json` beside the
 `tokenizer.json`; through `transformers`' `apply_chat_template` where
-transformers is installed, else jinja2 with the same settings), trained on the
-assistant messages only.
+transformers is installed, else jinja2 with the same settings), trained on
+each assistant reply and its end-of-turn marker only. Its roles are those chat
+templates know (`jaxpar.train.sources.ROLES`); a conversation with no
+assistant reply has nothing to train on and is skipped (an empty document,
+which the packer drops), and counted in `LazyDocuments.skipped`.
 
-The assistant spans are found by rendering prefix by prefix: message i's span
-runs from the end of the render of messages[:i] with the generation prompt to
-the end of the render of messages[:i + 1], so it holds what the template writes
-for the reply, its end-of-turn marker included, and none of the header that
-announces it. (transformers' `return_assistant_tokens_mask` needs a template
-written with `{% generation %}`, which most are not.) A template that does not
-render the conversation prefix by prefix is refused by name. The text is then
-encoded span by span, so no token straddles the edge between prompt and reply.
+The trained spans are the template's own where it marks them with
+`{% generation %}` ... `{% endgeneration %}` (what transformers'
+`return_assistant_tokens_mask` reads). Otherwise they are found by rendering
+prefix by prefix: message i's span starts at the end of the render of
+messages[:i] with the generation prompt, so none of the header that announces
+the reply is trained, and ends with the end-of-turn marker: the first
+whitespace-delimited piece the template writes after the reply (`<|im_end|>`,
+not the newline ChatML writes after it). A template that does not render the
+conversation prefix by prefix is refused by name. The text is then encoded
+span by span, so no token straddles the edge between prompt and reply.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import numpy as np
+from jinja2 import nodes
+from jinja2.ext import Extension
 
 from jaxpar.interop.tokenize import BYTES, Tokenizer, encode_documents, load_tokenizer
 from jaxpar.train import sources
@@ -36,8 +44,10 @@ from jaxpar.train.packing import Document, split_stream
 class LazyDocuments:
     """The documents of one `--data` source, read and tokenized by index range (`jaxpar.train.block_packing`).
 
-    Opening it reads the source's index only (`jaxpar.train.record_index`);
-    `documents(lo, hi)` reads records lo:hi and tokenizes them. `lo:hi` of a
+    Opening it reads the source's index and checks every record
+    (`jaxpar.train.record_index`), tokenizing none: the bad ones are left out and
+    named in `bad`, for the run to refuse or skip. `documents(lo, hi)` reads
+    records lo:hi and tokenizes them. `lo:hi` of a
     view (`view(lo, hi)`) is documents lo:hi of the source, so evaluation can
     hold out the last documents whole without reading the others.
     """
@@ -48,9 +58,11 @@ class LazyDocuments:
         source = Path(path)
         self.kind = sources.record_kind(source) if sources.is_document_source(source) else sources.TEXT
         self.index = RecordIndex(source, text_field if self.kind == sources.TEXT else None)
+        self.bad = self.index.check(self.kind)  # every record parsed and checked now; the bad ones left out
         self.chat = (ChatTemplate.of(tokenizer_path, f"--data {path!r} holds chat records (messages)")
                      if self.kind == sources.MESSAGES else None)
         self.lo, self.hi = 0, len(self.index)
+        self.skipped: set[int] = set()  # conversations with no assistant reply, by record index (views share it)
 
     def __len__(self) -> int:
         return self.hi - self.lo
@@ -72,8 +84,14 @@ class LazyDocuments:
         records = self.index.records(lo, hi, self.kind)
         if self.kind == sources.PROMPT_COMPLETION:
             return [prompt_completion(r["prompt"], r["completion"], self.tokenizer) for r in records]
-        return [chat_document(r["messages"], self.chat, self.tokenizer, f"--data {self.path!r} record {i}")
-                for i, r in zip(range(lo, hi), records)]
+        documents = []
+        for i, record in zip(range(lo, hi), records):
+            if not any(m["role"] == "assistant" for m in record["messages"]):
+                self.skipped.add(i)
+                documents.append(Document(np.zeros(0, np.int64)))
+                continue
+            documents.append(chat_document(record["messages"], self.chat, self.tokenizer, self.index.name(i)))
+        return documents
 
 
 def is_fine_tuning(path: str) -> bool:
@@ -111,12 +129,17 @@ def prompt_completion(prompt: str, completion: str, tokenizer: Tokenizer) -> Doc
     return _document([np.asarray(bos), ids[0], ids[1], np.asarray(eos)], [False, False, True, True])
 
 
+GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")  # transformers' mark of what the model generates
+_MARK_OPEN, _MARK_CLOSE = "\ue000jaxpar-generation\ue001", "\ue000jaxpar-end-generation\ue001"
+
+
 class ChatTemplate:
     """A tokenizer's chat template and its special tokens, rendered by transformers or jinja2."""
 
     def __init__(self, template: str, bos_token: str = "", eos_token: str = "", hf_tokenizer=None):
         self.template, self.bos_token, self.eos_token = template, bos_token, eos_token
-        self._hf = hf_tokenizer
+        self.marked = bool(GENERATION.search(template))  # the template marks its replies with {% generation %}
+        self._hf = None if self.marked else hf_tokenizer  # marked: jinja2 renders, so the marks give offsets
         self._jinja = None
 
     @classmethod
@@ -138,6 +161,10 @@ class ChatTemplate:
         return cls(template, *special, hf_tokenizer=_hf_tokenizer(config_path.parent, template))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._marked(messages, add_generation_prompt).replace(_MARK_OPEN, "").replace(_MARK_CLOSE, "")
+
+    def _marked(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The render, with each `{% generation %}` block between the two marks."""
         if self._hf is not None:
             return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         if self._jinja is None:
@@ -146,7 +173,7 @@ class ChatTemplate:
             def raise_exception(message):
                 raise ValueError(f"the chat template refused the messages: {message}")
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationMarks])
             env.globals["raise_exception"] = raise_exception
             self._jinja = env.from_string(self.template)
         return self._jinja.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -164,7 +191,10 @@ class ChatTemplate:
         return int(ids[0]) if len(ids) else tokenizer.eos
 
     def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """(the rendered conversation, the character spans of its assistant messages)."""
+        """(the rendered conversation, the character spans of its assistant replies with their end-of-turn
+        markers): the template's `{% generation %}` blocks where it has them, else found prefix by prefix."""
+        if self.marked:
+            return _generation_spans(self._marked(messages, False))
         text = self.render(messages)
         spans = []
         for i, message in enumerate(messages):
@@ -174,8 +204,47 @@ class ChatTemplate:
             if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
                 raise ValueError(f"{where}: the chat template does not render the conversation prefix by prefix, "
                                  "so its assistant tokens cannot be found; write the records as prompt/completion")
-            spans.append((len(before), len(through)))
+            spans.append((len(before), _through_marker(text, len(before), len(through), message["content"])))
         return text, spans
+
+
+def _through_marker(text: str, start: int, end: int, reply: str) -> int:
+    """Where the reply written in text[start:end] ends with its end-of-turn marker: the first whitespace-delimited
+    piece after the reply, so what the template writes after the marker (ChatML's newline) is not trained."""
+    written = text[start:end]
+    reply_end = start + written.rindex(reply) + len(reply) if reply and reply in written else start
+    after = text[reply_end:end]
+    marker = after.lstrip()
+    marker = marker.split(maxsplit=1)[0] if marker.strip() else ""
+    return reply_end + (len(after) - len(after.lstrip()) if marker else 0) + len(marker)
+
+
+def _generation_spans(marked: str) -> tuple[str, list[tuple[int, int]]]:
+    """(the render without the marks, the character span of each `{% generation %}` block)."""
+    text, spans, at = [], [], 0
+    for piece in re.split(f"({_MARK_OPEN}|{_MARK_CLOSE})", marked):
+        if piece == _MARK_OPEN:
+            spans.append([at, at])
+        elif piece == _MARK_CLOSE:
+            spans[-1][1] = at
+        else:
+            text.append(piece)
+            at += len(piece)
+    return "".join(text), [tuple(span) for span in spans]
+
+
+class _GenerationMarks(Extension):
+    """jinja2's reading of `{% generation %}` ... `{% endgeneration %}`: the block, between two marks."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller) -> str:
+        return f"{_MARK_OPEN}{caller()}{_MARK_CLOSE}"
 
 
 def _hf_tokenizer(folder: Path, template: str):

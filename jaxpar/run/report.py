@@ -21,6 +21,7 @@ from jaxpar.run.training import (
     open_checkpoints,
     param_table,
     resume,
+    skipped_records,
 )
 from jaxpar.train.data import BadBatch
 from jaxpar.train.distributed import PREEMPTED_MARKER
@@ -103,7 +104,7 @@ def train_with_progress(run: Run, console: Console) -> int:
     """Train with a progress bar (loss, tokens/s, step time, MFU) and print the loss curve's key points.
 
     The closing line's tokens/s and MFU are those of the median step after
-    the first, whose time includes compiling.
+    the first, whose time includes compiling (`closing_line`).
 
     With a checkpoint directory the run continues from its newest checkpoint;
     SIGTERM saves after the current step and returns 0.
@@ -159,11 +160,28 @@ def train_with_progress(run: Run, console: Console) -> int:
         if jax.process_index() == 0:  # this attempt was preempted, saved: a scheduler's script requeues on it (README)
             (checkpoints.directory / PREEMPTED_MARKER).write_text(f"{row['step']}\n")
     if losses:
-        steady = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # the first step's time includes compiling
-        console.print(f"[bold green]done[/]: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
-                      f"median step {steady * 1e3:.1f} ms, {run.config.batch_size * run.config.seq_len / steady:,.0f} "
-                      f"tok/s, {mfu_text(run, steady)}")
+        console.print(closing_line(run, losses, times))
     return 0
+
+
+def closing_line(run: Run, losses: list[float], times: list[float]) -> str:
+    """The run's last line: the loss from first to last step, and the median step time of the steps after the
+    first (whose time includes compiling), or, with one step only, its time marked as compiling included."""
+    line = (f"[bold green]done[/]: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
+            f"step{'s' if len(losses) > 1 else ''}; ")
+    if len(times) > 1:
+        steady = sorted(times[1:])[(len(times) - 1) // 2]
+        line += (f"median step {steady * 1e3:.1f} ms (compile step left out), "
+                 f"{run.config.batch_size * run.config.seq_len / steady:,.0f} tok/s, {mfu_text(run, steady)}")
+    else:
+        line += (f"its time {times[0] * 1e3:.1f} ms includes compiling, so it gives no step time; "
+                 "run 2 or more steps for one")
+    bad, no_reply = skipped_records(run.batches)
+    if bad:
+        line += f"; {bad:,} bad record{'s' if bad > 1 else ''} skipped (--skip-bad-records)"
+    if no_reply:
+        line += f"; {no_reply:,} conversation{'s' if no_reply > 1 else ''} with no assistant reply skipped (nothing to train on)"
+    return line
 
 
 def inspection(run: Run) -> dict:

@@ -33,7 +33,7 @@ from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
 from jaxpar.train.distributed import is_leader
 from jaxpar.train.prefetch import prefetched
-from jaxpar.train.sources import parse_sources
+from jaxpar.train.sources import TOKEN_SUFFIXES, parse_sources
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state
 from jaxpar.train.step import Step, make_train_step
@@ -73,6 +73,7 @@ class TrainConfig:
     packing: str | None = None  # documents (whole documents per row) or windows; None: the data's default (run/packed.py)
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
     peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
+    skip_bad_records: bool = False  # train without a document source's bad records instead of refusing the source
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
@@ -136,8 +137,8 @@ def _batches(config: TrainConfig, mcfg, name: str, streams):
     """The run's batches (packed documents, streams None: every packed row once per epoch; one stream: random
     windows, or with `epochs` every non-overlapping window once per epoch; several: a weighted mixture), held-out data.
 
-    Token ids are checked per batch as they are read; `prepare` reads this process's rows of batch 0, so a bad
-    token file is refused before anything compiles.
+    Token ids are checked per batch as they are read, besides `prepare`'s start-up scan of each token file, and
+    `prepare` reads this process's rows of batch 0 before anything compiles.
     """
     heldout, vocab = None, mcfg.vocab
     if config.eval_every:
@@ -247,7 +248,11 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     layer_pattern.check_pipeline_chunks(mcfg, plan.shape["pipe"], plan.virtual_stages)  # Gemma 2's pairs
     by_documents = packing_of(config.data, config.packing) == "documents"
     streams = None if by_documents else training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
+    for source in parse_sources(config.data) if config.data is not None else []:  # after the headers' own checks
+        if Path(source.path).suffix in TOKEN_SUFFIXES:  # every id, before any compute: one pass over the file
+            data_lib.check_token_file(data_lib.load_tokens(source.path), mcfg.vocab, source.path)
     batches, heldout = _batches(config, mcfg, name, streams)
+    _refuse_or_skip_bad_records(config, batches)
     batches.rows(0, *data_lib.local_rows(plan.sharding(plan.batch_spec(2)), (config.batch_size, config.seq_len)))
     if config.epochs is not None and config.checkpoint_dir:  # counts saved earlier spare tokenizing for the length
         _learn_counts_from_newest(batches, config.checkpoint_dir)
@@ -359,7 +364,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     config = run.config
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
         lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
-    outputs = _Outputs(config)
+    outputs = _Outputs(config, start)
     evaluator = _evaluator(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
     batches = prefetched(run.batch, range(start, config.steps), DATA_WORKERS)
@@ -441,10 +446,17 @@ def _evaluator(run: Run):
 
 
 class _Outputs:
-    """Where process 0 writes every row: `--metrics` (JSON lines) and `--tensorboard`."""
+    """Where process 0 writes every row: `--metrics` (JSON lines) and `--tensorboard`.
 
-    def __init__(self, config: TrainConfig):
-        self.file = Path(config.metrics).open("a") if config.metrics and is_leader() else None
+    A run resumed from step `start` first drops the metrics rows of later steps (written after the checkpoint it
+    resumes from, before the run was stopped) and a row cut short by a kill, so the file holds each step once.
+    """
+
+    def __init__(self, config: TrainConfig, start: int = 0):
+        self.file = None
+        if config.metrics and is_leader():
+            keep_rows_through(Path(config.metrics), start)
+            self.file = Path(config.metrics).open("a")
         self.board = None
         if config.tensorboard and is_leader():
             from jaxpar.run.tensorboard import TensorBoard
@@ -463,6 +475,51 @@ class _Outputs:
             self.file.close()
         if self.board:
             self.board.close()
+
+
+def keep_rows_through(path: Path, step: int) -> None:
+    """Rewrite the metrics file `path` (if any) to its whole rows of steps <= `step`, the rows a resume keeps."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # the row a kill cut short
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    partial.replace(path)
+
+
+def _document_sources(batches) -> list:
+    """The document sources (`jaxpar.interop.records.LazyDocuments`) read by `batches`, a packed mixture's each."""
+    parts = getattr(batches, "sources", None) or [batches]  # a packed mixture's batches per source, or the batches
+    return [part.source for part in parts if hasattr(getattr(part, "source", None), "bad")]
+
+
+def _refuse_or_skip_bad_records(config: TrainConfig, batches) -> None:
+    """Refuse a document source with bad records (their first named, in one line), or with `skip_bad_records`
+    say how many the run trains without."""
+    for documents in _document_sources(batches):
+        bad = documents.bad
+        if not bad:
+            continue
+        more = f" ({len(bad):,} bad records in all)" if len(bad) > 1 else ""
+        if not config.skip_bad_records:
+            raise ValueError(f"{bad[0]}{more}; fix the data, or train without the bad records: --skip-bad-records")
+        if is_leader():
+            print(f"warning: --skip-bad-records: training without {len(bad):,} bad record{'s' if len(bad) > 1 else ''} "
+                  f"of --data {documents.path!r}; the first: {bad[0]}", file=sys.stderr, flush=True)
+
+
+def skipped_records(batches) -> tuple[int, int]:
+    """(bad records left out by --skip-bad-records, conversations skipped so far for having no assistant reply),
+    over the document sources of `batches`."""
+    found = _document_sources(batches)
+    return sum(len(d.bad) for d in found), sum(len(d.skipped) for d in found)
 
 
 def param_table(run: Run) -> list[dict]:

@@ -207,6 +207,9 @@ class BlockBatches:
                         prefix.append(end + rows)
             if end > position:
                 break
+            if end == 0:  # an epoch of no rows: every document empty, or every conversation without a reply
+                raise ValueError(f"--data {self.name!r} has nothing to train on: its {len(self.source):,} documents "
+                                 "pack into no rows (they are empty, or conversations with no assistant reply)")
             epoch, position = epoch + 1, position - end  # past this epoch's rows: into the next
         with self._lock:
             at = bisect.bisect_right(prefix, position) - 1

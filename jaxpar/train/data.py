@@ -96,6 +96,26 @@ def check_batch_vocab(windows: np.ndarray, vocab: int, source: str | Path | None
     _refuse_outside(windows, vocab, source, f" in the batch of step {step}")
 
 
+SCAN_CHUNK = 1 << 26  # ids per pass of `check_token_file` (128 MiB of uint16 at a time)
+
+
+def check_token_file(tokens: np.ndarray, vocab: int, source: str | Path) -> None:
+    """Refuse a token file with an id outside [0, vocab) anywhere, at start-up, naming its first such token (1-based).
+
+    One pass for the largest id (the smallest too where the dtype is signed), skipped where the dtype cannot
+    hold an id past the vocabulary: a 1 GiB uint16 file takes a tenth of a second from the page cache.
+    """
+    info = np.iinfo(tokens.dtype)
+    if info.min >= 0 and info.max < vocab:
+        return
+    for lo in range(0, tokens.size, SCAN_CHUNK):
+        part = np.asarray(tokens[lo:lo + SCAN_CHUNK])
+        if part.max() < vocab and (info.min >= 0 or part.min() >= 0):
+            continue
+        at = lo + int(np.argmax((part < 0) | (part >= vocab)))
+        _refuse_outside(tokens, vocab, source, f"; the first is token {at + 1:,} of {tokens.size:,} (1-based)")
+
+
 class BadBatch(ValueError):
     """A batch the model cannot take (token ids outside its vocabulary), found when the batch is read."""
 

@@ -4,7 +4,8 @@ A document source is JSON lines (`.jsonl`), Parquet (`.parquet`) or a folder
 written by `datasets.Dataset.save_to_disk`; each record's `--text-field` is one
 document. Fine-tuning records are told by their fields: `prompt` and
 `completion`, or `messages` (a list of {role, content}); `check_record` checks
-each as it is read and names the record and the field a bad one lacks. Reading
+each as it is read and names the record (its 1-based line or record) and what is wrong: a field it lacks,
+a chat role no template knows. Reading
 is local only (pyarrow, `datasets.load_from_disk`) and by index range
 (`jaxpar.train.record_index`): nothing is downloaded. Token files and text
 folders stay in `jaxpar.train.data`.
@@ -86,6 +87,15 @@ def text_of(record, text_field: str, where: str) -> str:
     return text
 
 
+def utf8_line(line: bytes, where: str) -> str:
+    """A JSON line's text; ValueError names `where` (the file and 1-based line) where it is not UTF-8."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where} is not UTF-8 text (byte 0x{line[error.start]:02x} at column {error.start + 1}: "
+                         f"{error.reason}); a .jsonl file holds one JSON object per line") from None
+
+
 def record_kind(path: str | Path) -> str:
     """What a document source's records are, from its first record's fields (or its columns): MESSAGES,
     PROMPT_COMPLETION or TEXT."""
@@ -99,11 +109,11 @@ def record_kind(path: str | Path) -> str:
 
 def _first_fields(path: Path) -> list[str]:
     if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line in f:
+        with path.open("rb") as f:
+            for number, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        record = json.loads(line)
+                        record = json.loads(utf8_line(line, f"--data {str(path)!r} line {number}"))
                     except json.JSONDecodeError:
                         return []  # reading the records names the line
                     return list(record) if isinstance(record, dict) else []
@@ -121,30 +131,36 @@ def _first_fields(path: Path) -> list[str]:
     return []
 
 
-def check_record(record, index: int, kind: str, where: str) -> dict:
-    """A record of `kind` with its fields checked; ValueError names the record (0-based) and what it lacks."""
-    at = f"{where} record {index}"
+ROLES = ("user", "assistant", "system", "tool")  # the roles chat templates know; any other is refused by name
+
+
+def check_record(record, kind: str, where: str) -> dict:
+    """A record of `kind` with its fields checked; ValueError starts with `where` (its 1-based line or record).
+
+    A conversation with no assistant reply passes: it has nothing to train on, so the reader skips and counts it.
+    """
     if not isinstance(record, dict):
-        raise ValueError(f"{at} is {type(record).__name__}, not an object with fields")
+        raise ValueError(f"{where} is {type(record).__name__}, not an object with fields")
     needed = ("messages",) if kind == MESSAGES else ("prompt", "completion")
     for name in needed:
         if name not in record or record[name] is None:
-            raise ValueError(f"{at} has no field {name!r} (it has {', '.join(map(repr, record)) or 'none'}); "
+            raise ValueError(f"{where} has no field {name!r} (it has {', '.join(map(repr, record)) or 'none'}); "
                              f"the first record makes this a {kind} source, so every record needs "
                              f"{' and '.join(map(repr, needed))}")
     if kind == PROMPT_COMPLETION:
         for name in needed:
             if not isinstance(record[name], str):
-                raise ValueError(f"{at}: field {name!r} holds {type(record[name]).__name__}, not text")
+                raise ValueError(f"{where}: field {name!r} holds {type(record[name]).__name__}, not text")
         return {"prompt": record["prompt"], "completion": record["completion"]}
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{at}: field 'messages' must be a non-empty list of {{role, content}}, got "
+        raise ValueError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}, got "
                          f"{type(messages).__name__}")
-    for number, message in enumerate(messages):
+    for number, message in enumerate(messages, 1):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
-            raise ValueError(f"{at}: message {number} must have text fields 'role' and 'content', got {message!r}")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{at} has no 'assistant' message: nothing to train on")
+            raise ValueError(f"{where}: message {number} must have text fields 'role' and 'content', got {message!r}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"{where}: message {number} has role {message['role']!r}, which chat templates do not "
+                             f"know; use one of {', '.join(ROLES)}")
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
