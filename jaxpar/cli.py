@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the port rank 0 serves jax.distributed's coordinator on (default: a free one)")
     launch.add_argument("--min-processes", type=int, default=None,
                         help="when a process cannot come back, restart on those left, down to M, with a smaller data "
-                             "axis and more gradient accumulation (needs --max-restarts)")
+                             "axis and more gradient accumulation (needs --max-restarts, or --shrink-to)")
+    launch.add_argument("--shrink-to", type=int, metavar="N", default=None,
+                        help="print the process count and the command to run on N of the -n processes (one argument a "
+                             "line; shrunk as --min-processes would) and exit: a job script's smaller allocation")
     launch.add_argument("--status", metavar="LOGDIR", default=None,
                         help="print what happened to the launches logging to LOGDIR (its events.jsonl), then exit")
     launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
@@ -355,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
                 from jaxpar.train.launcher import status
 
                 print(status(args.status))
+                return 0
+            if args.shrink_to is not None:
+                from jaxpar.train.distributed import shrink_command
+
+                print("\n".join(shrink_command(args.processes, args.rest, args.shrink_to, args.min_processes)))
                 return 0
             return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
                                 log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume,

@@ -492,6 +492,24 @@ def test_a_layout_shrinks_on_its_data_axis_with_more_accumulation():
             shrunk(argv, 4, left)
 
 
+def test_a_job_shrinks_to_the_largest_count_its_layout_divides_into():
+    """One rule for an elastic restart and a job script's smaller allocation (`jaxpar launch --shrink-to`)."""
+    from jaxpar.train.distributed import shrink_command
+    from jaxpar.train.launcher import shrink_to
+
+    assert shrink_to(["train", "--mesh", "data=8"], 4, 3, 2)[:2] == (
+        2, ["train", "--grad-accum", "2", "--mesh", "data=4"])
+    assert shrink_command(4, ["train", "--mesh", "data=8"], 4, 2) == ["4", "train", "--mesh", "data=8"]
+    for argv, left, minimum, why in (
+            (["train", "--mesh", "data=8"], 1, 2, "1 processes left, fewer than --min-processes 2"),
+            (["train", "--mesh", "data=2,tensor=4"], 1, 1, "cannot shrink from 4 processes: mesh data=2,tensor=4: "
+                                                          "neither data nor replica divides by 4"),
+            (["train", "--mesh", "data=8"], 2, None, "--shrink-to needs --min-processes"),
+            (["train", "--mesh", "data=8", "--run-name", "a\nb"], 2, 2, "an argument holds a newline")):
+        with pytest.raises(ValueError, match=why):
+            shrink_command(4, argv, left, minimum)
+
+
 def test_a_rank_that_cannot_come_back_restarts_the_job_on_fewer(tmp_path, capfd):
     """Rank 3 of 4 dies and is lost: the job restarts on the 2 processes shrink allows; without a way to shrink, it
     stops saying why."""

@@ -107,6 +107,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def shrink_command(num_processes: int, argv: list[str], left: int, min_processes: int | None) -> list[str]:
+    """The process count and the `jaxpar` command to run on `left` of the `num_processes` the command was written
+    for: the command itself when all are there, else its shrunk layout (launcher.shrink_to, as an elastic restart).
+    For job scripts whose allocation may come back smaller (the Slurm recipe's `--nodes=MIN-MAX`); ValueError why not.
+    """
+    from jaxpar.train import launcher
+
+    if min_processes is None or not 1 <= min_processes <= num_processes:
+        raise ValueError(f"--shrink-to needs --min-processes between 1 and -n {num_processes}")
+    if any("\n" in arg for arg in argv):
+        raise ValueError("--shrink-to prints one argument a line: an argument holds a newline")
+    if left >= num_processes:
+        return [str(num_processes), *argv]
+    try:
+        n, shrunk_argv, change = launcher.shrink_to(argv, num_processes, left, min_processes)
+    except ValueError as error:
+        raise ValueError(f"the job cannot shrink from {num_processes} processes: {error}") from None
+    print(f"jaxpar launch: {left} of {num_processes} processes; shrinking: {change}", file=sys.stderr, flush=True)
+    return [str(n), *shrunk_argv]
+
+
 def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
                  log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = (),
                  heartbeat_s: float | None = None, coordinator_port: int | None = None,
@@ -164,16 +185,8 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
         """The largest count from `left` down to min_processes that the layout shrinks to; None without the option."""
         if min_processes is None:
             return None
-        why = f"{left} processes left, --min-processes {min_processes}"
-        for n in range(left, min_processes - 1, -1):
-            try:
-                job["argv"], change = launcher.shrunk(argv, num_processes, n)
-            except ValueError as error:
-                why = str(error)
-                continue
-            job["processes"] = n
-            return change
-        raise ValueError(why)
+        job["processes"], job["argv"], change = launcher.shrink_to(argv, num_processes, left, min_processes)
+        return change
 
     try:
         return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,

@@ -163,6 +163,19 @@ def shrunk(argv: list[str], processes: int, left: int) -> tuple[list[str], str]:
                   f"grad-accum {accum} -> {accum * factor}")
 
 
+def shrink_to(argv: list[str], processes: int, left: int, minimum: int) -> tuple[int, list[str], str]:
+    """The largest count from `left` down to `minimum` that the layout of `processes` shrinks to (`shrunk`), with its
+    command line and what changed: one rule for the launcher's elastic restart and the Slurm recipe's smaller
+    allocation. ValueError saying why when none does."""
+    why = f"{left} processes left, fewer than --min-processes {minimum}"
+    for n in range(left, minimum - 1, -1):
+        try:
+            return (n, *shrunk(argv, processes, n))
+        except ValueError as error:
+            why = str(error)
+    raise ValueError(why)
+
+
 def _parent_death_signal():
     """Linux's prctl(PR_SET_PDEATHSIG, SIGKILL), looked up before any fork (dlopen is not safe in a forked child)."""
     if not sys.platform.startswith("linux"):
