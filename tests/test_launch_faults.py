@@ -276,7 +276,7 @@ def test_real_launch_sigkill_of_rank1_restarts_and_finishes_with_the_same_losses
     it and the resume command, no process of the first attempt remains, and the restarted job finishes by itself.
 
     The steps between the checkpoint and the kill run twice, before the kill and after the restart; both, and the
-    whole run, give bitwise the losses of an uninterrupted launch."""
+    whole run, give bitwise the losses of an uninterrupted launch, and the metrics file keeps each step once."""
     import psutil
 
     command, env = real_launch(tmp_path, "--max-restarts", "1", save_every=4)  # the default 30 s grace: not waited
@@ -289,6 +289,7 @@ def test_real_launch_sigkill_of_rank1_restarts_and_finishes_with_the_same_losses
     first_attempt = psutil.Process(launcher.pid).children()
     victim = next(p for p in first_attempt if p.environ().get("JAX_PROCESS_ID") == "1")
     victim.kill()
+    first = [json.loads(line) for line in metrics.read_text().splitlines()]  # the restart keeps steps <= its start
     stderr = launcher.communicate(timeout=240)[1]
     assert launcher.returncode == 0, stderr[-2000:]
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in first_attempt)
@@ -298,12 +299,10 @@ def test_real_launch_sigkill_of_rank1_restarts_and_finishes_with_the_same_losses
     assert "restart 1 of 1, from step 4" in report
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    restarted_at = next(index for index, row in enumerate(rows) if index and row["step"] <= rows[index - 1]["step"])
-    first, second = rows[:restarted_at], rows[restarted_at:]
-    assert [row["step"] for row in second] == list(range(5, STEPS + 1)) and len(first) >= 5
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1)) and len(first) >= 5  # each step once
     for row in first[4:]:  # steps 5.. of the first attempt, bitwise equal to the same steps after the resume
-        assert row["loss"] == second[row["step"] - 5]["loss"], row["step"]
-    assert [row["loss"] for row in first[:4] + second] == uninterrupted_losses
+        assert row["loss"] == rows[row["step"] - 1]["loss"], row["step"]
+    assert [row["loss"] for row in rows] == uninterrupted_losses
 
 # A rank that completes a step every 0.05 s (its heartbeat file) with a thread touching its sign of life, SIGTERM
 # ignored; "stalls" stops stepping and living after 5 steps (a wedged process), "waits" stops stepping but lives
@@ -575,9 +574,8 @@ def test_real_launch_loses_a_process_for_good_and_finishes_on_fewer(tmp_path):
     stderr = launcher.communicate(timeout=600)[1]
     assert launcher.returncode == 0, stderr[-2000:]
     assert "shrinking: processes 4 -> 2, mesh data=8 -> data=4, grad-accum 1 -> 2" in stderr
-    elastic = rows(tmp_path)
-    restarted_at = next(i for i, row in enumerate(elastic) if i and row["step"] <= elastic[i - 1]["step"])
+    elastic = rows(tmp_path)  # each step once: the restart kept the rows up to its checkpoint, step 4
     reference = {row["step"]: row["loss"] for row in rows(tmp_path / "ref")}
-    after = elastic[restarted_at:]
-    assert [row["step"] for row in after] == list(range(5, 13))
+    assert [row["step"] for row in elastic] == list(range(1, 13))
+    after = elastic[4:]
     assert max(abs(row["loss"] - reference[row["step"]]) for row in after) < 1e-5

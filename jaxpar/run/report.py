@@ -136,7 +136,8 @@ def train_with_progress(run: Run, console: Console) -> int:
         try:
             for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
                 if not losses:  # the step is traced now: say what the attention got
-                    progress.console.print(f"[bold]attention[/] {escape('; '.join(attention_kernels.choices(run.step_fn.used)))}")
+                    chosen = "; ".join(attention_kernels.choices(run.step_fn.used))
+                    progress.console.print(f"[bold]attention[/] {escape(chosen)}")
                 losses.append(row["loss"])
                 times.append(row["step_time_s"])
                 progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],
