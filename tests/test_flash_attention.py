@@ -227,6 +227,8 @@ def test_bad_attention_options_are_refused():
         Plan.create("data=1", devices=jax.devices()[:1], attention="fast")
     with pytest.raises(ValueError, match="attention_blocks must be 'Q,K' or 'N'"):
         Plan.create("data=1", devices=jax.devices()[:1], attention_blocks="512x512")
+    with pytest.raises(ValueError, match="attention='xla' runs no flash attention"):
+        Plan.create("data=1", devices=jax.devices()[:1], attention="xla", attention_blocks="256,256")
 
 
 def test_the_planner_keeps_scores_only_for_the_plain_softmax():

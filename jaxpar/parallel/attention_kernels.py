@@ -120,6 +120,9 @@ def parse_blocks(text: str) -> Blocks:
 def _check_blocks(plan) -> None:
     if plan.attention_blocks:
         parse_blocks(plan.attention_blocks)
+        if plan.attention in ("xla", "cudnn"):
+            raise ValueError(f"attention_blocks={plan.attention_blocks!r} sets flash attention's blocks, but "
+                             f"attention={plan.attention!r} runs no flash attention; drop one of them")
 
 
 def cudnn(q, k, v, scoring: Scoring):
