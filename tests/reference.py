@@ -96,6 +96,25 @@ def self_attention(p, x, cfg, window=None, positions=None):
     return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
 
 
+def masked_attention(q, k, v, segments=None, window=None, softcap=None, scale=None):
+    """Plain masked softmax attention: q [b, s, heads, d], k and v [b, s, kv_heads, *] (K/V heads repeated),
+    query i sees key j iff j <= i and i - j < window, in the same document (segment ids [b, s]); scores * scale,
+    then c * tanh(scores / c), then the mask. A query that sees no key (padding, segment 0) gives 0."""
+    s, d = q.shape[1], q.shape[-1]
+    repeat = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    seen = jnp.asarray((j <= i) & ((i - j < window) if window is not None else True))[None, None]
+    if segments is not None:
+        seen = seen & (segments[:, None, :, None] == segments[:, None, None, :]) & (segments[:, None, :, None] != 0)
+    weights = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+    weights = jnp.where(seen, weights, 0.0)  # rows that see nothing: softmax of all -inf is NaN
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
 def swiglu(x, w_gate, w_up, w_down):
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 

@@ -36,17 +36,8 @@ OPTION_IDS = ["-".join(f"{k}={v}" for k, v in o.items()) for o in OPTIONS]
 
 
 def reference_attention(q, k, v, window=None, softcap=None, scale=None):
-    """Masked softmax attention in plain JAX: q [b, s, heads, d], k and v [b, s, kv_heads, d]."""
-    s, d = q.shape[1], q.shape[-1]
-    repeat = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d**-0.5 if scale is None else scale)
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
-    seen = (j <= i) & ((i - j < window) if window is not None else True)
-    logits = jnp.where(seen, logits, -jnp.inf)
-    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+    """Masked softmax attention in plain JAX (tests/reference.py): q [b, s, heads, d], k and v [b, s, kv_heads, d]."""
+    return ref.masked_attention(q, k, v, window=window, softcap=softcap, scale=scale)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import max_relative_error
+from reference import masked_attention as reference
 from jaxpar.core import gpu_profile, usage
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import attention, attention_kernels, documents
@@ -28,23 +29,6 @@ from jaxpar.planner.activations import scores_kept
 from jaxpar.planner.layout import Layout
 
 TOLERANCE = 1e-6  # fp32, relative (norm-wise per leaf)
-
-
-def reference(q, k, v, segments=None, window=None, softcap=None, scale=None):
-    """Plain masked softmax attention; a query that sees no key (padding) gives 0."""
-    s, d = q.shape[1], q.shape[-1]
-    repeat = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
-    seen = jnp.asarray((j <= i) & ((i - j < window) if window is not None else True))[None, None]
-    if segments is not None:
-        seen = seen & (segments[:, None, :, None] == segments[:, None, None, :]) & (segments[:, None, :, None] != 0)
-    weights = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
-    weights = jnp.where(seen, weights, 0.0)  # rows that see nothing: softmax of all -inf is NaN
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
 def documents_crossing_blocks(batch: int, seq: int) -> np.ndarray:
