@@ -27,10 +27,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar.core.plan import Plan  # noqa: E402
-from jaxpar.interop.tokenize import training_streams  # noqa: E402
+from jaxpar.data.tokenize import training_streams  # noqa: E402
 from jaxpar.run.training import TrainConfig, prepare  # noqa: E402
-from jaxpar.train.data import Batches  # noqa: E402
-from jaxpar.train.prefetch import prefetched  # noqa: E402
+from jaxpar.data.tokens import Batches  # noqa: E402
+from jaxpar.data.prefetch import prefetched  # noqa: E402
 
 WORDS = "the of and a to in is was that for it with as on be by this are from at or an which".split()
 
@@ -63,7 +63,7 @@ def write_jsonl_bytes(path: Path, megabytes: float) -> int:
 
 def packed_figures(args, plan: Plan, shape: dict) -> dict:
     """Start-up and loader figures of packed documents from a generated JSON lines file (deleted afterwards)."""
-    from jaxpar.run.packed import documents_of, packed_batches
+    from jaxpar.data.packed import documents_of, packed_batches
 
     with tempfile.TemporaryDirectory() as folder:
         jsonl = Path(folder) / "docs.jsonl"

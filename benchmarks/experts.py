@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxpar.train import data as data_lib  # noqa: E402
+from jaxpar.data import tokens as data_lib  # noqa: E402
 from jaxpar.planner import inspect  # noqa: E402
 from jaxpar.models.moe import CONFIGS, MoeLlama  # noqa: E402
 from jaxpar.core.plan import Plan  # noqa: E402

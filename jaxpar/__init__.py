@@ -15,6 +15,7 @@ from jaxpar.core.plan import Plan
 from jaxpar.core.rules import DEFAULT_RULES, LogicalArray
 from jaxpar.core.trace import active_plan
 from jaxpar.core.usage import PlanOptionUnused
+from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 
 # Each strategy registers its plan options' choices and checks when imported (jaxpar.core.options): all of
 # them are imported here, so that any Plan made after `import jaxpar` is checked by every one.
@@ -47,8 +48,8 @@ from jaxpar.train.state import TrainState, describe, init_state, place_state
 from jaxpar.train.step import make_train_step
 
 __all__ = [
-    "AXES", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",
-    "TrainState", "active_plan", "causal_attention", "column_parallel", "constrain", "describe", "embedding_lookup",
+    "AXES", "BatchStream", "DEFAULT_RULES", "DataSpec", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",
+    "TrainState", "active_plan", "batch_stream", "causal_attention", "column_parallel", "constrain", "describe", "embedding_lookup",
     "enter_tensor_region", "gpu_profile", "init_state", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss",
     "pipelined_loss", "place_state", "row_parallel", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
     "to_natural_order", "to_pipeline_order", "vocab_parallel_cross_entropy",

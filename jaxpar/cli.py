@@ -291,7 +291,7 @@ def _hf_command(args: argparse.Namespace) -> int:
 
     try:
         if args.command == "tokenize":
-            from jaxpar.interop.tokenize import tokenize
+            from jaxpar.data.tokenize import tokenize
 
             result = tokenize(args.source, args.out, args.tokenizer)
         elif args.command == "import-hf":

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar.train.data import Batches, default_corpus
+from jaxpar.data.tokens import Batches, default_corpus
 from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
 from jaxpar.models.llama import CONFIGS, Llama
 from jaxpar.core.plan import Plan

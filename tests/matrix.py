@@ -220,7 +220,7 @@ def _setup(model_name: str, precision: str):
     import jax
     from flax import nnx
 
-    from jaxpar.train.data import Batches, default_corpus
+    from jaxpar.data.tokens import Batches, default_corpus
     from jaxpar.models.llama import Llama, LlamaConfig
     from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
     from jaxpar.core.plan import Plan

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.interop import records
-from jaxpar.interop.tokenize import BYTES
+from jaxpar.data import records
+from jaxpar.data.tokenize import BYTES
 from jaxpar.run.report import closing_line
 from jaxpar.run.training import TrainConfig, _Outputs
-from jaxpar.train.block_packing import BlockBatches
+from jaxpar.data.block_packing import BlockBatches
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>' + '\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -121,7 +121,7 @@ def test_generation_markers_are_the_trained_spans(chatml):
 def test_generation_markers_match_transformers_assistant_mask(tmp_path):
     """Token for token, the mask transformers' `return_assistant_tokens_mask` reads from the same template."""
     transformers = pytest.importorskip("transformers")
-    from jaxpar.interop.tokenize import load_tokenizer
+    from jaxpar.data.tokenize import load_tokenizer
     from test_packing import tiny_tokenizer
 
     marked = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{% if m.role == 'assistant' %}{% generation %}"

@@ -8,10 +8,10 @@ import pytest
 
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
-from jaxpar.interop.tokenize import training_streams
-from jaxpar.train.data import BadBatch, Batches, check_vocab, default_corpus, global_batch, load_tokens
-from jaxpar.train.mixture import MixtureBatches
-from jaxpar.train.record_index import read_documents
+from jaxpar.data.tokenize import training_streams
+from jaxpar.data.tokens import BadBatch, Batches, check_vocab, default_corpus, global_batch, load_tokens
+from jaxpar.data.mixture import MixtureBatches
+from jaxpar.data.record_index import read_documents
 
 
 def test_default_corpus_is_real_text():
@@ -194,7 +194,7 @@ def _documents_jsonl(tmp_path, count=40):
 
 def test_held_out_split_is_whole_documents(tmp_path, sources, word_tokenizer):
     """A document source is cut at a document start: the held-out split is the last documents, whole."""
-    from jaxpar.run.holdout import HOLDOUT, split_tokens
+    from jaxpar.data.holdout import HOLDOUT, split_tokens
 
     path, docs = _documents_jsonl(tmp_path)
     _, tokens, _, starts = training_streams(str(path), None, 256)[0]
@@ -210,7 +210,7 @@ def test_held_out_split_is_whole_documents(tmp_path, sources, word_tokenizer):
 
 
 def test_held_out_split_of_a_token_file_is_unchanged_and_one_document_is_refused(tmp_path):
-    from jaxpar.run.holdout import split_tokens
+    from jaxpar.data.holdout import split_tokens
 
     tokens = np.arange(1000, dtype=np.uint16)
     train, heldout = split_tokens(tokens)
@@ -222,7 +222,7 @@ def test_held_out_split_of_a_token_file_is_unchanged_and_one_document_is_refused
 
 
 def test_prefetched_batches_come_in_step_order_and_raise_at_their_step():
-    from jaxpar.train.prefetch import prefetched
+    from jaxpar.data.prefetch import prefetched
 
     def read(step):
         if step == 7:

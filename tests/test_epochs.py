@@ -18,8 +18,8 @@ import pytest
 from jaxpar.cli import build_parser, main, resolve
 from jaxpar.core.plan import Plan
 from jaxpar.run.training import TrainConfig, iterate, make_optimizer, open_checkpoints, prepare, resume
-from jaxpar.train.data import BadBatch, global_batch
-from jaxpar.train.epochs import EpochBatches, TokenWindows
+from jaxpar.data.tokens import BadBatch, global_batch
+from jaxpar.data.epochs import EpochBatches, TokenWindows
 from jaxpar.train.state import place_state
 
 from helpers import copy_state

@@ -101,7 +101,7 @@ def test_help_renders(command, capsys):
 def test_tokenize_with_a_tokenizer_json(tmp_path, capsys):
     """`jaxpar tokenize` writes .npy tokens that --data reads, and a header naming dtype, vocabulary and tokenizer."""
     tokenizers = pytest.importorskip("tokenizers")
-    from jaxpar.train.data import load_tokens
+    from jaxpar.data.tokens import load_tokens
 
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

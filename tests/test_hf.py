@@ -229,9 +229,9 @@ def test_config_of_transformers_4_and_5():
 @needs_torch
 def test_import_train_export_round_trip(tmp_path, capsys):
     """import-hf -> train 20 steps from it -> export --format hf -> transformers strict load, same logits."""
-    from jaxpar.run.holdout import split_tokens
+    from jaxpar.data.holdout import split_tokens
     from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.data import Batches, default_corpus
+    from jaxpar.data.tokens import Batches, default_corpus
 
     reference = hf_model(vocab_size=300, num_key_value_heads=2)
     reference.save_pretrained(tmp_path / "hf")

@@ -107,7 +107,7 @@ def test_import_train_export_round_trip(saved, plan, tmp_path):
     from safetensors.torch import load_file
 
     from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.data import Batches, default_corpus
+    from jaxpar.data.tokens import Batches, default_corpus
 
     family, reference, directory = saved
     assert main(["import-hf", str(directory), "--out", str(tmp_path / "imported")]) == 0

@@ -131,7 +131,7 @@ ROUND_TRIPS = {
 def test_import_train_export_round_trip(saved, tmp_path, run):
     """import-hf -> 2 steps on 3D and ZeRO-3 (Mixtral's with expert) -> export: transformers reloads it, same logits."""
     from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.data import Batches, default_corpus
+    from jaxpar.data.tokens import Batches, default_corpus
 
     family, reference, directory = saved
     mesh, options = list(ROUND_TRIPS[family].values())[run][:2]

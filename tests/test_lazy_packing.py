@@ -1,4 +1,4 @@
-"""Packed documents read lazily (jaxpar.train.block_packing): start-up reads an index, blocks are packed when needed.
+"""Packed documents read lazily (jaxpar.data.block_packing): start-up reads an index, blocks are packed when needed.
 
 Every document's tokens are distinct ids here, so a target names the document
 and place it came from: an epoch's rows must train each of them exactly once.
@@ -10,12 +10,12 @@ import math
 import numpy as np
 import pytest
 
-from jaxpar.interop import records
-from jaxpar.interop.tokenize import BYTES, encode_documents
-from jaxpar.run.packed import documents_of, packed_batches
-from jaxpar.train.block_packing import BlockBatches, InMemoryDocuments
-from jaxpar.train.record_index import read_documents
-from jaxpar.train.packing import Document, split_stream
+from jaxpar.data import records
+from jaxpar.data.tokenize import BYTES, encode_documents
+from jaxpar.data.packed import documents_of, packed_batches
+from jaxpar.data.block_packing import BlockBatches, InMemoryDocuments
+from jaxpar.data.record_index import read_documents
+from jaxpar.data.packing import Document, split_stream
 
 SEQ = 15
 
@@ -63,7 +63,7 @@ def test_batches_are_a_function_of_seed_and_step_and_rows_lo_hi_are_the_batch_sl
     for step in (11, 4):
         for name in whole[step]:
             np.testing.assert_array_equal(resumed.rows(step)[name], whole[step][name])
-    from jaxpar.train.prefetch import prefetched
+    from jaxpar.data.prefetch import prefetched
 
     threaded = batches_of(docs, block_documents=3)  # read-ahead workers packing blocks at once
     alone = batches_of(docs, block_documents=3)

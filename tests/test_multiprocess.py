@@ -50,7 +50,7 @@ def test_hsdp_shards_inside_each_process_and_replicates_across(tmp_path):
 
 def test_two_processes_share_the_block_counts_of_a_jsonl_and_train_like_one(tmp_path):
     """--data docs.jsonl --epochs on 2 processes: each tokenizes its own blocks, the counts go through the
-    coordination service's store (jaxpar.train.shared_counts), and the losses are one process's."""
+    coordination service's store (jaxpar.data.shared_counts), and the losses are one process's."""
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": "ab" * (i % 4 + 1)}) + "\n" for i in range(1500)))  # 6 blocks
     flags = ["--mesh", "data=8", "--batch-size", "8", "--seq-len", "32", "--data", str(data), "--epochs", "0.05"]

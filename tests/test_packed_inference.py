@@ -13,8 +13,8 @@ from jaxpar.models.inference import init_cache
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
 from jaxpar.run.evaluate import Evaluator
-from jaxpar.run.holdout import eval_documents
-from jaxpar.train.packing import Document, as_batch, pack
+from jaxpar.data.holdout import eval_documents
+from jaxpar.data.packing import Document, as_batch, pack
 from jaxpar.train.state import describe
 
 CFG = LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=24,

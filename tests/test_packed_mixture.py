@@ -1,4 +1,4 @@
-"""A weighted mixture of packed sources (jaxpar.train.packed_mixture): exact weights per chunk, each source's
+"""A weighted mixture of packed sources (jaxpar.data.packed_mixture): exact weights per chunk, each source's
 own epochs, batches a pure function of (seed, step)."""
 
 import json
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.run.packed import packing_of
-from jaxpar.train.block_packing import BlockBatches, InMemoryDocuments
-from jaxpar.train.packed_mixture import CHUNK, PackedMixture
-from jaxpar.train.packing import Document
+from jaxpar.data.packed import packing_of
+from jaxpar.data.block_packing import BlockBatches, InMemoryDocuments
+from jaxpar.data.packed_mixture import CHUNK, PackedMixture
+from jaxpar.data.packing import Document
 
 SEQ = 15
 
@@ -97,7 +97,7 @@ def test_a_mixture_holds_out_each_source_whole_documents_and_a_token_file_tail(t
     from jaxpar.core.mesh import parse_mesh
     from jaxpar.core.plan import Plan
     from jaxpar.run.evaluate import Evaluator
-    from jaxpar.run.holdout import HOLDOUT
+    from jaxpar.data.holdout import HOLDOUT
     from jaxpar.run.training import TrainConfig, _evaluator, prepare
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i}: " + "xy" * (i % 7)}) + "\n"

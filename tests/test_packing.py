@@ -21,15 +21,15 @@ import reference as reference_lib
 from helpers import copy_state, max_relative_error, single_device_plan
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
-from jaxpar.interop import records
-from jaxpar.interop.tokenize import BYTES
-from jaxpar.run.packed import packing_of
+from jaxpar.data import records
+from jaxpar.data.tokenize import BYTES
+from jaxpar.data.packed import packing_of
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.pipeline.executor import bubble_fill
 from jaxpar.pipeline.layer_order import to_natural_order, to_pipeline_order
-from jaxpar.train import packing, sources
-from jaxpar.train.packing import Document
-from jaxpar.train.record_index import RecordIndex
+from jaxpar.data import packing, sources
+from jaxpar.data.packing import Document
+from jaxpar.data.record_index import RecordIndex
 from jaxpar.train.state import init_state
 from jaxpar.train.step import loss_and_grads, make_train_step
 
@@ -155,7 +155,7 @@ def test_train_packs_a_chat_jsonl_end_to_end(tmp_path, capsys):
 
 def test_the_end_of_turn_is_what_the_template_writes_after_a_reply(tmp_path):
     """`generate --chat` stops there; a template that writes nothing after a reply ends at the EOS."""
-    from jaxpar.interop.tokenize import load_tokenizer
+    from jaxpar.data.tokenize import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_tokenizer(tmp_path)))
     assert records.ChatTemplate(CHAT_TEMPLATE).end_of_turn(tokenizer) == 5  # <|end|>

@@ -1,4 +1,4 @@
-"""Block row counts shared between processes (jaxpar.train.shared_counts): each block counted by its owner only.
+"""Block row counts shared between processes (jaxpar.data.shared_counts): each block counted by its owner only.
 
 The processes here are threads, each with its own BlockBatches over the same
 documents, and the coordination service's store is a dict behind a condition
@@ -10,8 +10,8 @@ import threading
 import numpy as np
 import pytest
 
-from jaxpar.train.block_packing import BlockBatches, InMemoryDocuments
-from jaxpar.train.shared_counts import SharedCounts
+from jaxpar.data.block_packing import BlockBatches, InMemoryDocuments
+from jaxpar.data.shared_counts import SharedCounts
 from test_lazy_packing import SEQ, distinct_documents
 
 BLOCK = 5

@@ -8,9 +8,9 @@ import sentencepiece
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from jaxpar.cli import main
-from jaxpar.train.data import default_corpus
+from jaxpar.data.tokens import default_corpus
 from jaxpar.core.plan import Plan
-from jaxpar.interop.tokenize import training_tokens
+from jaxpar.data.tokenize import training_tokens
 from jaxpar.run.training import TrainConfig, prepare
 
 TINY_VOCAB = 256  # the tiny model's vocabulary

@@ -17,7 +17,7 @@ import jaxpar
 from helpers import max_relative_error
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import attention
-from jaxpar.train.packing import Document, as_batch, pack
+from jaxpar.data.packing import Document, as_batch, pack
 from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import make_train_step
 

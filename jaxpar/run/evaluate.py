@@ -1,4 +1,4 @@
-"""Loss and perplexity of a model on held-out data (`jaxpar.run.holdout`), for `--eval-every` and `jaxpar eval`.
+"""Loss and perplexity of a model on held-out data (`jaxpar.data.holdout`), for `--eval-every` and `jaxpar eval`.
 
 The forward is the model's `logits` (positions, padding mask; no pipeline), jitted
 under the plan, its batch split over the plan's batch axes like a training batch.
@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxpar.run.holdout import (MAX_BATCHES, HeldOut, held_out_batches, held_out_streams, split_documents,
-                                split_tokens)
+from jaxpar.data.holdout import MAX_BATCHES, HeldOut, held_out_batches
+from jaxpar.data.stream import DataSpec, held_out
 
 
 def check_evaluable(model_name: str, cfg) -> None:
@@ -35,17 +35,6 @@ def check_evaluable(model_name: str, cfg) -> None:
     if kind not in (Llama, MoeLlama):
         raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the Llama and MoE Llama models, not "
                          f"{model_name!r}")
-
-
-def mixture_held_out(data: str, tokenizer: str | None, vocab: int, packing: str, seq_len: int,
-                     batch_size: int) -> list[HeldOut]:
-    """What `jaxpar train --eval-every` holds out of a mixture, for `jaxpar eval`: each source's own part."""
-    from jaxpar.interop.tokenize import training_streams
-    from jaxpar.run.packed import packed_mixture
-
-    if packing == "documents":
-        return packed_mixture(data, tokenizer, vocab, "text", batch_size, seq_len, 0, holdout=True)[1]
-    return held_out_streams(training_streams(data, tokenizer, vocab, "text"), vocab)[1]
 
 
 def token_losses(model, inputs, targets, positions=None, mask=None, segment_ids=None):
@@ -121,24 +110,14 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     split is the same (whole documents for a document source) and weighted the same.
     """
     from jaxpar.interop import hf
-    from jaxpar.interop.tokenize import training_source
     from jaxpar.models import model_factory
-    from jaxpar.run.packed import documents_of, packing_of
-    from jaxpar.train.sources import parse_sources
     from jaxpar.train.state import describe
 
     name, cfg = hf.saved_model_config(path)
     seq_len = seq_len or min(cfg.seq_len, 256)
-    packing = packing_of(data, packing)
-    mixture = data is not None and len(parse_sources(data)) > 1
-    if mixture:
-        held = mixture_held_out(data, tokenizer, cfg.vocab, packing, seq_len, batch_size)
-    elif packing == "documents":
-        _, held = split_documents(documents_of(data, tokenizer, cfg.vocab), source=data)
-    else:
-        tokens, document_starts = training_source(data, tokenizer, cfg.vocab)
-        _, held = split_tokens(tokens, document_starts=document_starts, source=data)
     plan.check_batch(batch_size)
+    held = held_out(DataSpec(data, tokenizer, packing=packing), cfg.vocab, batch_size, seq_len)
+    mixture = isinstance(held, list)  # each source's own held-out part
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
     evaluator = (MixtureEvaluator(model, plan, held, seq_len, batch_size, max_batches) if mixture

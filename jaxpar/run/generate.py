@@ -197,8 +197,8 @@ def chat_codec(tokenizer: str | None, vocab: int, prompts: Sequence[str]):
     The rendered text holds the template's own BOS and headers, so it is encoded without what the
     tokenizer's post-processor would add again.
     """
-    from jaxpar.interop.records import ChatTemplate, encode_pieces
-    from jaxpar.interop.tokenize import check_covers, load_tokenizer
+    from jaxpar.data.records import ChatTemplate, encode_pieces
+    from jaxpar.data.tokenize import check_covers, load_tokenizer
 
     template = ChatTemplate.of(tokenizer, "--chat renders each --prompt as a user message with the chat template")
     loaded = load_tokenizer(tokenizer)
@@ -210,7 +210,7 @@ def chat_codec(tokenizer: str | None, vocab: int, prompts: Sequence[str]):
 
 def text_codec(tokenizer: str | None, vocab: int):
     """(encode, decode) between text and token ids: UTF-8 bytes by default, a tokenizer.json or a SentencePiece .model."""
-    from jaxpar.interop.tokenize import check_covers, load_tokenizer
+    from jaxpar.data.tokenize import check_covers, load_tokenizer
 
     loaded = load_tokenizer(tokenizer)
     check_covers(loaded, vocab, "--tokenizer" if tokenizer else "byte tokens")

@@ -21,13 +21,13 @@ from jaxpar.run.training import (
     open_checkpoints,
     param_table,
     resume,
-    skipped_records,
 )
-from jaxpar.train.data import BadBatch
+from jaxpar.data.block_packing import BlockBatches
+from jaxpar.data.epochs import EpochBatches
+from jaxpar.data.packed_mixture import CHUNK, PackedMixture
+from jaxpar.data.stream import skipped_records
+from jaxpar.data.tokens import BadBatch
 from jaxpar.train.distributed import PREEMPTED_MARKER
-from jaxpar.train.block_packing import BlockBatches
-from jaxpar.train.epochs import EpochBatches
-from jaxpar.train.packed_mixture import CHUNK, PackedMixture
 from jaxpar.train.state import abstract_state
 
 

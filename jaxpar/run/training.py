@@ -20,25 +20,18 @@ import numpy as np
 import optax
 
 from jaxpar.core.plan import Plan
-from jaxpar.interop.tokenize import training_streams
+from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.models import layer_pattern, model_config, model_factory
 from jaxpar.parallel import offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
-from jaxpar.run.packed import packing_of
-from jaxpar.train import data as data_lib
-from jaxpar.train.epochs import EpochBatches, TokenWindows, check_same_order, data_order
-from jaxpar.train.mixture import MixtureBatches
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
 from jaxpar.train.distributed import is_leader
-from jaxpar.train.prefetch import prefetched
-from jaxpar.train.sources import TOKEN_SUFFIXES, parse_sources
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state
 from jaxpar.train.step import Step, make_train_step
 
-DATA_WORKERS = 1  # threads reading the next batches while the step runs (benchmarks/data.py measures 0, 1, 2)
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
 TRAJECTORY = ("steps", "epochs", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data",
@@ -70,7 +63,7 @@ class TrainConfig:
     eval_every: int = 0  # held-out loss every N steps (0: never); the held-out split is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
     text_field: str = "text"  # the field of a .jsonl / .parquet / datasets record that holds its text
-    packing: str | None = None  # documents (whole documents per row) or windows; None: the data's default (run/packed.py)
+    packing: str | None = None  # documents (whole documents per row) or windows; None: the data's default (jaxpar/data/packed.py)
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
     peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
     skip_bad_records: bool = False  # train without a document source's bad records instead of refusing the source
@@ -111,16 +104,29 @@ class Run:
     model_config: Any
     model: ModelDef
     optimizer: optax.GradientTransformation
-    batches: data_lib.Batches | MixtureBatches | EpochBatches
+    data: BatchStream  # the run's global batches, and what --eval-every holds out (data.heldout)
     make_model: Callable
     step_fn: Step
     mfu: mfu_lib.Mfu
-    heldout: Any = None  # what --eval-every evaluates, never trained on: tokens, a DocumentSource, or a mixture's HeldOut list
     hf_config: dict | None = None  # the Hugging Face config.json --init-from's weights came from, for export
 
     @property
+    def batches(self):
+        """The indexable batches under the stream (epochs, row counts, the report's figures)."""
+        return self.data.batches
+
+    @batches.setter
+    def batches(self, batches) -> None:
+        self.data.batches = batches
+
+    @property
+    def heldout(self):
+        """What --eval-every evaluates, never trained on: tokens, a DocumentSource, or a mixture's HeldOut list."""
+        return self.data.heldout
+
+    @property
     def batch_sharding(self):
-        return self.plan.sharding(self.plan.batch_spec(2))
+        return self.data.sharding
 
     def init(self) -> TrainState:
         if self.config.init_from:
@@ -130,77 +136,18 @@ class Run:
         return init_state(self.make_model, self.optimizer, self.plan)[1]
 
     def batch(self, step: int) -> dict[str, jax.Array]:
-        return data_lib.global_batch(self.batches, step, self.batch_sharding)
+        return self.data.batch(step)
 
 
-def _batches(config: TrainConfig, mcfg, name: str, streams):
-    """The run's batches (packed documents, streams None: every packed row once per epoch; one stream: random
-    windows, or with `epochs` every non-overlapping window once per epoch; several: a weighted mixture), held-out data.
-
-    Token ids are checked per batch as they are read, besides `prepare`'s start-up scan of each token file, and
-    `prepare` reads this process's rows of batch 0 before anything compiles.
-    """
-    heldout, vocab = None, mcfg.vocab
-    if config.eval_every:
-        from jaxpar.run.evaluate import check_evaluable
-
-        check_evaluable(name, mcfg)
-    if streams is None and config.data is not None and len(parse_sources(config.data)) > 1:  # a packed mixture
-        from jaxpar.run.packed import packed_mixture
-
-        _refuse_epochs_for_mixture(config)
-        batches, heldout = packed_mixture(config.data, config.tokenizer, vocab, config.text_field, config.batch_size,
-                                          config.seq_len, config.seed, holdout=bool(config.eval_every))
-    elif streams is None:  # --packing documents
-        from jaxpar.run.packed import documents_of, packed_batches
-
-        documents = documents_of(config.data, config.tokenizer, vocab, config.text_field)
-        if config.eval_every:
-            from jaxpar.run.holdout import split_documents
-
-            documents, heldout = split_documents(documents, source=config.data)
-        batches = packed_batches(documents, config.batch_size, config.seq_len, config.seed, vocab, config.data)
-    elif len(streams) > 1:
-        _refuse_epochs_for_mixture(config)
-        names, tokens, weights, _ = zip(*streams)
-        if config.eval_every:
-            from jaxpar.run.holdout import held_out_streams
-
-            tokens, heldout = held_out_streams(streams, vocab)
-        batches = MixtureBatches(tuple(tokens), weights, names, config.batch_size, config.seq_len, config.seed, vocab)
-    else:
-        tokens, document_starts = streams[0][1], streams[0][3]
-        if config.eval_every:
-            from jaxpar.run.holdout import split_tokens
-
-            tokens, heldout = split_tokens(tokens, document_starts=document_starts, source=config.data)
-            data_lib.check_vocab(heldout, vocab, config.data)
-        if config.epochs is not None:
-            batches = EpochBatches(TokenWindows(tokens, config.seq_len), config.batch_size, config.seq_len,
-                                   config.seed, vocab, config.data)
-        else:
-            batches = data_lib.Batches(tokens, config.batch_size, config.seq_len, config.seed, vocab, config.data)
-    return batches, heldout
+def data_spec(config: TrainConfig) -> DataSpec:
+    """What the run's config says about its data."""
+    return DataSpec(config.data, config.tokenizer, config.text_field, config.packing, config.epochs is not None,
+                    bool(config.eval_every), config.seed, config.skip_bad_records)
 
 
-def _refuse_epochs_for_mixture(config: TrainConfig) -> None:
-    if config.epochs is not None:
-        raise ValueError(f"--epochs with a mixture (--data {config.data!r}): each source runs through its own epochs "
-                         "at the pace of its weight (a source of weight w and R rows starts a new epoch every R / w "
-                         "rows of the run), so the run has no one epoch count to stop at; give the run's length "
-                         "with --steps, and follow each source's epoch in the metrics' epoch/<source>")
-
-
-def learn_saved_counts(batches, meta: dict, directory) -> None:
-    """The block row counts a checkpoint saved, taken by packed batches (see BlockBatches.learn_saved_counts)."""
-    saved = meta.get("data", {}).get("block_rows")
-    if saved is not None and hasattr(batches, "learn_saved_counts"):
-        batches.learn_saved_counts(saved, f"the checkpoint of step {meta.get('step')} in {directory}")
-
-
-def _learn_counts_from_newest(batches, directory) -> None:
+def _learn_counts_from_newest(stream: BatchStream, directory) -> None:
     """The counts of the newest readable checkpoint in `directory`, if any (a damaged one is left to `resume`)."""
-    if not hasattr(batches, "learn_saved_counts") or not Path(directory).is_dir():
+    if not hasattr(stream.batches, "learn_saved_counts") or not Path(directory).is_dir():
         return
     try:
         checkpoints = Checkpoints(directory, read_only=True)
@@ -212,8 +159,12 @@ def _learn_counts_from_newest(batches, directory) -> None:
         return
     finally:
         checkpoints.close()
-    if meta.get("data", {}).get("order") == data_order(batches)["order"]:
-        learn_saved_counts(batches, meta, checkpoints.directory)
+    if meta.get("data", {}).get("order") == stream.get_state()["order"]:
+        stream.learn_counts(meta["data"], _origin(meta, checkpoints.directory))
+
+
+def _origin(meta: dict, directory) -> str:
+    return f"the checkpoint of step {meta.get('step')} in {directory}"
 
 
 def _with_epoch_steps(config: TrainConfig, batches) -> TrainConfig:
@@ -246,22 +197,19 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     model = describe(make_model)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     layer_pattern.check_pipeline_chunks(mcfg, plan.shape["pipe"], plan.virtual_stages)  # Gemma 2's pairs
-    by_documents = packing_of(config.data, config.packing) == "documents"
-    streams = None if by_documents else training_streams(config.data, config.tokenizer, mcfg.vocab, config.text_field)
-    for source in parse_sources(config.data) if config.data is not None else []:  # after the headers' own checks
-        if Path(source.path).suffix in TOKEN_SUFFIXES:  # every id, before any compute: one pass over the file
-            data_lib.check_token_file(data_lib.load_tokens(source.path), mcfg.vocab, source.path)
-    batches, heldout = _batches(config, mcfg, name, streams)
-    _refuse_or_skip_bad_records(config, batches)
-    batches.rows(0, *data_lib.local_rows(plan.sharding(plan.batch_spec(2)), (config.batch_size, config.seq_len)))
+    if config.eval_every:
+        from jaxpar.run.evaluate import check_evaluable
+
+        check_evaluable(name, mcfg)
+    data = batch_stream(data_spec(config), plan, config.batch_size, config.seq_len, mcfg.vocab, is_leader())
     if config.epochs is not None and config.checkpoint_dir:  # counts saved earlier spare tokenizing for the length
-        _learn_counts_from_newest(batches, config.checkpoint_dir)
-    config = _with_epoch_steps(config, batches)
+        _learn_counts_from_newest(data, config.checkpoint_dir)
+    config = _with_epoch_steps(config, data.batches)
     optimizer = make_optimizer(config)
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
-    return Run(config, plan, mcfg, model, optimizer, batches, make_model, step_fn, mfu, heldout, hf_config)
+    return Run(config, plan, mcfg, model, optimizer, data, make_model, step_fn, mfu, hf_config)
 
 
 def scalar_metrics(metrics: dict) -> dict[str, Any]:
@@ -300,7 +248,7 @@ def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]
     stderr and renamed out of the way (`Checkpoints.set_aside`), never deleted;
     if every step is damaged, ValueError lists them and nothing is moved. A
     checkpoint whose data order differs from this run's is refused before its
-    arrays are read (`jaxpar.train.epochs.check_same_order`).
+    arrays are read (`BatchStream.set_state`), which then stands at the checkpoint's step.
     """
     if checkpoints is None or checkpoints.latest_step() is None:
         return run.init(), {"step": 0, "nonfinite_steps": 0}
@@ -308,8 +256,8 @@ def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]
     for step in reversed(checkpoints.steps()):
         try:
             meta = checkpoints.metadata(step)
-            check_same_order(meta, run.batches, checkpoints.directory)
-            learn_saved_counts(run.batches, meta, checkpoints.directory)
+            run.data.set_state({"position": meta.get("step", step), **meta.get("data", {})},
+                               _origin(meta, checkpoints.directory))
             restored = checkpoints.restore(run.model, run.optimizer, run.plan, step)
         except CorruptCheckpoint as error:
             damaged.append(error)
@@ -367,11 +315,11 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     outputs = _Outputs(config, start)
     evaluator = _evaluator(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
-    batches = prefetched(run.batch, range(start, config.steps), DATA_WORKERS)
+    run.data.seek(start, config.steps)
     heartbeat = os.environ.get("JAXPAR_HEARTBEAT_FILE")  # set by `jaxpar launch --heartbeat-s` (train/launcher.py)
     try:
         with Preemption() as preemption:
-            for step, batch in zip(range(start, config.steps), batches):
+            for step, batch in zip(range(start, config.steps), run.data):
                 began = time.perf_counter()
                 state, metrics = step_fn(state, batch)
                 row = scalar_metrics(metrics)
@@ -394,7 +342,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 if preempted:
                     break
     finally:
-        batches.close()  # stops the read-ahead of a run that ended early
+        run.data.close()  # stops the read-ahead of a run that ended early
         if checkpoints is not None:
             checkpoints.wait()
         outputs.close()
@@ -422,12 +370,9 @@ def _step_row(run: Run, row: dict, done: int, elapsed: float, lr: float, nonfini
 
 def _save(run: Run, checkpoints: Checkpoints, state: TrainState, done: int, nonfinite_steps: int, force: bool):
     """Save after step `done` if it is due (or `force`), with the data and RNG position a resume needs."""
-    seed, order = run.config.seed, dict(data_order(run.batches))
-    drawn_by = order.pop("drawn_by")
-    position = {"nonfinite_steps": nonfinite_steps, "data": {"position": done, "seed": seed, **order},
-                "rng": {"seed": seed, "batches": drawn_by}}
-    if hasattr(run.batches, "row_counts"):  # what a resumed run need not count again
-        position["data"]["block_rows"] = run.batches.row_counts()
+    data = run.data.get_state()  # the stream has given the batches of steps < done
+    drawn_by = data.pop("drawn_by")
+    position = {"nonfinite_steps": nonfinite_steps, "data": data, "rng": {"seed": run.config.seed, "batches": drawn_by}}
     return checkpoints.save(done, state, force=force, metadata=position, model=run.model, optimizer=run.optimizer,
                             plan=run.plan)
 
@@ -436,8 +381,8 @@ def _evaluator(run: Run):
     """The held-out evaluation `--eval-every` asks for, or None."""
     if not run.config.eval_every:
         return None
+    from jaxpar.data.holdout import held_out_batches
     from jaxpar.run.evaluate import Evaluator, MixtureEvaluator
-    from jaxpar.run.holdout import held_out_batches
 
     held, seq_len, batch_size = run.heldout, run.config.seq_len, run.config.batch_size
     if isinstance(held, list):  # a mixture: each source's held-out data
@@ -492,34 +437,6 @@ def keep_rows_through(path: Path, step: int) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text("".join(kept), encoding="utf-8")
     partial.replace(path)
-
-
-def _document_sources(batches) -> list:
-    """The document sources (`jaxpar.interop.records.LazyDocuments`) read by `batches`, a packed mixture's each."""
-    parts = getattr(batches, "sources", None) or [batches]  # a packed mixture's batches per source, or the batches
-    return [part.source for part in parts if hasattr(getattr(part, "source", None), "bad")]
-
-
-def _refuse_or_skip_bad_records(config: TrainConfig, batches) -> None:
-    """Refuse a document source with bad records (their first named, in one line), or with `skip_bad_records`
-    say how many the run trains without."""
-    for documents in _document_sources(batches):
-        bad = documents.bad
-        if not bad:
-            continue
-        more = f" ({len(bad):,} bad records in all)" if len(bad) > 1 else ""
-        if not config.skip_bad_records:
-            raise ValueError(f"{bad[0]}{more}; fix the data, or train without the bad records: --skip-bad-records")
-        if is_leader():
-            print(f"warning: --skip-bad-records: training without {len(bad):,} bad record{'s' if len(bad) > 1 else ''} "
-                  f"of --data {documents.path!r}; the first: {bad[0]}", file=sys.stderr, flush=True)
-
-
-def skipped_records(batches) -> tuple[int, int]:
-    """(bad records left out by --skip-bad-records, conversations skipped so far for having no assistant reply),
-    over the document sources of `batches`."""
-    found = _document_sources(batches)
-    return sum(len(d.bad) for d in found), sum(len(d.skipped) for d in found)
 
 
 def param_table(run: Run) -> list[dict]:

@@ -1,7 +1,7 @@
 """The config a run saves with every checkpoint, and what changed between a saved one and the current run.
 
 A checkpoint directory refuses another model (`model_changes`); a resumed run
-refuses data that would give other batches (`jaxpar.train.epochs`); both name
+refuses data that would give other batches (`jaxpar.data.epochs`); both name
 each difference as `key: saved -> current`.
 """
 

@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxpar.train.data import check_batch_vocab
+from jaxpar.data.tokens import check_batch_vocab
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ Every chunk of `CHUNK` consecutive positions of the run's endless row sequence
 holds exactly n_j rows of source j (n_j: `CHUNK * w_j` rounded by largest
 remainder, so they sum to `CHUNK`), in an order shuffled by (seed, chunk).
 The k-th row the mixture takes from source j is then position k of that
-source's own row sequence (`jaxpar.train.block_packing.BlockBatches`): every
+source's own row sequence (`jaxpar.data.block_packing.BlockBatches`): every
 source visits its documents once per epoch in its seeded order, however the
 sources interleave, and where source j's k-th row falls is found from one chunk
 (`c * n_j` rows in the chunks before, plus a count inside chunk c) rather than
@@ -19,7 +19,7 @@ import functools
 
 import numpy as np
 
-from jaxpar.train.block_packing import BlockBatches
+from jaxpar.data.block_packing import BlockBatches
 
 CHUNK = 1024  # positions per chunk: weights hold exactly over each (a weight under 1/CHUNK gets no rows: refused)
 
@@ -90,7 +90,7 @@ class PackedMixture:
             source.learn_saved_counts(counts, where)
 
     def order(self) -> dict:
-        """How the run orders its data, as its checkpoints record it (`jaxpar.train.epochs.data_order`)."""
+        """How the run orders its data, as its checkpoints record it (`jaxpar.data.epochs.data_order`)."""
         return {"order": "packed mixture", "rows": [len(s.source) for s in self.sources],
                 "weights": [int(n) for n in self.quota], "chunk": CHUNK,
                 "drawn_by": "per chunk of positions, n_j rows of source j shuffled by default_rng([seed, chunk]); "

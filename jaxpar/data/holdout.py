@@ -52,7 +52,7 @@ def holdout_cut(size: int, holdout: float = HOLDOUT, document_starts: np.ndarray
 
 
 def split_documents(documents, holdout: float = HOLDOUT, source: str | None = None) -> tuple:
-    """(training documents, held-out documents) of a `DocumentSource` (`jaxpar.train.block_packing`), both unread:
+    """(training documents, held-out documents) of a `DocumentSource` (`jaxpar.data.block_packing`), both unread:
     the last `holdout` of the documents (at least one), whole; at least one is trained on."""
     count = len(documents)
     if count < 2:
@@ -65,8 +65,8 @@ def split_documents(documents, holdout: float = HOLDOUT, source: str | None = No
 def split_stream_document(documents) -> tuple:
     """(training part, held-out part) of a source that is one token stream (a mixture's token file, packed in
     row-size pieces): its tail, as `split_tokens` holds out a token file's tail."""
-    from jaxpar.train.block_packing import InMemoryDocuments
-    from jaxpar.train.packing import Document
+    from jaxpar.data.block_packing import InMemoryDocuments
+    from jaxpar.data.packing import Document
 
     (stream,) = documents.documents(0, 1)
     cut = holdout_cut(stream.tokens.size)
@@ -75,7 +75,7 @@ def split_stream_document(documents) -> tuple:
 
 def held_out_streams(streams, vocab: int) -> tuple[list[np.ndarray], list[HeldOut]]:
     """A windows mixture's streams (`training_streams`) each split as one source is: (training tokens, held out)."""
-    from jaxpar.train.data import check_vocab
+    from jaxpar.data.tokens import check_vocab
 
     trained, held = [], []
     for name, tokens, weight, starts in streams:
@@ -107,10 +107,10 @@ def held_out_batches(held, seq_len: int, batch_size: int, max_batches: int = MAX
 
 def eval_documents(documents, seq_len: int, batch_size: int, max_batches: int = MAX_BATCHES) -> dict:
     """Held-out documents (a `DocumentSource` or a list, read in blocks until they fill the batches) packed into rows
-    (jaxpar.train.packing), as whole batches: inputs, targets, positions, segment_ids (0: padding, and every token
+    (jaxpar.data.packing), as whole batches: inputs, targets, positions, segment_ids (0: padding, and every token
     of a row added to fill a batch), weights (the packer's loss weights)."""
-    from jaxpar.train.block_packing import BLOCK_DOCUMENTS, InMemoryDocuments
-    from jaxpar.train.packing import as_batch, pack
+    from jaxpar.data.block_packing import BLOCK_DOCUMENTS, InMemoryDocuments
+    from jaxpar.data.packing import as_batch, pack
 
     if isinstance(documents, list):
         documents = InMemoryDocuments(documents)

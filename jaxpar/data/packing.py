@@ -89,5 +89,5 @@ def as_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def split_stream(tokens: np.ndarray, starts: np.ndarray) -> list[Document]:
-    """The documents of a token stream whose document `starts` are known (`jaxpar.interop.tokenize.encode_documents`)."""
+    """The documents of a token stream whose document `starts` are known (`jaxpar.data.tokenize.encode_documents`)."""
     return [Document(piece) for piece in np.split(np.asarray(tokens), np.asarray(starts[1:], np.int64))]

@@ -1,8 +1,8 @@
-"""`--packing`: whether a run packs whole documents (jaxpar.train.packing) or draws windows, and its packed data.
+"""`--packing`: whether a run packs whole documents (jaxpar.data.packing) or draws windows, and its packed data.
 
 `documents` is the default for one document source (.jsonl, Parquet, a
 `datasets` folder) or a folder of text files (each file a document), for a
-mixture with one such source in it (`jaxpar.train.packed_mixture`; its token
+mixture with one such source in it (`jaxpar.data.packed_mixture`; its token
 files are packed as one stream each, in row-size pieces), and the only choice
 for fine-tuning records, whose loss is on their completions; `windows` (random
 windows of the token stream) for token files, a single text file, the built-in
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxpar.interop.records import LazyDocuments, is_fine_tuning
-from jaxpar.interop.tokenize import check_covers, encode_documents, load_tokenizer
-from jaxpar.train import sources
-from jaxpar.train.block_packing import BlockBatches, DocumentSource, InMemoryDocuments
-from jaxpar.train.packed_mixture import PackedMixture
-from jaxpar.train.packing import Document, split_stream
-from jaxpar.train.shared_counts import shared_counts
+from jaxpar.data.records import LazyDocuments, is_fine_tuning
+from jaxpar.data.tokenize import check_covers, encode_documents, load_tokenizer
+from jaxpar.data import sources
+from jaxpar.data.block_packing import BlockBatches, DocumentSource, InMemoryDocuments
+from jaxpar.data.packed_mixture import PackedMixture
+from jaxpar.data.packing import Document, split_stream
+from jaxpar.data.shared_counts import shared_counts
 
 PACKINGS = ("documents", "windows")
 
@@ -63,11 +63,11 @@ def documents_of(data: str | None, tokenizer: str | None, vocab: int, text_field
     if tokenizer is not None:
         check_covers(load_tokenizer(tokenizer), vocab, f"--tokenizer {tokenizer!r}")
     if data is None:
-        from jaxpar.train.data import default_corpus
+        from jaxpar.data.tokens import default_corpus
 
         return InMemoryDocuments([Document(default_corpus())])
     if Path(data).suffix in sources.TOKEN_SUFFIXES:  # a mixture's token file: one stream, packed in row-size pieces
-        from jaxpar.train.data import load_tokens
+        from jaxpar.data.tokens import load_tokens
 
         return InMemoryDocuments([Document(load_tokens(data))])
     if Path(data).is_file() and not sources.is_document_source(Path(data)):
@@ -87,8 +87,8 @@ def packed_batches(documents: DocumentSource, batch_size: int, seq_len: int, see
 def packed_mixture(data: str, tokenizer: str | None, vocab: int, text_field: str, batch_size: int, seq_len: int,
                    seed: int, holdout: bool = False) -> tuple[PackedMixture, list | None]:
     """The batches of a mixture (`a.jsonl:0.7,b.bin:0.3`) of packed sources, each keeping its own epochs, and with
-    `holdout` each source's held-out part (`jaxpar.run.holdout.HeldOut`: whole documents, a token file's tail)."""
-    from jaxpar.run.holdout import HeldOut, split_documents, split_stream_document
+    `holdout` each source's held-out part (`jaxpar.data.holdout.HeldOut`: whole documents, a token file's tail)."""
+    from jaxpar.data.holdout import HeldOut, split_documents, split_stream_document
 
     entries, packed, held = sources.parse_sources(data), [], []
     for j, entry in enumerate(entries):

@@ -7,8 +7,8 @@ document. Fine-tuning records are told by their fields: `prompt` and
 each as it is read and names the record (its 1-based line or record) and what is wrong: a field it lacks,
 a chat role no template knows. Reading
 is local only (pyarrow, `datasets.load_from_disk`) and by index range
-(`jaxpar.train.record_index`): nothing is downloaded. Token files and text
-folders stay in `jaxpar.train.data`.
+(`jaxpar.data.record_index`): nothing is downloaded. Token files and text
+folders stay in `jaxpar.data.tokens`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxpar.train.data import TEXT_SUFFIXES
+from jaxpar.data.tokens import TEXT_SUFFIXES
 
 DOCUMENT_SUFFIXES = (".jsonl", ".parquet")
 TOKEN_SUFFIXES = (".npy", ".bin")

@@ -2,10 +2,10 @@
 
 A document source is cut into blocks of `BLOCK_DOCUMENTS` consecutive
 documents (the last block may be shorter); block b is documents
-[b * K, (b + 1) * K), packed on its own by `jaxpar.train.packing.pack` the
+[b * K, (b + 1) * K), packed on its own by `jaxpar.data.packing.pack` the
 first time a batch needs one of its rows, and kept in a bounded LRU cache
 (`CACHED_BLOCKS`). Start-up therefore reads only the source's record count
-(`jaxpar.train.record_index`) and tokenizes nothing.
+(`jaxpar.data.record_index`) and tokenizes nothing.
 
 Order. Epoch e visits the blocks in grain's `IndexSampler` order over blocks
 (seed `seed`, epoch e of its endless sequence), and each block's rows in the
@@ -14,7 +14,7 @@ are followed by the next epoch's: global batch `s` is positions
 `s * batch_size + r` of this endless sequence, so a batch is a pure function of
 (seed, step, the data) on any mesh and process count, every row (so every
 document, each of its pieces) once per epoch, and an epoch ends mid-batch as in
-`jaxpar.train.epochs`.
+`jaxpar.data.epochs`.
 
 Row counts. Which block holds position p needs the row counts of the blocks
 before it in the epoch's order, and a block's count is known once it is
@@ -28,7 +28,7 @@ come later in a batch, first counts the blocks before its rows in the epoch
 `steps_for` counts every block at start-up (the one case that tokenizes the
 whole source before training).
 
-Processes share the counts (`jaxpar.train.shared_counts`): each block is
+Processes share the counts (`jaxpar.data.shared_counts`): each block is
 counted by its owner only, so a process tokenizes its own share of the blocks
 before its rows plus the blocks that hold its rows. Checkpoints keep the
 counts known so far (`row_counts`, `learn_row_counts`), so a resumed run, or
@@ -49,16 +49,16 @@ from typing import Protocol
 import numpy as np
 from grain.python import IndexSampler, NoSharding
 
-from jaxpar.train.data import check_batch_vocab
-from jaxpar.train.packing import Document, as_batch, pack
-from jaxpar.train.shared_counts import SharedCounts
+from jaxpar.data.tokens import check_batch_vocab
+from jaxpar.data.packing import Document, as_batch, pack
+from jaxpar.data.shared_counts import SharedCounts
 
 BLOCK_DOCUMENTS = 256  # K: documents per block (a block of 256 web pages packs in tens of ms; a batch spans few blocks)
 CACHED_BLOCKS = 32  # packed blocks kept (the read-ahead of a few batches, and every process's current blocks)
 
 
 class DocumentSource(Protocol):
-    """Documents read by index range (`jaxpar.interop.records.LazyDocuments`)."""
+    """Documents read by index range (`jaxpar.data.records.LazyDocuments`)."""
 
     def __len__(self) -> int: ...
 
@@ -287,7 +287,7 @@ class BlockBatches:
         return max(1, math.ceil(Fraction(repr(float(epochs))) * self.rows_per_epoch / self.batch_size))
 
     def order(self) -> dict:
-        """How the run orders its data, as its checkpoints record it (`jaxpar.train.epochs.data_order`)."""
+        """How the run orders its data, as its checkpoints record it (`jaxpar.data.epochs.data_order`)."""
         return {"order": "document blocks", "rows": len(self.source), "block_documents": self.block_documents,
                 "drawn_by": "grain IndexSampler(blocks, shuffle=True, seed) per epoch; rows by "
                             "default_rng([seed, epoch, block]).permutation"}

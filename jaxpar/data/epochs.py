@@ -29,8 +29,7 @@ from typing import Protocol
 import numpy as np
 from grain.python import IndexSampler, NoSharding
 
-from jaxpar.train.run_config import differences
-from jaxpar.train.data import check_batch_vocab
+from jaxpar.data.tokens import check_batch_vocab
 
 TOKEN_FIELDS = ("inputs", "targets")  # int32 token ids, checked against the vocabulary per batch
 
@@ -134,12 +133,12 @@ class EpochBatches:
 
 
 
-WINDOWS = {"order": "windows", "drawn_by": "numpy default_rng([seed, step]) per step"}  # train/data.py, mixture.py
+WINDOWS = {"order": "windows", "drawn_by": "numpy default_rng([seed, step]) per step"}  # data/tokens.py, mixture.py
 
 
 def data_order(batches) -> dict:
     """How a run orders its data, as its checkpoints record it: random windows, epochs of so many rows, or
-    blocks of packed documents (`jaxpar.train.block_packing.BlockBatches.order`)."""
+    blocks of packed documents (`jaxpar.data.block_packing.BlockBatches.order`)."""
     if hasattr(batches, "order"):
         return batches.order()
     if not isinstance(batches, EpochBatches):
@@ -148,15 +147,16 @@ def data_order(batches) -> dict:
             "drawn_by": "grain IndexSampler(rows, shuffle=True, seed)[step * batch_size + row]"}
 
 
-def check_same_order(meta: dict, batches, directory) -> None:
-    """Refuse a checkpoint whose data order or row count differs from the run's: its step would name other rows.
+def check_same_order(saved: dict, batches, origin: str) -> None:
+    """Refuse a saved data state (`BatchStream.get_state`, a checkpoint's `data`) whose order or row count differs
+    from the run's: its step would name other rows. `origin` names it in the error.
 
     Checkpoints from before orders were recorded were all written by random windows.
     """
-    saved, current = {**WINDOWS, **meta.get("data", {})}, data_order(batches)
+    saved, current = {**WINDOWS, **saved}, data_order(batches)
     keys = ("order", "rows") if saved["order"] == current["order"] else ("order",)  # windows have no rows
-    changed = differences({k: saved.get(k) for k in keys}, {k: current.get(k) for k in keys})
+    changed = [f"{k}: {saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
     if changed:
-        raise ValueError(f"the checkpoint of step {meta.get('step')} in {directory} read its data in another order "
-                         f"({'; '.join(changed)}); its step names other rows in this run's order. Resume with the "
-                         "--data, --seq-len and --epochs it was saved with, or use another --checkpoint-dir")
+        raise ValueError(f"{origin} read its data in another order ({'; '.join(changed)}); its step names other rows "
+                         "in this run's order. Resume with the --data, --seq-len and --epochs it was saved with, or "
+                         "use another --checkpoint-dir")

@@ -1,7 +1,7 @@
 """Packed blocks' row counts shared between a run's processes through the JAX coordination service.
 
 Which block holds a row of a global batch depends on the row counts of the
-blocks before it in the epoch's order (`jaxpar.train.block_packing`), and a
+blocks before it in the epoch's order (`jaxpar.data.block_packing`), and a
 count is known only once its block is tokenized and packed. Alone, every
 process would tokenize every block before its own rows; shared, each block has
 one owner (block b: process b mod n) that packs it, the others read its count

@@ -19,10 +19,10 @@ from typing import Callable
 
 import numpy as np
 
-from jaxpar.train import data as data_lib
-from jaxpar.train.data import TEXT_SUFFIXES
-from jaxpar.train.record_index import read_documents
-from jaxpar.train.sources import Source, is_document_source, parse_sources
+from jaxpar.data import tokens as data_lib
+from jaxpar.data.tokens import TEXT_SUFFIXES
+from jaxpar.data.record_index import read_documents
+from jaxpar.data.sources import Source, is_document_source, parse_sources
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """The documents `--packing documents` packs: text documents, and fine-tuning records with their trained tokens.
 
 A text document is its tokens with the tokenizer's BOS/EOS around it
-(`jaxpar.interop.tokenize.encode_documents`), every target trained. A
+(`jaxpar.data.tokenize.encode_documents`), every target trained. A
 `prompt`/`completion` record is BOS + prompt + completion + EOS, trained on the
 completion and the EOS. A `messages` record is rendered with the tokenizer's
 chat template (`chat_template` of the `tokenizer_config.json` beside the
 `tokenizer.json`; through `transformers`' `apply_chat_template` where
 transformers is installed, else jinja2 with the same settings), trained on
 each assistant reply and its end-of-turn marker only. Its roles are those chat
-templates know (`jaxpar.train.sources.ROLES`); a conversation with no
+templates know (`jaxpar.data.sources.ROLES`); a conversation with no
 assistant reply has nothing to train on and is skipped (an empty document,
 which the packer drops), and counted in `LazyDocuments.skipped`.
 
@@ -35,17 +35,17 @@ import numpy as np
 from jinja2 import nodes
 from jinja2.ext import Extension
 
-from jaxpar.interop.tokenize import BYTES, Tokenizer, encode_documents, load_tokenizer
-from jaxpar.train import sources
-from jaxpar.train.record_index import RecordIndex
-from jaxpar.train.packing import Document, split_stream
+from jaxpar.data.tokenize import BYTES, Tokenizer, encode_documents, load_tokenizer
+from jaxpar.data import sources
+from jaxpar.data.record_index import RecordIndex
+from jaxpar.data.packing import Document, split_stream
 
 
 class LazyDocuments:
-    """The documents of one `--data` source, read and tokenized by index range (`jaxpar.train.block_packing`).
+    """The documents of one `--data` source, read and tokenized by index range (`jaxpar.data.block_packing`).
 
     Opening it reads the source's index and checks every record
-    (`jaxpar.train.record_index`), tokenizing none: the bad ones are left out and
+    (`jaxpar.data.record_index`), tokenizing none: the bad ones are left out and
     named in `bad`, for the run to refuse or skip. `documents(lo, hi)` reads
     records lo:hi and tokenizes them. `lo:hi` of a
     view (`view(lo, hi)`) is documents lo:hi of the source, so evaluation can

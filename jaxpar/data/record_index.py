@@ -8,7 +8,7 @@ memory-mapped), a text folder's file list. `records(lo, hi)` then reads those
 records only: a JSON lines file seeks to their lines, a Parquet file reads the
 row groups that hold them, a `datasets` folder slices its memory map.
 
-A record is what `jaxpar.train.sources` reads: a text (`field` given) or the
+A record is what `jaxpar.data.sources` reads: a text (`field` given) or the
 record's fields (fine-tuning records, checked by `sources.check_record`). A
 blank JSON line is no record; a line of only spaces is read as an empty text.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.train import sources
+from jaxpar.data import sources
 
 
 class RecordIndex:
@@ -194,7 +194,7 @@ class RecordIndex:
 
     # a folder of text files: each file one record
     def _open_folder(self):
-        from jaxpar.train.data import TEXT_SUFFIXES
+        from jaxpar.data.tokens import TEXT_SUFFIXES
 
         if not self.path.is_dir():
             raise ValueError(f"{self.where} is not a document source (.jsonl, .parquet, a folder written by "
