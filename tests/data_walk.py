@@ -82,6 +82,7 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in examples(Path(tmp)).items():
+            walk(config, Plan.create("data=8"))  # once to import what it imports: the second walk is the path alone
             path = walk(config, Plan.create("data=8"))
             up = climbs(path)
             print(f"{name}: modules {list(dict.fromkeys(path))}\n  {len(up)} climbs: "

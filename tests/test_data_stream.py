@@ -121,3 +121,16 @@ def test_the_public_entry_and_the_walk_of_prepare_goes_down(tmp_path):
         assert path[:2] == ["jaxpar.run.training", "jaxpar.data.stream"], (name, path)
         # prepare calls the stream once and goes on with its own work: the one step back up, to prepare itself.
         assert [b for _, b in climbs(path)] == ["jaxpar.run.training"], (name, climbs(path))
+
+
+def test_the_readme_data_example_runs_as_written():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "batch_stream" in b]
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["saved"] == {"position": 10, "seed": 0, "order": "windows",
+                                  "drawn_by": "numpy default_rng([seed, step]) per step"}
+    assert namespace["stream"].position == 10 and namespace["batch"]["inputs"].shape == (8, 128)
