@@ -1,1 +1,1 @@
-"""Weights and text in and out: Hugging Face checkpoints, consolidated export, tokenizers."""
+"""Weights in and out: Hugging Face checkpoints and configs, consolidated export."""

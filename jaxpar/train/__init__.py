@@ -1,1 +1,1 @@
-"""One training step and what surrounds it: precision, state, step, checkpoints, data, distributed start-up."""
+"""One training step and what surrounds it: precision, state, step, checkpoints, distributed start-up."""
