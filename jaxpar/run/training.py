@@ -63,7 +63,7 @@ class TrainConfig:
     eval_every: int = 0  # held-out loss every N steps (0: never); the held-out split is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
     text_field: str = "text"  # the field of a .jsonl / .parquet / datasets record that holds its text
-    packing: str | None = None  # documents (whole documents per row) or windows; None: the data's default (jaxpar/data/packed.py)
+    packing: str | None = None  # documents (whole documents per row) or windows; None: the data's default (data/packed.py)
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
     peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
     skip_bad_records: bool = False  # train without a document source's bad records instead of refusing the source
