@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.core.plan import Plan
+from jaxpar.core.usage import PlanOptionUnused
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.parallel import loss_chunks
 from jaxpar.train.state import init_state
@@ -59,3 +60,12 @@ def test_a_count_that_does_not_divide_the_positions_is_refused_while_tracing():
 def test_a_negative_count_is_refused_by_the_plan():
     with pytest.raises(ValueError, match="loss_chunks must be >= 1, or 0"):
         Plan.create("data=2", devices=jax.devices()[:2], loss_chunks=-1)
+
+
+def test_chunks_asked_of_a_model_without_jaxpars_loss_are_warned_about():
+    plan = Plan.create("data=2", devices=jax.devices()[:2], loss_chunks=4)
+    model, state = init_state(lambda: Llama(CONFIG, nnx.Rngs(0)), optax.sgd(0.1), plan)
+    batch = {k: jnp.zeros((ROWS, CONFIG.seq_len), jnp.int32) for k in ("inputs", "targets")}
+    own_loss = lambda m, b: jnp.mean(m.embed(b["inputs"]) ** 2)  # noqa: E731 - no cross-entropy of jaxpar's
+    with pytest.warns(PlanOptionUnused, match="loss_chunks=4 has no effect"):
+        make_train_step(model, own_loss, optax.sgd(0.1), plan).lower(state, batch)

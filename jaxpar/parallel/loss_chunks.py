@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxpar.core import usage
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel.constrain import rule_axes
 
@@ -38,6 +39,8 @@ def token_losses(losses_of, x, targets, vocab_columns: int, chunks: int):
     times the sequence shards a caller's shard_map left whole in targets only.
     """
     n = count(x.shape, vocab_columns, chunks) if x.ndim == 3 and targets.ndim == 2 else 1
+    if chunks and n == chunks:
+        usage.mark(usage.LOSS_CHUNKS)
     if n == 1:
         return losses_of(x, targets)
     b, s, d = x.shape
