@@ -257,6 +257,12 @@ MESHES = [
     ("data=2,context=4", (("context_form", "ring"),)),
     ("data=2,context=2,pipe=2", (("context_form", "ring"),)),  # the head's weights in context order, per stage
     ("data=8", (("zero", 3),)),
+    # the loss over chunks of every n-th token (jaxpar.parallel.loss_chunks), in each form that splits the sequence
+    ("data=8", (("zero", 3), ("loss_chunks", 4))),
+    ("data=2,tensor=4", (("loss_chunks", 4), ("sequence_parallel", True))),
+    ("data=2,tensor=4", (("loss_chunks", 2), ("tensor_form", "explicit"), ("sequence_parallel", True))),
+    ("data=2,context=4", (("loss_chunks", 2), ("context_form", "ring"))),
+    ("data=2,tensor=2,pipe=2", (("loss_chunks", 2), ("tensor_form", "explicit"))),
 ]
 CASES = [(mesh, options, kind) for mesh, options in MESHES for kind in ("documents", "fine-tuning")]
 

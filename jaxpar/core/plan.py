@@ -56,6 +56,8 @@ class Plan:
     context_form: how context-parallel attention gets its keys and values: all-gather or ring (jaxpar.parallel.attention).
     attention, attention_blocks: which implementation causal attention runs (jaxpar.parallel.attention_kernels) and
         flash attention's block lengths.
+    loss_chunks: the cross-entropy over this many chunks of tokens, so that one chunk's logits exist at a
+        time (jaxpar.parallel.loss_chunks); 0 picks them from the logits' size.
     schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.pipeline.schedule);
         microbatches=0 means one per pipeline stage (`pipeline_microbatches`).
     offload: `optimizer` keeps the optimizer state (and any fp32 master copy) in
@@ -91,6 +93,10 @@ class Plan:
     )
     attention_blocks: str = dataclasses.field(
         default="", metadata={"help": "flash attention's query,key block lengths, e.g. 512,1024 (empty: the backend's)"},
+    )
+    loss_chunks: int = dataclasses.field(
+        default=0, metadata={"help": "token chunks the cross-entropy is computed in, each chunk's logits recomputed "
+                                     "in the backward (0: auto, chunks of at most 128 MiB of fp32 logits per device)"},
     )
     schedule: str = dataclasses.field(
         default="1f1b", metadata={"help": "pipeline schedule over pipe: gpipe, 1f1b, interleaved or zb-h1"}
@@ -132,6 +138,8 @@ class Plan:
         if tuple(self.mesh.axis_names) != tuple(order):
             raise ValueError(f"the plan's mesh axes {self.mesh.axis_names} must nest as {order} (jaxpar.core.mesh); "
                              f"build the plan with Plan.create, which orders them")
+        if self.loss_chunks < 0:
+            raise ValueError(f"loss_chunks must be >= 1, or 0 to choose from the logits' size; got {self.loss_chunks}")
         if self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 1, or 0 for one per pipe stage; got {self.microbatches}")
         options.check_plan(self)  # the pipeline schedule's counts, offload's host memory (jaxpar.core.options)

@@ -25,6 +25,7 @@ TENSOR = "tensor"  # a Megatron layer split its weights over tensor axes (jaxpar
 EXPERTS = "experts"  # an MoE layer dispatched tokens to experts (jaxpar.parallel.experts.moe_ffn)
 STACK = "stack"  # a stacked-layer block ran its scan (applies the remat policy and ZeRO per-layer gathers)
 PIPELINE = "pipeline"  # the model's layers ran as pipeline stages over `pipe`
+LOSS_CHUNKS = "loss chunks"  # the cross-entropy ran over chunks of tokens (jaxpar.parallel.loss_chunks)
 TENSOR_PARAMS = "tensor params"  # a parameter is sharded over tensor (by its logical names or a Megatron layer)
 # Context parallelism (jaxpar.parallel.attention): the three places that must agree on the load-balanced sequence order.
 CONTEXT_ATTENTION = "context attention"  # jaxpar's causal attention ran split over context
@@ -102,6 +103,9 @@ def problems(plan, used: set[str]) -> tuple[list[str], list[str]]:
     errors, notes = errors + context_errors, notes + context_notes
     if zero_lib.no_effect_message(plan):
         notes.append(zero_lib.no_effect_message(plan))
+    if plan.loss_chunks and LOSS_CHUNKS not in used:
+        notes.append(f"loss_chunks={plan.loss_chunks} has no effect: the model computed no [batch, seq] loss with "
+                     f"jaxpar.vocab_parallel_cross_entropy")
     if plan.remat != "none" and STACK not in used:
         notes.append(f"remat={plan.remat!r} has no effect: the model ran no stacked-layer block for it to wrap")
     return errors, notes

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from jaxpar.core import options, usage, zero_layout
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import bits, documents, tensor_explicit, vocab, zero
+from jaxpar.parallel import bits, documents, loss_chunks, tensor_explicit, vocab, zero
 from jaxpar.parallel.attention import context_order
 from jaxpar.parallel.constrain import constrain, rule_axes
 from jaxpar.parallel.matmul import weight_einsum
@@ -180,7 +180,8 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     `loss_weights` (jaxpar.parallel.documents), in the same order, weight each
     token: the mean of weight x loss (the step normalises them over the global batch).
     `softcap` c caps the logits to c * tanh(logits / c) (Gemma 2), elementwise
-    on each vocabulary shard.
+    on each vocabulary shard. The per-token losses are computed in chunks of
+    tokens when the logits are large (`Plan.loss_chunks`, jaxpar.parallel.loss_chunks).
     """
     targets = context_order(targets, usage.CONTEXT_TARGETS)
     weights = _loss_weights(targets.shape)
@@ -194,17 +195,25 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     vocab_size = columns if vocab_size is None else vocab_size
     if not 0 < vocab_size <= columns:
         raise ValueError(f"vocab_size {vocab_size} must be in 1..{columns} (the output layer's columns)")
-    if axes and _explicit():
-        losses = tensor_explicit.cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns, softcap)
-        return _mean(losses, weights)
-    x = constrain(x, replicated_over(in_logical, axes))
-    logits = constrain(vocab.softcap(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), softcap), logits_logical)
-    logits = vocab.mask_padding(logits, 0, vocab_size, w.shape[-1])
-    if axes:  # the vocabulary split by the compiler: a where over it stays local to each shard
-        target_logit = jnp.sum(jnp.where(vocab.is_target(targets, logits.shape[-1]), logits, 0.0), axis=-1)
-    else:
-        target_logit = vocab.target_logit(logits.shape[-1], logits, targets)
-    return _mean(jax.nn.logsumexp(logits, axis=-1) - target_logit, weights)
+    explicit = bool(axes) and _explicit()
+
+    def losses_of(x, targets):
+        if explicit:
+            return tensor_explicit.cross_entropy(x, w, targets, vocab_size, in_logical, w_names, axes, columns, softcap)
+        x = constrain(x, replicated_over(in_logical, axes))
+        logits = constrain(vocab.softcap(weight_einsum(eq.equation, x, w, out_dtype=jnp.float32), softcap),
+                           logits_logical)
+        logits = vocab.mask_padding(logits, 0, vocab_size, w.shape[-1])
+        if axes:  # the vocabulary split by the compiler: a where over it stays local to each shard
+            target_logit = jnp.sum(jnp.where(vocab.is_target(targets, logits.shape[-1]), logits, 0.0), axis=-1)
+        else:
+            target_logit = vocab.target_logit(logits.shape[-1], logits, targets)
+        return jax.nn.logsumexp(logits, axis=-1) - target_logit
+
+    local_columns = columns // ways(axes) if axes else columns
+    plan = active_plan()
+    losses = loss_chunks.token_losses(losses_of, x, targets, local_columns, plan.loss_chunks if plan else 0)
+    return _mean(losses, weights)
 
 
 def _loss_weights(shape):

@@ -14,6 +14,7 @@ import functools
 import math
 
 from jaxpar.core import rules as rules_lib
+from jaxpar.parallel import loss_chunks
 from jaxpar.planner.activations import activation_bytes
 from jaxpar.planner.devices import Device
 from jaxpar.planner.layout import Layout, Workload, local_seq, microbatch_sequences, remat_policy, sharded_lookup
@@ -149,11 +150,13 @@ def offloaded_bytes(layout: Layout, zero: int, params_at_rest: float, optimizer:
 
 def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
     """The largest transients of one microbatch: the fp32 logits and their gradient over the vocabulary
-    shard (on each stage's share of positions under a pipeline), and one layer's attention scores when
+    shard (on each stage's share of positions under a pipeline; of one chunk of tokens when the loss is
+    computed in chunks, jaxpar.parallel.loss_chunks), and one layer's attention scores when
     the backward pass recomputes them with remat. Context-parallel attention recomputes its scores too,
     but one layer's share of them is not alive at the step's peak (compiled temp at context 2 and 4)."""
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
-    logits = 2 * 4 * b * s * model.vocab / layout.tensor / layout.pipe
+    columns = model.vocab // layout.tensor
+    logits = 2 * 4 * b * s * columns / layout.pipe / loss_chunks.pick(int(b), int(s), columns)
     recomputed = remat_policy(layout) in ("full", "selective") and layout.context == 1
     return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0)
 
