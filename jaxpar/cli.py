@@ -262,6 +262,8 @@ def _add_hf_commands(sub) -> None:
     evaluate.add_argument("--batch-size", type=int, default=8, help="windows per batch")
     evaluate.add_argument("--packing", default=None, help="documents or windows, as `jaxpar train --packing` "
                           "(default: documents for .jsonl, Parquet, datasets and text folders)")
+    evaluate.add_argument("--skip-bad-records", action="store_true", help="evaluate without a document source's "
+                          "bad records (as `jaxpar train --skip-bad-records`) instead of refusing the source")
     generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
@@ -307,7 +309,8 @@ def _hf_command(args: argparse.Namespace) -> int:
             from jaxpar.run.generate import generation_plan
 
             result = evaluate_checkpoint(args.checkpoint_dir, generation_plan(args.mesh), args.data, args.seq_len,
-                                         args.batch_size, args.step, tokenizer=args.tokenizer, packing=args.packing)
+                                         args.batch_size, args.step, tokenizer=args.tokenizer, packing=args.packing,
+                                         skip_bad_records=args.skip_bad_records)
         else:
             from jaxpar.run.generate import generate_from_checkpoint
 

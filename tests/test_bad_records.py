@@ -302,3 +302,22 @@ def test_a_token_id_outside_the_vocabulary_is_refused_at_start_up(tmp_path, caps
     assert code == 2 and not metrics.exists() and "Traceback" not in err
     assert f"--data {str(path)!r} holds token ids outside the model's vocabulary [0, 256): 65000 (smallest 7, " \
            "largest 65000); the first is token 90,001 of 100,000 (1-based); re-tokenize" in err
+
+
+def test_eval_refuses_a_bad_held_out_record_in_one_line_or_goes_without_it(tmp_path, capsys):
+    clean, bad = documents_file(tmp_path / "clean.jsonl", 300), documents_file(tmp_path / "bad.jsonl", 300,
+                                                                               bad_lines=(296,))
+    directory = tmp_path / "ck"
+    assert main(["train", "--steps", "1", "--batch-size", "8", "--seq-len", "16", "--data", str(clean),
+                 "--checkpoint-dir", str(directory)]) == 0
+    capsys.readouterr()
+    evaluate = ["eval", "--checkpoint-dir", str(directory), "--data", str(bad), "--seq-len", "16"]
+    assert main(evaluate) == 2  # refused as training refuses the source (line 296 lies in the held-out tail)
+    err = " ".join(capsys.readouterr().err.split())
+    assert err == (f"error: --data {str(bad)!r} line 296 is not JSON (Unterminated string starting at: column 10); "
+                   "fix the data, or evaluate without the bad records: --skip-bad-records")
+    assert main([*evaluate, "--skip-bad-records"]) == 0
+    captured = capsys.readouterr()
+    assert (f"warning: --skip-bad-records: evaluating without 1 bad record of --data {str(bad)!r}; the first: "
+            f"--data {str(bad)!r} line 296 is not JSON") in " ".join(captured.err.split())
+    assert json.loads(captured.out.strip().splitlines()[-1])["eval_tokens"] > 0

@@ -95,8 +95,11 @@ def read(spec: DataSpec, vocab: int, batch_size: int, seq_len: int) -> tuple[Any
 
 def held_out(spec: DataSpec, vocab: int, batch_size: int, seq_len: int) -> Any:
     """What a run of `spec` with the evaluation hold-out holds out (`jaxpar eval`): read as training reads it, so
-    the split is the same (whole documents for a document source, each source's own part of a mixture)."""
-    return read(dataclasses.replace(spec, holdout=True, epochs=False), vocab, batch_size, seq_len)[1]
+    the split is the same (whole documents for a document source, each source's own part of a mixture), and a
+    source with bad records refused as training refuses it, or read without them under `skip_bad_records`."""
+    batches, heldout = read(dataclasses.replace(spec, holdout=True, epochs=False), vocab, batch_size, seq_len)
+    refuse_or_skip_bad_records(batches, spec.skip_bad_records, doing="evaluate")
+    return heldout
 
 
 def check_token_files(spec: DataSpec, vocab: int) -> None:
@@ -122,19 +125,20 @@ def document_sources(batches) -> list:
     return [part.source for part in parts if hasattr(getattr(part, "source", None), "bad")]
 
 
-def refuse_or_skip_bad_records(batches, skip: bool, leader: bool = True) -> None:
+def refuse_or_skip_bad_records(batches, skip: bool, leader: bool = True, doing: str = "train") -> None:
     """Refuse a document source with bad records (their first named, in one line), or with `skip` say (on the
-    `leader` process) how many the run trains without."""
+    `leader` process) how many the run `doing` (train, evaluate) goes without."""
     for documents in document_sources(batches):
         bad = documents.bad
         if not bad:
             continue
         more = f" ({len(bad):,} bad records in all)" if len(bad) > 1 else ""
         if not skip:
-            raise ValueError(f"{bad[0]}{more}; fix the data, or train without the bad records: --skip-bad-records")
+            raise ValueError(f"{bad[0]}{more}; fix the data, or {doing} without the bad records: --skip-bad-records")
         if leader:
-            print(f"warning: --skip-bad-records: training without {len(bad):,} bad record{'s' if len(bad) > 1 else ''} "
-                  f"of --data {documents.path!r}; the first: {bad[0]}", file=sys.stderr, flush=True)
+            print(f"warning: --skip-bad-records: {doing.removesuffix('e')}ing without {len(bad):,} bad "
+                  f"record{'s' if len(bad) > 1 else ''} of --data {documents.path!r}; the first: {bad[0]}",
+                  file=sys.stderr, flush=True)
 
 
 def skipped_records(batches) -> tuple[int, int]:

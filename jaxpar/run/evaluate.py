@@ -103,11 +103,12 @@ class MixtureEvaluator:
 
 def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None = None, batch_size: int = 8,
                         step: int | None = None, max_batches: int = MAX_BATCHES, tokenizer: str | None = None,
-                        packing: str | None = None) -> dict[str, Any]:
+                        packing: str | None = None, skip_bad_records: bool = False) -> dict[str, Any]:
     """`jaxpar eval`: held-out loss and perplexity of a training checkpoint, export or HF directory.
 
     The data is read as `jaxpar train` reads it (`--tokenizer`, token-file headers, `--packing`), so the held-out
-    split is the same (whole documents for a document source) and weighted the same.
+    split is the same (whole documents for a document source) and weighted the same; bad records are refused, or
+    left out under `skip_bad_records`, as training does.
     """
     from jaxpar.interop import hf
     from jaxpar.models import model_factory
@@ -116,7 +117,8 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     name, cfg = hf.saved_model_config(path)
     seq_len = seq_len or min(cfg.seq_len, 256)
     plan.check_batch(batch_size)
-    held = held_out(DataSpec(data, tokenizer, packing=packing), cfg.vocab, batch_size, seq_len)
+    held = held_out(DataSpec(data, tokenizer, packing=packing, skip_bad_records=skip_bad_records), cfg.vocab,
+                    batch_size, seq_len)
     mixture = isinstance(held, list)  # each source's own held-out part
     model = describe(model_factory(name, cfg, 0))
     params = hf.load_params(path, model, plan, step)
