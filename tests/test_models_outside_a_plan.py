@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 import reference
+from jaxpar.models.inference import init_cache
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
 
@@ -38,6 +39,16 @@ def test_llama_outside_a_plan_is_the_reference_model():
     picked = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     from_logits = jnp.mean(jax.scipy.special.logsumexp(logits, axis=-1) - picked)
     assert _relative(from_logits, expected) < 1e-5
+
+    # the README's KV-cache decode: a prompt, then one token at a time, gives the logits of the whole sequence
+    tokens = jnp.asarray(batch["inputs"])
+    cache = init_cache(cfg, batch=2, slots=16)
+    prompt_logits, cache = model.decode(tokens[:, :12], cache)
+    stepped = [prompt_logits]
+    for i in range(12, 16):
+        one, cache = model.decode(tokens[:, i:i + 1], cache)
+        stepped.append(one)
+    assert _relative(jnp.concatenate(stepped, axis=1), logits) < 1e-5
 
 
 def test_moe_llama_outside_a_plan_is_the_reference_model():
