@@ -219,7 +219,8 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
         if any_command:
             command, env = job["argv"], host_devices_env(dict(os.environ), devices_per_process)
         else:
-            command, env = [sys.executable, "-m", "jaxpar.cli", *job["argv"], "--devices", str(devices_per_process)], os.environ
+            command = [sys.executable, "-m", "jaxpar.cli", *job["argv"], "--devices", str(devices_per_process)]
+            env = os.environ
         envs = [{**env, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
                  "JAX_PROCESS_ID": str(rank)} for rank in range(n)]
         return launcher.start([command] * n, envs, None if log_dir is None else Path(log_dir), beat_dir)
