@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ from jaxpar.train.epochs import EpochBatches, TokenWindows, check_same_order, da
 from jaxpar.train.mixture import MixtureBatches
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
-from jaxpar.train.distributed import is_leader
+from jaxpar.train.distributed import heartbeat, is_leader
 from jaxpar.train.prefetch import prefetched
 from jaxpar.train.sources import TOKEN_SUFFIXES, parse_sources
 from jaxpar.train.preemption import Preemption
@@ -368,7 +367,6 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     evaluator = _evaluator(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
     batches = prefetched(run.batch, range(start, config.steps), DATA_WORKERS)
-    heartbeat = os.environ.get("JAXPAR_HEARTBEAT_FILE")  # set by `jaxpar launch --heartbeat-s` (train/launcher.py)
     try:
         with Preemption() as preemption:
             for step, batch in zip(range(start, config.steps), batches):
@@ -377,8 +375,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 row = scalar_metrics(metrics)
                 elapsed = time.perf_counter() - began
                 done = step + 1
-                if heartbeat:
-                    Path(heartbeat).write_text(str(done))  # its mtime tells the launcher this rank is not hung
+                heartbeat(done)  # under `jaxpar launch`: its mtime tells the launcher this rank is not hung
                 nonfinite_steps += int(row.get("nonfinite", 0))
                 row = _step_row(run, row, done, elapsed, float(lrs[step]), nonfinite_steps)
                 preempted = preemption.reached(done)
