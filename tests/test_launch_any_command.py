@@ -143,3 +143,13 @@ def test_sigterm_to_the_launcher_stops_a_checkpointing_loop_at_one_step_saved_by
     assert line == f"preempted: step {stopped} saved" and stopped >= 3
     assert sorted(int(p.name) for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == [stopped]
     assert "SIGTERM forwarded; every rank saved and exited 0" in err
+
+
+def test_initialize_alone_joins_nothing(monkeypatch):
+    import jaxpar.distributed
+    from jaxpar.train import distributed
+
+    for name in distributed.CLUSTER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed, "_on_cloud_tpu", lambda: False)
+    assert jaxpar.distributed.initialize() is False
