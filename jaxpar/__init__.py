@@ -47,6 +47,19 @@ from jaxpar.train import precision as _precision  # noqa: F401
 from jaxpar.train.state import TrainState, describe, init_state, place_state
 from jaxpar.train.step import make_train_step
 
+# The modules of one's own training loop, stable names whatever moves beneath them: imported on first use
+# (`import jaxpar; jaxpar.checkpoint.Checkpoints`), so that `import jaxpar` stays free of Orbax and TensorBoard.
+PUBLIC_MODULES = ("checkpoint", "distributed", "inspect", "metrics")
+
+
+def __getattr__(name: str):
+    if name in PUBLIC_MODULES:
+        import importlib
+
+        return importlib.import_module(f"jaxpar.{name}")
+    raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
+
+
 __all__ = [
     "AXES", "BatchStream", "DEFAULT_RULES", "DataSpec", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack", "Stages",
     "TrainState", "active_plan", "batch_stream", "causal_attention", "column_parallel", "constrain", "describe", "embedding_lookup",

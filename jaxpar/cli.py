@@ -99,8 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="jaxpar (.npz or Orbax, default) or hf: a Hugging Face Llama directory (safetensors)")
     export.add_argument("--dtype", default="float32", help="--format hf: float32, bfloat16 or float16")
     _add_hf_commands(sub)
-    launch = sub.add_parser("launch", help="run a jaxpar command as several cooperating processes on this machine",
-                            epilog="exit code: 0 when every rank exited 0 (also after a forwarded SIGTERM/SIGINT whose "
+    launch = sub.add_parser("launch", help="run a jaxpar command, or any command (`-- python my_train.py ...`), as "
+                                           "several cooperating processes on this machine",
+                            epilog="a command that is not a jaxpar subcommand runs as it is, each rank told the job in "
+                                   "its environment (jaxpar.distributed.initialize() reads it). "
+                                   "exit code: 0 when every rank exited 0 (also after a forwarded SIGTERM/SIGINT whose "
                                    "save completed), else the failing rank's code, or 128+N when signal N killed it")
     launch.add_argument("--processes", "-n", type=int, default=2, help="number of processes")
     launch.add_argument("--devices-per-process", type=int, default=4, help="host devices each process exposes")
@@ -125,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "line; shrunk as --min-processes would) and exit: a job script's smaller allocation")
     launch.add_argument("--status", metavar="LOGDIR", default=None,
                         help="print what happened to the launches logging to LOGDIR (its events.jsonl), then exit")
-    launch.add_argument("rest", nargs=argparse.REMAINDER, help="the command, e.g. train --mesh data=8")
+    launch.add_argument("rest", nargs=argparse.REMAINDER,
+                        help="the command: a jaxpar subcommand (train --mesh data=8) or, after --, any command")
     _add_plan_command(sub)
     return parser
 
@@ -350,6 +354,11 @@ def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
     return 0
 
 
+def _subcommands() -> set[str]:
+    """The names of jaxpar's own subcommands: what `jaxpar launch` runs through `python -m jaxpar.cli`."""
+    return set(next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
@@ -367,10 +376,12 @@ def main(argv: list[str] | None = None) -> int:
 
                 print("\n".join(shrink_command(args.processes, args.rest, args.shrink_to, args.min_processes)))
                 return 0
-            return launch_local(args.processes, args.devices_per_process, args.rest, grace_s=args.grace_s,
+            command = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+            return launch_local(args.processes, args.devices_per_process, command, grace_s=args.grace_s,
                                 log_dir=args.log_dir, max_restarts=args.max_restarts, resume=resume,
                                 heartbeat_s=args.heartbeat_s, coordinator_port=args.coordinator_port,
-                                min_processes=args.min_processes)
+                                min_processes=args.min_processes,
+                                any_command=bool(command) and command[0] not in _subcommands())
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

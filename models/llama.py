@@ -28,12 +28,16 @@ from jaxpar.pipeline import executor as pipeline
 
 
 def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None, zeros: bool = False) -> nnx.Param:
-    """A parameter carrying its logical axis names (truncated-normal init; ones for norms, zeros for (1 + w) norms)."""
+    """A parameter carrying its logical axis names (truncated-normal init; ones for norms, zeros for (1 + w) norms).
+
+    The names are metadata for the plan (`jaxpar.train.state` places the parameters by them), never a sharding
+    Flax applies itself: without `eager_sharding=False`, building a model outside a plan raises Flax's 'An auto
+    mesh context or metadata is required'. Outside a plan the model is plain single-device code."""
     if scale is None:
         init = nnx.initializers.zeros if zeros else nnx.initializers.ones
     else:
         init = nnx.initializers.truncated_normal(stddev=scale)
-    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype))
+    return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, dtype), eager_sharding=False)
 
 
 class Blocks(nnx.Module):

@@ -11,7 +11,7 @@ from jaxpar.cli import main
 from jaxpar.data import records
 from jaxpar.data.tokenize import BYTES
 from jaxpar.run.report import closing_line
-from jaxpar.run.training import TrainConfig, _Outputs
+from jaxpar.run.training import Outputs
 from jaxpar.data.block_packing import BlockBatches
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -206,7 +206,7 @@ def test_a_resumed_run_keeps_each_metrics_row_once(tmp_path):
     metrics = tmp_path / "m.jsonl"
     rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 16)]
     metrics.write_text("\n".join(rows) + "\n" + '{"step": 16, "lo')  # killed after step 15, mid-row
-    outputs = _Outputs(TrainConfig(metrics=str(metrics)), start=10)  # the checkpoint of step 10
+    outputs = Outputs(str(metrics), None, start=10)  # the checkpoint of step 10
     for step in range(11, 18):
         outputs.write({"step": step, "loss": 0.0})
     outputs.close()

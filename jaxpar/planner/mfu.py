@@ -40,7 +40,12 @@ class Mfu:
 def for_run(name: str, config, batch_size: int, seq_len: int, precision: str, devices: list,
             peak_flops: float | None = None) -> Mfu:
     """The run's MFU: `peak_flops` (per device) if given, else the table's peak for the devices, else none."""
-    flops = model_flops_per_step(name, config, batch_size, seq_len)
+    return for_flops(model_flops_per_step(name, config, batch_size, seq_len), precision, devices, peak_flops)
+
+
+def for_flops(flops: float, precision: str, devices: list, peak_flops: float | None = None) -> Mfu:
+    """MFU of a step of `flops` model FLOPs (all devices together) on `devices`: `peak_flops` per device if given,
+    else the table's peak for them in `precision`, else none."""
     if peak_flops is not None:
         return Mfu(flops, peak_flops * len(devices))
     kind, platform = devices[0].device_kind, devices[0].platform

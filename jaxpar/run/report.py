@@ -144,9 +144,7 @@ def train_with_progress(run: Run, console: Console) -> int:
                                 ms=row["step_time_s"] * 1e3, mfu=mfu_text(run, row["step_time_s"]),
                                 epoch=epochs(row["step"]))
                 if row["step"] % log_every == 0 or row["step"] == 1:
-                    extras = "  ".join(f"{k} {v:.4g}" for k, v in row.items()
-                                       if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))
-                    progress.console.print(f"step {row['step']:>5}  loss {row['loss']:.6f}  {extras}")
+                    progress.console.print(progress_line(row))
         except FloatingPointError as error:
             Console(stderr=True).print(f"[bold red]stopped:[/] {error}")
             return 1
@@ -163,6 +161,13 @@ def train_with_progress(run: Run, console: Console) -> int:
     if losses:
         console.print(closing_line(run, losses, times))
     return 0
+
+
+def progress_line(row: dict) -> str:
+    """A training row as one line: `step    10  loss 5.123456  lr 0.001  grad_norm 1.2  ...` (its floats)."""
+    extras = "  ".join(f"{k} {v:.4g}" for k, v in row.items()
+                       if isinstance(v, float) and k not in ("loss", "step_time_s", "tokens_per_s"))
+    return f"step {row['step']:>5}  loss {row['loss']:.6f}  {extras}"
 
 
 def closing_line(run: Run, losses: list[float], times: list[float]) -> str:
@@ -202,6 +207,12 @@ def print_inspection(run: Run, console: Console, as_json: bool) -> int:
         print(json.dumps(report))
         return 0
     show_layout(run, console)
+    show_compiled(report, console)
+    return 0
+
+
+def show_compiled(report: dict, console: Console) -> None:
+    """A compiled step's figures (`jaxpar.planner.inspect.summary`, with `attention` when known) as tables."""
     table = Table(title="collectives per device per step")
     for column in ("kind", "axes", "calls", "buffers", "bytes", "traffic"):
         table.add_column(column, justify="right" if column not in ("kind", "axes") else "left")
@@ -215,10 +226,10 @@ def print_inspection(run: Run, console: Console, as_json: bool) -> int:
     memory.add_row(*(_bytes(report["memory"][k]) for k in ("arguments", "outputs", "temp", "total")))
     console.print(memory)
     console.print(f"[bold]FLOPs per device per step[/] {report['flops']:.4g}")
-    console.print(f"[bold]attention[/] {escape('; '.join(report['attention']))}")
+    if report.get("attention"):
+        console.print(f"[bold]attention[/] {escape('; '.join(report['attention']))}")
     if pipe := report.get("pipeline"):
         ring = "" if pipe["peak_residual_bytes"] is None else (
             f", residual ring {pipe['ring_rows']} rows, {_bytes(pipe['peak_residual_bytes'])}")
         console.print(f"[bold]pipeline[/] {pipe['schedule']}: bubble {pipe['bubble']:.1%}, "
                       f"{pipe['live_microbatches']:g} microbatches' residuals live{ring}")
-    return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
-from jaxpar.train.distributed import is_leader
+from jaxpar.train.distributed import heartbeat, is_leader
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state
 from jaxpar.train.step import Step, make_train_step
@@ -312,11 +311,10 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     config = run.config
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
         lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
-    outputs = _Outputs(config, start)
+    outputs = Outputs(config.metrics, config.tensorboard, start)
     evaluator = _evaluator(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
     run.data.seek(start, config.steps)
-    heartbeat = os.environ.get("JAXPAR_HEARTBEAT_FILE")  # set by `jaxpar launch --heartbeat-s` (train/launcher.py)
     try:
         with Preemption() as preemption:
             for step, batch in zip(range(start, config.steps), run.data):
@@ -325,8 +323,7 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
                 row = scalar_metrics(metrics)
                 elapsed = time.perf_counter() - began
                 done = step + 1
-                if heartbeat:
-                    Path(heartbeat).write_text(str(done))  # its mtime tells the launcher this rank is not hung
+                heartbeat(done)  # under `jaxpar launch`: its mtime tells the launcher this rank is not hung
                 nonfinite_steps += int(row.get("nonfinite", 0))
                 row = _step_row(run, row, done, elapsed, float(lrs[step]), nonfinite_steps)
                 preempted = preemption.reached(done)
@@ -390,23 +387,23 @@ def _evaluator(run: Run):
     return Evaluator(run.model, run.plan, held_out_batches(held, seq_len, batch_size), batch_size)
 
 
-class _Outputs:
-    """Where process 0 writes every row: `--metrics` (JSON lines) and `--tensorboard`.
+class Outputs:
+    """Where process 0 writes every row: `metrics` (JSON lines, `--metrics`) and `tensorboard` (`--tensorboard`).
 
     A run resumed from step `start` first drops the metrics rows of later steps (written after the checkpoint it
     resumes from, before the run was stopped) and a row cut short by a kill, so the file holds each step once.
     """
 
-    def __init__(self, config: TrainConfig, start: int = 0):
+    def __init__(self, metrics: str | Path | None, tensorboard: str | Path | None, start: int = 0):
         self.file = None
-        if config.metrics and is_leader():
-            keep_rows_through(Path(config.metrics), start)
-            self.file = Path(config.metrics).open("a")
+        if metrics and is_leader():
+            keep_rows_through(Path(metrics), start)
+            self.file = Path(metrics).open("a")
         self.board = None
-        if config.tensorboard and is_leader():
+        if tensorboard and is_leader():
             from jaxpar.run.tensorboard import TensorBoard
 
-            self.board = TensorBoard(config.tensorboard)
+            self.board = TensorBoard(tensorboard)
 
     def write(self, row: dict) -> None:
         if self.file:

@@ -14,21 +14,45 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 LOST_RANKS_ENV = "JAXPAR_TEST_LOST_RANKS"  # a test hook: these ranks of the first start, once dead, never come back
 PREEMPTED_MARKER = "PREEMPTED"  # written into --checkpoint-dir by a preemption save; the Slurm recipe requeues on it
 CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
 
-def initialize() -> bool:
-    """Join the multi-process runtime when launched as part of one; True if it did.
+GOOGLE_PCI_VENDOR = "0x1ae0"  # a Cloud TPU VM's chips; its pod is found by jax through the metadata server
 
+
+def _on_cloud_tpu() -> bool:
+    """True on a Cloud TPU VM (its TPU chips on the PCI bus), where jax finds the pod's other hosts itself."""
+    return any(path.read_text().strip() == GOOGLE_PCI_VENDOR for path in Path("/sys/bus/pci/devices").glob("*/vendor"))
+
+
+def heartbeat(step: int) -> None:
+    """Under `jaxpar launch`, tell the launcher that this rank completed `step`: its death reports' "last step it
+    completed" and the clock of `--heartbeat-s` (a no-op elsewhere)."""
+    from jaxpar.train.launcher import HEARTBEAT_ENV
+
+    if HEARTBEAT_ENV in os.environ:
+        Path(os.environ[HEARTBEAT_ENV]).write_text(str(step))
+
+
+def initialize() -> bool:
+    """Join the multi-process runtime when launched as part of one; True if it did (or had already).
+
+    The job is read from `jaxpar launch`'s environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID), else found by jax's own cluster detection: Slurm, Open MPI, a TPU pod (GKE's
+    TPU_WORKER_HOSTNAMES, or a Cloud TPU VM's metadata). Call it before anything else uses jax.
     A coordinator port that cannot be bound is a ValueError of one line (the port and how to choose another),
     not jax's traceback: the rank exits 2 and the others end with it (`jaxpar launch`, srun --kill-on-bad-exit)."""
-    if not any(name in os.environ for name in CLUSTER_ENV):
+    import jax
+
+    if jax.distributed.is_initialized():
+        return True
+    if not any(name in os.environ for name in CLUSTER_ENV) and not _on_cloud_tpu():
         return False
     show_life()
-    import jax
 
     if jax.config.jax_platforms in (None, "", "cpu") and "JAX_COORDINATOR_ADDRESS" in os.environ:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -128,11 +152,22 @@ def shrink_command(num_processes: int, argv: list[str], left: int, min_processes
     return [str(n), *shrunk_argv]
 
 
+def host_devices_env(env: dict, count: int) -> dict:
+    """`env` with XLA_FLAGS exposing `count` host (CPU) devices, whatever count it named before."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    return {**env, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])}
+
+
 def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
                  log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = (),
                  heartbeat_s: float | None = None, coordinator_port: int | None = None,
-                 min_processes: int | None = None) -> int:
+                 min_processes: int | None = None, any_command: bool = False) -> int:
     """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
+
+    `any_command`: `argv` is a command of its own (`python my_train.py ...`), run as it is; each rank finds the
+    job in its environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; `initialize` reads them)
+    and `devices_per_process` host devices in XLA_FLAGS. Its restarts are its own to resume (a `--checkpoint-dir`
+    in it is read for the report), and it reports its steps through `jaxpar.checkpoint` or `heartbeat`.
 
     Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
     (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
@@ -147,19 +182,24 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     """
     import shutil
     import tempfile
-    from pathlib import Path
 
     from jaxpar.train import launcher
 
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {num_processes}, {devices_per_process}")
+    if not argv:
+        raise ValueError("launch needs a command: `jaxpar launch -n 2 -- python my_train.py` or `... train --mesh ...`")
     if grace_s < 0:
         raise ValueError(f"--grace-s must be >= 0, got {grace_s}")
     checkpoint_dir = launcher.checkpoint_dir_of(argv)
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if max_restarts and checkpoint_dir is None:
+    if max_restarts and checkpoint_dir is None and not any_command:
         raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
+    if any_command and shutil.which(argv[0]) is None:
+        raise ValueError(f"launch: command {argv[0]!r} not found (neither on PATH nor an executable file)")
+    if any_command and min_processes is not None:
+        raise ValueError(f"--min-processes shrinks a `jaxpar train` layout; {argv[0]!r} is a command of its own")
     if log_dir is None and checkpoint_dir is not None:
         log_dir = str(Path(checkpoint_dir) / "logs")
     if heartbeat_s is not None and heartbeat_s < 0:
@@ -176,8 +216,12 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     def start_ranks() -> list:
         address = f"localhost:{coordinator_port or _free_port()}"  # a fresh coordinator for every (re)start
         n = job["processes"]
-        command = [sys.executable, "-m", "jaxpar.cli", *job["argv"], "--devices", str(devices_per_process)]
-        envs = [{**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
+        if any_command:
+            command, env = job["argv"], host_devices_env(dict(os.environ), devices_per_process)
+        else:
+            command = [sys.executable, "-m", "jaxpar.cli", *job["argv"], "--devices", str(devices_per_process)]
+            env = os.environ
+        envs = [{**env, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
                  "JAX_PROCESS_ID": str(rank)} for rank in range(n)]
         return launcher.start([command] * n, envs, None if log_dir is None else Path(log_dir), beat_dir)
 
