@@ -23,6 +23,7 @@ from jaxpar.parallel import offload as _offload  # noqa: F401
 
 # Building blocks for a model of one's own: stacked layers, Megatron layers, the MoE layer, the pipeline.
 from jaxpar.parallel.attention import causal_attention
+from jaxpar.parallel.attention import positions as token_positions
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.experts import MoEConfig, moe_ffn
 from jaxpar.parallel.stack import Stack, scan_layers
@@ -65,5 +66,5 @@ __all__ = [
     "TrainState", "active_plan", "batch_stream", "causal_attention", "column_parallel", "constrain", "describe", "embedding_lookup",
     "enter_tensor_region", "gpu_profile", "init_state", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss",
     "pipelined_loss", "place_state", "row_parallel", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
-    "to_natural_order", "to_pipeline_order", "vocab_parallel_cross_entropy",
+    "to_natural_order", "to_pipeline_order", "token_positions", "vocab_parallel_cross_entropy",
 ]

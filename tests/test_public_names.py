@@ -19,7 +19,7 @@ PUBLIC = {
         "embedding_lookup", "enter_tensor_region", "gpu_profile", "init_state", "make_mesh", "make_train_step",
         "moe_ffn", "parse_mesh", "pipeline_loss", "pipelined_loss", "place_state", "row_parallel", "scan_layers",
         "state_to_natural_order", "state_to_pipeline_order", "to_natural_order", "to_pipeline_order",
-        "vocab_parallel_cross_entropy",
+        "token_positions", "vocab_parallel_cross_entropy",
     ],
     "jaxpar.checkpoint": ["Checkpoints", "CorruptCheckpoint"],
     "jaxpar.distributed": ["heartbeat", "initialize", "is_leader"],
