@@ -162,6 +162,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     if ways == 1:
         if implementation == "cudnn":
             return kernels.cudnn(q, k, v, scoring)
+        if implementation in kernels.KERNELS:
+            return kernels.fused(implementation, q, k, v, scoring, segments)
         pos = np.arange(q.shape[1])
         if implementation == "xla":
             return attend(q, k, v, jnp.asarray(pos), jnp.asarray(pos), scoring, segments, segments)
