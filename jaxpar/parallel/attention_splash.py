@@ -17,8 +17,6 @@ tests hold it to the reference on CPU).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
@@ -86,9 +84,9 @@ def splash_attention(q, k, v, scoring: Scoring, segments=None, blocks: Blocks | 
     return out
 
 
-@functools.lru_cache(maxsize=64)
 def _kernel(heads: int, seq: int, window, softcap, bq: int, bk: int, interpret: bool):
-    """Splash's kernel for one mask and block shape (building it processes the mask in numpy: cached)."""
+    """Splash's kernel for one mask and block shape, built per trace: it holds its mask tables as arrays of the
+    tracing context's mesh, so no cache may hand them to another trace."""
     shape = (seq, seq)
     mask = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), 0)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
