@@ -96,9 +96,11 @@ def _attention(static, q, k, v, seg):
 
 
 def _dot(a, b, contract=(1, 1)):
-    """a [m, x] . b [n, x] (contract=(1, 1)) or a [x, m] . b [x, n] (0, 0) or a [m, x] . b [x, n] (1, 0), in fp32."""
-    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    """a [m, x] . b [n, x] (contract=(1, 1)) or a [x, m] . b [x, n] (0, 0) or a [m, x] . b [x, n] (1, 0), in fp32
+    (fp32 operands at full precision: Triton would otherwise multiply them in TF32)."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
 
 
 def _scores(qb, kb, qs, ks, i0, j0, scoring: Scoring):
