@@ -186,9 +186,9 @@ def test_bad_kernel_blocks_are_refused_by_the_plan(kernel, blocks, why):
         Plan.create("data=1", devices=jax.devices()[:1], attention=kernel, attention_blocks=blocks)
 
 
-# A data rank's 2 of the 4 rows and a tensor rank's 2 of the 4 query heads: Pallas [rows, seq (to its 64-blocks), heads,
-# head_dim]; splash [rows, heads, seq (to its 128-blocks), head_dim].
-SHARD = {"pallas": (2, 64, 2, 64), "splash": (2, 2, 128, 64)}
+# A data rank's 2 of the 4 rows and a tensor rank's 2 of the 4 query heads: Pallas [rows, seq (its blocks shrunk to
+# it), heads, head_dim]; splash [rows, heads, seq (to its 128-blocks), head_dim].
+SHARD = {"pallas": (2, 32, 2, 64), "splash": (2, 2, 128, 64)}
 MODEL = LlamaConfig(vocab=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=64, seq_len=32)
 
 

@@ -68,6 +68,8 @@ def pallas_attention(q, k, v, scoring: Scoring, segments=None, blocks: Blocks | 
     if h % k.shape[2]:
         raise ValueError(f"attention has {h} query heads and {k.shape[2]} key/value heads: the query heads must be "
                          f"a multiple of the key/value heads (grouped-query attention)")
+    fit = max(16, 1 << (s - 1).bit_length())  # a sequence shorter than a block: the block shrinks to it
+    blocks = Blocks(min(blocks.q, fit), min(blocks.k, fit))
     padded = -(-s // math.lcm(blocks.q, blocks.k)) * math.lcm(blocks.q, blocks.k)
     # Every row gets a segment id: padding to the blocks is segment 0, which no query sees and which sees nothing.
     seg = jnp.ones((b, s), jnp.int32) if segments is None else jnp.asarray(segments, jnp.int32)
