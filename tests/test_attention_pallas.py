@@ -173,7 +173,8 @@ def test_refusals_name_the_reason():
     assert "value head dimension 48" in pallas_refusal(call(value_dim=48), H100)
     assert "dtype int8" in pallas_refusal(call(dtype=jnp.int8), H100)
     assert "splash attention is a TPU kernel" in splash_refusal(call(), H100)
-    assert "key block 64: splash attention's blocks are multiples of 128" in splash_refusal(call(), TPU, Blocks(128, 64))
+    assert "key block 64: splash attention's blocks are multiples of 128" in splash_refusal(call(), TPU,
+                                                                                           Blocks(128, 64))
     with Plan.create("data=1", devices=jax.devices()[:1], attention="splash").activate():
         with pytest.raises(ValueError, match="attention='splash' cannot run this attention: the device is NVIDIA"):
             attention_kernels.choose(call(), device_kind=H100)
