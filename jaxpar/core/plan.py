@@ -88,11 +88,14 @@ class Plan:
                           "around the context ranks with ppermute, online softmax)"},
     )
     attention: str = dataclasses.field(
-        default="auto", metadata={"help": "attention implementation: auto (cudnn where it applies, else flash), xla "
-                                          "(plain masked softmax), flash (blockwise, in XLA) or cudnn"},
+        default="auto", metadata={"help": "attention implementation: auto (NVIDIA: cudnn, else pallas where it "
+                                          "applies; TPU: splash; else flash), xla (plain masked softmax), flash "
+                                          "(blockwise, in XLA), cudnn, pallas (Pallas flash kernel, NVIDIA) or "
+                                          "splash (TPU)"},
     )
     attention_blocks: str = dataclasses.field(
-        default="", metadata={"help": "flash attention's query,key block lengths, e.g. 512,1024 (empty: the backend's)"},
+        default="", metadata={"help": "flash attention's (or a forced pallas/splash kernel's) query,key block "
+                                      "lengths, e.g. 512,1024 (empty: the backend's)"},
     )
     loss_chunks: int = dataclasses.field(
         default=0, metadata={"help": "token chunks the cross-entropy is computed in, each chunk's logits recomputed "

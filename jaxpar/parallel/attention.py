@@ -162,6 +162,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     if ways == 1:
         if implementation == "cudnn":
             return kernels.cudnn(q, k, v, scoring)
+        if implementation in kernels.KERNELS:
+            return _fused(implementation, q, k, v, scoring, segments)
         pos = np.arange(q.shape[1])
         if implementation == "xla":
             return attend(q, k, v, jnp.asarray(pos), jnp.asarray(pos), scoring, segments, segments)
@@ -175,6 +177,27 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
                                   blocks=None if implementation == "xla" else blocks)
     segments = None if segments is None else _in_context_order(segments)
     return _context_parallel(local, q, k, v, _head_axes(q, k), segments)
+
+
+def _fused(name: str, q, k, v, scoring: Scoring, segments):
+    """The Pallas or splash kernel per shard: a Pallas call is opaque to XLA's partitioner, which would gather
+    its operands whole onto every device, so it runs in a shard_map over the auto mesh axes that split the batch
+    (where they divide it) and the heads (`_head_axes`). Its outputs carry no varying-axes type, which a
+    caller's manual axes (the step's `data`) require, so both directions run untracked (`_per_shard`; over no
+    axis at all when the caller's region leaves none); the backward recomputes the kernel's forward."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    batch = tuple(a for a in rule_axes("batch") if a not in manual)
+    if batch and q.shape[0] % int(np.prod([active_plan().shape[a] for a in batch])):
+        batch = ()
+    heads = _head_axes(q, k)
+
+    def local(q, k, v, *segments):
+        return kernels.fused(name, q, k, v, scoring, *segments)
+
+    if not batch and not heads and not manual:
+        return local(q, k, v, *(() if segments is None else (segments,)))
+    return _per_shard(local, q, k, v, P(batch or None, None, heads or None), {*batch, *heads}, segments,
+                      track_backward=False)
 
 
 def _head_axes(q, k) -> tuple[str, ...]:
@@ -203,7 +226,12 @@ def _gathered(q, k, v, segments=None, *, ways: int, scoring: Scoring, blocks: Bl
 
 
 def _context_parallel(local, q, k, v, head_axes: tuple[str, ...], segments=None):
-    """`local(q, k, v[, segments])` on each context rank's shard (and its heads over `head_axes`), as a custom
+    """`local(q, k, v[, segments])` on each context rank's shard (and its heads over `head_axes`)."""
+    return _per_shard(local, q, k, v, P(None, AXIS, head_axes or None), {AXIS, *head_axes}, segments)
+
+
+def _per_shard(local, q, k, v, spec: P, manual: set[str], segments=None, track_backward: bool = True):
+    """`local(q, k, v[, segments])` on each shard of q, k, v under `spec` (manual over `manual`), as a custom
     VJP: forward and backward one shard_map each.
 
     The forward does not track replication (check_vma=False), as the MoE
@@ -211,30 +239,35 @@ def _context_parallel(local, q, k, v, head_axes: tuple[str, ...], segments=None)
     caller's manual axes (the step's `data`) a remat policy would otherwise
     save values from inside it under specs naming those axes, which fails to
     lower. Its output is typed as varying over those axes, as it is.
-    Segment ids (integers, [batch, seq] in context order) are split like q's
-    sequence and get no cotangent.
+    Segment ids (integers, [batch, seq], in context order under context parallelism) are split like q's
+    batch and sequence and get no cotangent. The backward is tracked unless
+    `local` holds a Pallas call (`track_backward=False`), whose outputs carry
+    no varying-axes type; its cotangents are then typed varying like the forward's output.
     """
-    spec = P(None, AXIS, head_axes or None)
-    manual = {AXIS, *head_axes}
     extra = () if segments is None else (segments,)
-    extra_specs = () if segments is None else (P(None, AXIS),)
+    extra_specs = () if segments is None else (P(*spec[:2]),)
     outer = tuple(sorted(set().union(*(varying_axes(x) for x in (q, k, v, *extra)))))
     untracked = jax.shard_map(local, in_specs=(spec,) * 3 + extra_specs, out_specs=spec, axis_names=manual,
                               check_vma=False)
 
     def pullback(q, k, v, *rest):
         *fixed, ct = rest
+        if not track_backward:  # untracked, an op's result has no varying-axes type, like the Pallas call's output:
+            q, k, v, ct = (x * 1 for x in (q, k, v, ct))  # the vjp wants its primals and cotangents typed alike
         return jax.vjp(lambda q, k, v: local(q, k, v, *fixed), q, k, v)[1](ct)
 
     backward = jax.shard_map(pullback, in_specs=(spec,) * 3 + extra_specs + (spec,), out_specs=(spec,) * 3,
-                             axis_names=manual)
+                             axis_names=manual, check_vma=track_backward)
+
+    def varying(x):
+        return jax.lax.pcast(x, outer, to="varying") if outer else x
 
     def forward(q, k, v, *fixed):
-        out = untracked(q, k, v, *fixed)
-        return jax.lax.pcast(out, outer, to="varying") if outer else out
+        return varying(untracked(q, k, v, *fixed))
 
     def backward_rule(saved, ct):
-        return (*backward(*saved, ct), *(None for _ in extra))
+        grads = backward(*saved, ct)
+        return (*(grads if track_backward else map(varying, grads)), *(None for _ in extra))
 
     layer = jax.custom_vjp(forward)
     layer.defvjp(lambda *args: (forward(*args), args), backward_rule)

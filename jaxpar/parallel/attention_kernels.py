@@ -2,10 +2,19 @@
 
 `Plan.attention` asks for one: `auto` (the default), `xla` (the textbook masked
 softmax, which keeps [seq, seq] scores for the backward), `flash` (blockwise in
-XLA, `jaxpar.parallel.attention_flash`) or `cudnn` (NVIDIA's fused kernel
-through `jax.nn.dot_product_attention`). `auto` takes cuDNN where it can run the
-call exactly and flash attention everywhere else. A forced choice the call
-rules out is refused with the reason, while tracing, before anything compiles.
+XLA, `jaxpar.parallel.attention_flash`), `cudnn` (NVIDIA's fused kernel
+through `jax.nn.dot_product_attention`), `pallas` (jaxpar's Pallas flash
+kernel for NVIDIA GPUs, `jaxpar.parallel.attention_pallas`) or `splash`
+(JAX's splash attention kernel for TPUs, `jaxpar.parallel.attention_splash`).
+`auto` takes, on NVIDIA, cuDNN where it can run the call exactly, else Pallas
+(packed documents, soft caps, fp32), else flash; on TPU splash where it can,
+else flash; flash everywhere else. A forced choice the call rules out is
+refused with the reason, while tracing, before anything compiles.
+
+`interpreted()` runs the Pallas and splash kernels through Pallas' interpreter,
+on any backend: forced `pallas` or `splash` on a CPU is refused outside it
+(the interpreter is for tests and debugging, far slower than flash), and
+`auto` never picks them there.
 
 cuDNN is never given what it cannot honour: packed documents' segment ids (a
 fused path that dropped them trained on the wrong loss in MaxText #4476), a
@@ -17,6 +26,8 @@ what the attention got.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -24,10 +35,11 @@ import jax.numpy as jnp
 
 from jaxpar.core import options, usage
 from jaxpar.core.trace import active_plan
+from jaxpar.parallel import attention_pallas, attention_splash
 from jaxpar.parallel.attention_flash import Blocks, default_blocks
 from jaxpar.parallel.attention_math import Scoring
 
-IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn")
+IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn", "pallas", "splash")
 options.register_choices("attention", IMPLEMENTATIONS)
 MARK = "attention: "  # the prefix of the usage marks that record each call's choice
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -66,6 +78,26 @@ def cudnn_refusal(call: Call, device_kind: str | None = None) -> str | None:
     return None
 
 
+_INTERPRET = contextvars.ContextVar("jaxpar_attention_interpret", default=False)
+
+
+@contextlib.contextmanager
+def interpreted():
+    """Within it, the Pallas and splash kernels run in Pallas' interpreter (any backend, forced choices only)."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def interpreting() -> bool:
+    return _INTERPRET.get()
+
+
+KERNELS = {"pallas": attention_pallas.pallas_refusal, "splash": attention_splash.splash_refusal}
+
+
 def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
     """(implementation, why) for `call` under the active plan's `attention` (auto outside a plan).
 
@@ -77,6 +109,15 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
         return "xla", "asked for (attention=xla): plain masked softmax, [seq, seq] scores kept for the backward"
     if asked == "flash":
         return "flash", "asked for (attention=flash)"
+    device_kind = device_kind or jax.devices()[0].device_kind
+    if asked in KERNELS:
+        refusal = KERNELS[asked](call, device_kind, plan_blocks(), interpreting())
+        if refusal:
+            hint = " (jaxpar.parallel.attention_kernels.interpreted() runs it in Pallas' interpreter, for tests)" \
+                if refusal.startswith("the device") else ""
+            raise ValueError(f"attention={asked!r} cannot run this attention: {refusal}{hint}. Use "
+                             f"attention='auto' or 'flash'")
+        return asked, f"asked for (attention={asked})" + (", in Pallas' interpreter" if interpreting() else "")
     refusal = cudnn_refusal(call, device_kind)
     if asked == "cudnn":
         if refusal:
@@ -86,7 +127,17 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
     if refusal is None:
         return "cudnn", "auto: NVIDIA GPU, causal" + (" sliding-window" if call.scoring.window else "") + \
             f" attention in {jnp.dtype(call.dtype).name}"
-    return "flash", f"auto: cuDNN does not apply ({refusal})"
+    if device_kind.startswith("NVIDIA"):
+        pallas = attention_pallas.pallas_refusal(call, device_kind)
+        if pallas is None:
+            return "pallas", f"auto: cuDNN does not apply ({refusal}); Pallas flash kernel"
+        return "flash", f"auto: cuDNN does not apply ({refusal}), nor Pallas ({pallas})"
+    if device_kind.startswith("TPU"):
+        splash = attention_splash.splash_refusal(call, device_kind)
+        if splash is None:
+            return "splash", "auto: TPU, splash attention"
+        return "flash", f"auto: splash attention does not apply ({splash})"
+    return "flash", f"auto: no fused kernel on {device_kind} (cuDNN and Pallas run on NVIDIA GPUs, splash on TPUs)"
 
 
 def chosen(call: Call) -> str:
@@ -103,9 +154,21 @@ def choices(used: set[str]) -> list[str]:
 
 def blocks() -> Blocks:
     """Flash attention's block lengths: the plan's `attention_blocks` ("Q,K" or "N"), or the backend's."""
+    return plan_blocks() or default_blocks()
+
+
+def kernel_blocks(name: str) -> Blocks | None:
+    """The Pallas or splash kernel's blocks: the plan's `attention_blocks` when it forces that kernel, else its
+    own (under auto the plan's blocks are flash attention's)."""
+    plan = active_plan()
+    return plan_blocks() if plan is not None and plan.attention == name else None
+
+
+def plan_blocks() -> Blocks | None:
+    """The plan's `attention_blocks`, or None where it sets none (each kernel then takes its own)."""
     plan = active_plan()
     text = "" if plan is None else plan.attention_blocks
-    return parse_blocks(text) if text else default_blocks()
+    return parse_blocks(text) if text else None
 
 
 def parse_blocks(text: str) -> Blocks:
@@ -123,6 +186,17 @@ def _check_blocks(plan) -> None:
         if plan.attention in ("xla", "cudnn"):
             raise ValueError(f"attention_blocks={plan.attention_blocks!r} sets flash attention's blocks, but "
                              f"attention={plan.attention!r} runs no flash attention; drop one of them")
+        kernel = {"pallas": attention_pallas, "splash": attention_splash}.get(plan.attention)
+        refusal = kernel and kernel.block_refusal(parse_blocks(plan.attention_blocks))
+        if refusal:
+            raise ValueError(f"attention_blocks={plan.attention_blocks!r} with attention={plan.attention!r}: "
+                             f"{refusal}")
+
+
+def fused(name: str, q, k, v, scoring: Scoring, segments=None):
+    """The Pallas (name 'pallas') or splash ('splash') kernel on q [b, s, heads, d], k and v [b, s, kv_heads, *]."""
+    run = attention_pallas.pallas_attention if name == "pallas" else attention_splash.splash_attention
+    return run(q, k, v, scoring, segments, kernel_blocks(name), interpreting())
 
 
 def cudnn(q, k, v, scoring: Scoring):

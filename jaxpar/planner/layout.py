@@ -52,7 +52,8 @@ class Layout:
                 raise ValueError(f"mesh axis {axis} must be >= 1, got {getattr(self, axis)}")
         choices = {"zero": (0, 1, 2, 3), "schedule": SCHEDULES, "remat": REMATS, "precision": PRECISIONS,
                    "tensor_form": ("annotation", "explicit"), "context_form": ("all-gather", "ring"),
-                   "attention": ("auto", "xla", "flash", "cudnn"), "offload": ("none", "optimizer")}
+                   "attention": ("auto", "xla", "flash", "cudnn", "pallas", "splash"),
+                   "offload": ("none", "optimizer")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
