@@ -6,9 +6,10 @@ XLA, `jaxpar.parallel.attention_flash`), `cudnn` (NVIDIA's fused kernel
 through `jax.nn.dot_product_attention`), `pallas` (jaxpar's Pallas flash
 kernel for NVIDIA GPUs, `jaxpar.parallel.attention_pallas`) or `splash`
 (JAX's splash attention kernel for TPUs, `jaxpar.parallel.attention_splash`).
-`auto` takes, on NVIDIA, cuDNN where it can run the call exactly, else Pallas
-(packed documents, soft caps, fp32), else flash; on TPU splash where it can,
-else flash; flash everywhere else. A forced choice the call rules out is
+`auto` takes, on NVIDIA, cuDNN where it can run the call exactly, else flash
+(the Pallas kernel, tested in Pallas' interpreter only, is taken when asked
+for until it has run on a GPU); on TPU splash where it can, else flash; flash
+everywhere else. A forced choice the call rules out is
 refused with the reason, while tracing, before anything compiles.
 
 `interpreted()` runs the Pallas and splash kernels through Pallas' interpreter,
@@ -128,10 +129,10 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
         return "cudnn", "auto: NVIDIA GPU, causal" + (" sliding-window" if call.scoring.window else "") + \
             f" attention in {jnp.dtype(call.dtype).name}"
     if device_kind.startswith("NVIDIA"):
-        pallas = attention_pallas.pallas_refusal(call, device_kind)
-        if pallas is None:
-            return "pallas", f"auto: cuDNN does not apply ({refusal}); Pallas flash kernel"
-        return "flash", f"auto: cuDNN does not apply ({refusal}), nor Pallas ({pallas})"
+        # jaxpar's Pallas kernel has run only in Pallas' interpreter: until a GPU has compiled it and matched the
+        # reference with it, auto keeps to flash attention in XLA, and attention=pallas asks for the kernel
+        return "flash", f"auto: cuDNN does not apply ({refusal}); the Pallas kernel is taken only when asked for " \
+                        f"(attention=pallas) until it has run on a GPU"
     if device_kind.startswith("TPU"):
         splash = attention_splash.splash_refusal(call, device_kind)
         if splash is None:
