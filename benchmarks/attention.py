@@ -2,8 +2,9 @@
 
 For each sequence length and each implementation this backend can run —
 `xla` (the textbook masked softmax, which keeps [seq, seq] scores: jaxpar's
-attention before flash), `flash` (blockwise in XLA, jaxpar.parallel.attention_flash)
-and, on NVIDIA GPUs, `cudnn` (jax.nn.dot_product_attention) — the compiled
+attention before flash), `flash` (blockwise in XLA, jaxpar.parallel.attention_flash),
+on NVIDIA GPUs `cudnn` (jax.nn.dot_product_attention) and `pallas`
+(jaxpar.parallel.attention_pallas), on TPUs `splash` — the compiled
 forward + backward's temp memory (XLA's memory analysis, no allocation) and,
 where that fits the device, the median time of a forward + backward. Shapes
 are a 1B model's attention layer (16 query heads, 8 key/value heads of 128),
@@ -26,15 +27,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.parallel import attention_kernels
+from jaxpar.parallel import attention_kernels, attention_pallas, attention_splash
 from jaxpar.parallel.attention_flash import default_blocks, flash_attention
 from jaxpar.parallel.attention_math import Scoring, attend
 
 
 def implementations(dtype, head_dim: int) -> list[str]:
-    """The implementations this backend runs for a plain causal call of `dtype` (cuDNN only where auto takes it)."""
+    """The implementations this backend runs for a plain causal call of `dtype` (each fused kernel where its
+    refusal allows)."""
     call = attention_kernels.Call(dtype, head_dim, head_dim, False, Scoring(), 1)
-    return ["xla", "flash"] + (["cudnn"] if attention_kernels.cudnn_refusal(call) is None else [])
+    fused = {"cudnn": attention_kernels.cudnn_refusal, "pallas": attention_pallas.pallas_refusal,
+             "splash": attention_splash.splash_refusal}
+    return ["xla", "flash"] + [name for name, refusal in fused.items() if refusal(call) is None]
 
 
 def attention_fn(name: str, seq: int, blocks):
@@ -43,6 +47,10 @@ def attention_fn(name: str, seq: int, blocks):
         return lambda q, k, v: attend(q, k, v, jnp.asarray(pos), jnp.asarray(pos), Scoring())
     if name == "flash":
         return lambda q, k, v: flash_attention(q, k, v, pos, pos, Scoring(), blocks=blocks)[0]
+    if name == "pallas":
+        return lambda q, k, v: attention_pallas.pallas_attention(q, k, v, Scoring())
+    if name == "splash":
+        return lambda q, k, v: attention_splash.splash_attention(q, k, v, Scoring())
     return lambda q, k, v: attention_kernels.cudnn(q, k, v, Scoring())
 
 
