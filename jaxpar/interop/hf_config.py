@@ -3,8 +3,9 @@ other activations, `pretraining_tp`, rope scaling other than Llama 3's, local la
 the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); Qwen's
 sliding windows where their local layers repeat with a period; `mistral` (a
 Llama with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`);
-`gemma` (GeGLU, (1 + w) RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit
-soft-capping and local/global layers).
+`qwen3_moe` (a Qwen3 with sparse MoE feed-forwards: `jaxpar.interop.hf_qwen3_moe`); `gemma` (GeGLU, (1 + w)
+RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit soft-capping and
+local/global layers).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxpar.interop import hf_mixtral
+from jaxpar.interop import hf_mixtral, hf_qwen3_moe
 from jaxpar.models.layer_pattern import layer_window
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
@@ -31,11 +32,14 @@ WINDOWED = ("mistral", hf_mixtral.MODEL_TYPE)
 FAMILIES.update({name: {"qkv_bias": False, "qk_norm": False} for name in WINDOWED})
 GEMMA = {"qkv_bias": False, "qk_norm": False, "mlp_activation": "gelu_tanh", "norm_plus_one": True, "embed_scale": True}
 FAMILIES.update({"gemma": {**GEMMA, "post_norms": False}, "gemma2": {**GEMMA, "post_norms": True}})
+# the MoE families: model_type -> (the dense family whose blocks theirs are, the module of their experts)
+MOE = {hf_mixtral.MODEL_TYPE: ("llama", hf_mixtral), hf_qwen3_moe.MODEL_TYPE: ("qwen3", hf_qwen3_moe)}
+FAMILIES[hf_qwen3_moe.MODEL_TYPE] = FAMILIES["qwen3"]
 # the options a family's entry leaves out are off (a Llama's)
 LLAMA_OPTIONS = {"mlp_activation": "silu", "norm_plus_one": False, "embed_scale": False, "post_norms": False}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM",
-                 hf_mixtral.MODEL_TYPE: hf_mixtral.ARCHITECTURE}
+                 **{name: module.ARCHITECTURE for name, (_, module) in MOE.items()}}
 # Hugging Face activation names -> LlamaConfig.mlp_activation (Gemma's config field, and its legacy "gelu", as
 # transformers reads them: GemmaConfig turns hidden_act="gelu" into the tanh approximation)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -45,7 +49,8 @@ GEMMA_ACTIVATIONS = {"gemma": ("hidden_act", {**ACTIVATIONS, "gelu": "gelu_tanh"
 QWEN = ("qwen2", "qwen3")  # use_sliding_window: a window on the layers from max_window_layers on
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default, where config.json leaves it out
 FAMILY_FIELDS = {"final_softcap": ("gemma2",), "attn_softcap": ("gemma2",), "query_scale": ("gemma2",),
-                 "sliding_pattern": ("gemma2", *QWEN), "sliding_window": ("gemma2", *QWEN, *WINDOWED)}
+                 "sliding_pattern": ("gemma2", *QWEN),
+                 "sliding_window": ("gemma2", *QWEN, *WINDOWED, hf_qwen3_moe.MODEL_TYPE)}
 FIELD_OFF = {"sliding_pattern": 1}  # the others are off at None
 
 
@@ -72,6 +77,8 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         extra = _gemma_fields(hf, model_type)
     elif model_type in QWEN:
         extra = _qwen_window(hf)
+    elif model_type == hf_qwen3_moe.MODEL_TYPE:  # transformers' window, when on, is on every layer
+        extra = _window_from_hf(hf, model_type) if hf.get("use_sliding_window") else {}
     else:
         extra = _window_from_hf(hf, model_type)
     if hf.get("pretraining_tp", 1) not in (None, 1):
@@ -90,8 +97,8 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
         **options, **extra,
     )
-    if model_type == hf_mixtral.MODEL_TYPE:
-        return MoeLlamaConfig(**fields, **hf_mixtral.moe_fields_from_hf(hf))
+    if model_type in MOE:
+        return MoeLlamaConfig(**fields, **MOE[model_type][1].moe_fields_from_hf(hf))
     return LlamaConfig(**fields)
 
 
@@ -121,7 +128,7 @@ def _qwen_window(hf: dict) -> dict:
 
 def _window_from_hf(hf: dict, model_type: str) -> dict:
     """Mistral's and Mixtral's `sliding_window` (null: full causal attention) on every layer; Llama's has none."""
-    if model_type not in WINDOWED or hf.get("sliding_window") is None:
+    if model_type not in (*WINDOWED, hf_qwen3_moe.MODEL_TYPE) or hf.get("sliding_window") is None:
         return {}
     return {"sliding_window": int(hf["sliding_window"]), "sliding_pattern": 1}
 
@@ -167,17 +174,19 @@ def _sliding_pattern(hf: dict) -> dict:
 
 def family_of(cfg: LlamaConfig) -> str:
     """The Hugging Face model_type whose block `cfg`'s options describe (a Llama block with a window on every layer:
-    Mistral's; with experts: Mixtral's)."""
-    matches = [name for name in FAMILIES if name not in WINDOWED
+    Mistral's; with experts: Mixtral's, a Qwen3 block with experts: Qwen3-MoE's)."""
+    matches = [name for name in FAMILIES if name not in WINDOWED and name not in MOE
                and all(getattr(cfg, option) == value for option, value in family_options(name).items())]
     if not matches:
         options = ", ".join(f"{option}={getattr(cfg, option)!r}" for option in family_options("gemma"))
         raise ValueError(f"no Hugging Face family has the block options {options}")
     family = matches[0]
     if hf_mixtral.is_moe(cfg):
-        if family != "llama":
-            raise ValueError(f"no Hugging Face family has experts on a {family} block (Mixtral's are Llama blocks)")
-        family = hf_mixtral.MODEL_TYPE
+        moe = [name for name, (dense, _) in MOE.items() if dense == family]
+        if not moe:
+            raise ValueError(f"no Hugging Face family has experts on a {family} block (Mixtral's are Llama blocks, "
+                             "Qwen3-MoE's Qwen3 blocks)")
+        family = moe[0]
     elif family == "llama" and cfg.sliding_window is not None and cfg.sliding_pattern == 1:
         family = "mistral"  # a windowless Mistral is a Llama
     for field, families in FAMILY_FIELDS.items():
@@ -247,7 +256,8 @@ def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
         **(_qwen_window_to_hf(cfg) if family in QWEN else {}),
         **({"sliding_window": cfg.sliding_window} if family in WINDOWED else {}),
-        **(hf_mixtral.moe_fields_to_hf(cfg) if family == hf_mixtral.MODEL_TYPE else {}),
+        **(MOE[family][1].moe_fields_to_hf(cfg) if family in MOE else {}),
+        **(_qwen3_moe_window_to_hf(cfg) if family == hf_qwen3_moe.MODEL_TYPE else {}),
         **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }
 
@@ -259,6 +269,11 @@ def _qwen_window_to_hf(cfg: LlamaConfig) -> dict:
     types = ["full_attention" if layer_window(cfg, i) is None else "sliding_attention" for i in range(cfg.n_layers)]
     return {"use_sliding_window": True, "sliding_window": cfg.sliding_window, "layer_types": types,
             **({"max_window_layers": 0} if cfg.sliding_pattern == 1 else {})}
+
+
+def _qwen3_moe_window_to_hf(cfg: LlamaConfig) -> dict:
+    """Qwen3-MoE's window fields: off, or on every layer."""
+    return {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
 
 
 def _gemma_to_hf(cfg: LlamaConfig, family: str) -> dict:
