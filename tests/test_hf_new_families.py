@@ -24,6 +24,7 @@ from helpers import copy_state, max_relative_error, single_device_plan
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
 from jaxpar.interop import hf, hf_config
+from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.train.state import init_state, place_state
@@ -37,12 +38,25 @@ VOCAB = 300
 FIELDS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
               max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
-# model_type -> (transformers config, model class, jaxpar model, the family's own config fields, options that matter:
-# transformers config fields switched off)
+# Gemma 3's rotations: the global layers' base and linear scaling, the local layers' own base
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+# model_type -> (transformers config, model class, jaxpar model, the family's own config fields, the options that
+# matter: each switched off as transformers config fields)
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MoeLlama,
                   {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "moe_intermediate_size": 24},
-                  {"norm_topk_prob": False}),
+                  {"norm_topk_prob": {"norm_topk_prob": False}}),
+    # 8 layers in Gemma 3's 5:1 pattern: layers 0-4 local, 5 global, 6-7 local (as the published 26 and 34 end)
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", Llama,
+                    {"num_hidden_layers": 8, "tie_word_embeddings": True, "sliding_window": 6,
+                     "sliding_window_pattern": 6, "query_pre_attn_scalar": 16, "rope_parameters": GEMMA3_ROPE},
+                    {"window": {"sliding_window": 64}, "query_pre_attn_scalar": {"query_pre_attn_scalar": 8},
+                     "local rope base": {"rope_parameters": {**GEMMA3_ROPE,
+                                                             "sliding_attention": GEMMA3_ROPE["full_attention"]}},
+                     "global rope scaling": {"rope_parameters": {**GEMMA3_ROPE, "full_attention": {
+                         "rope_type": "default", "rope_theta": 1e5}}},
+                     "5:1 pattern": {"sliding_window_pattern": 2}}),
 }
 
 
@@ -88,9 +102,9 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     theirs = torch_logits(reference, TOKENS)
     imported = relative(np.asarray(jaxpar_model(family, cfg, params).logits(jnp.asarray(TOKENS))), theirs)
     assert imported <= 1e-5, imported
-    for field, value in FAMILIES[family][4].items():  # each option acts on these rows
-        changed = relative(torch_logits(family_model(family, **{field: value}), TOKENS), theirs)
-        assert changed > 1e-3, (field, changed)
+    for option, off in FAMILIES[family][4].items():  # each option acts on these rows
+        changed = relative(torch_logits(family_model(family, **off), TOKENS), theirs)
+        assert changed > 1e-3, (option, changed)
     if cfg.qk_norm:
         path = hf.blocks_path(cfg).split("/")
         blocks = functools.reduce(lambda tree, key: tree[key], path, params)
@@ -114,7 +128,8 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     print(f"{family}: import {imported:.2e}, export {back:.2e}")
 
 
-ROUND_TRIPS = {"qwen3_moe": ("data=2,expert=2,pipe=2", ["--zero", "3"])}
+ROUND_TRIPS = {"qwen3_moe": ("data=2,expert=2,pipe=2", ["--zero", "3"]),
+               "gemma3_text": ("data=2,context=2,tensor=2", ["--zero", "3"])}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +193,10 @@ def test_generate_and_eval_read_the_checkpoint_as_its_export(trained, tmp_path, 
 
 @needs_torch
 def test_greedy_generation_equals_transformers_generate(saved):
+    """The KV-cache decode token for token against `generate`, which here runs past the config's eos_token_id (a
+    token the random model emits) as the Generator does without a tokenizer's."""
     family, reference, directory = saved
+    reference.generation_config.eos_token_id = None
     assert_greedy_generation_equals_generate(FAMILIES[family][2], reference, directory)
 
 
@@ -225,11 +243,62 @@ def test_qwen3_30b_a3b_has_the_published_parameter_counts():
         ("qwen3_moe", 128, 768)
 
 
+def test_gemma3_1b_has_the_published_parameter_count():
+    """Gemma 3 1B (google/gemma-3-1b-pt): 999,885,952 parameters from its config.json's shapes, to the unit; its
+    26 layers in the 5:1 pattern end with two local ones."""
+    from jaxpar.models import model_config
+    from jaxpar.models.layer_pattern import layer_window
+    from jaxpar.planner.model import llama_leaves
+
+    cfg = model_config("gemma3-1b")
+    assert cfg.param_count() == 999_885_952 == sum(leaf.size for leaf in llama_leaves(cfg))
+    assert [i for i in range(cfg.n_layers) if layer_window(cfg, i) is None] == [5, 11, 17, 23]
+    hf_fields = hf_config.config_to_hf(cfg)
+    assert hf_fields["model_type"] == "gemma3_text"
+    assert hf_config.config_from_hf(hf_fields) == dataclasses.replace(cfg, seq_len=2048)  # the import's longest
+
+
+GEMMA3 = {"model_type": "gemma3_text", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
+          "num_attention_heads": 8, "intermediate_size": 96, "head_dim": 8, "sliding_window": 8,
+          "sliding_window_pattern": 2}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "gemma3"}, "model_type='gemma3' .*multimodal.*'gemma3_text'"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "sliding_attention.rope_type='linear'"),
+    ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types .* are not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+])
+def test_gemma3_refuses_what_it_cannot_represent(fields, message):
+    with pytest.raises(ValueError, match=message):
+        hf_config.config_from_hf({**GEMMA3, **fields})
+
+
+def test_gemma3_reads_the_rope_fields_of_transformers_4_and_a_single_layer_type():
+    """rope_theta, rope_scaling and rope_local_base_freq (transformers 4's fields) are the rotations of
+    rope_parameters; where every layer is local, the model rotates by the local base alone."""
+    old = hf_config.config_from_hf({**GEMMA3, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                    "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (old.rope_theta, old.rope_type, old.rope_factor, old.rope_local_theta) == (1e6, "linear", 8.0, 1e4)
+    assert hf_config.config_from_hf(hf_config.config_to_hf(old)) == old
+    local = hf_config.config_from_hf({**GEMMA3, "sliding_window_pattern": 5, "rope_local_base_freq": 1e4})
+    assert (local.sliding_pattern, local.rope_theta, local.rope_type, local.rope_local_theta) == \
+        (1, 1e4, "default", None)
+    with pytest.raises(ValueError, match="rope_local_theta=100.0 .* sliding_pattern=1"):
+        dataclasses.replace(local, rope_local_theta=100.0)
+
+
 # -- training equals the plain-JAX reference -----------------------------------------------------------------
 
+EQUIVALENCE_FIELDS = {"qwen3_moe": {"num_hidden_layers": 4},  # pipe=2 x 2 virtual stages
+                      "gemma3_text": {"num_hidden_layers": 8, "sliding_window_pattern": 2}}  # chunks of a pattern
+
+
 def equivalence_config(family: str):
-    """The family's imported config (4 layers: pipe=2 x 2 virtual stages), on 16-token sequences."""
-    hf_fields = {**FIELDS, **FAMILIES[family][3], "model_type": family, "num_hidden_layers": 4}
+    """The family's imported config, 4 or 8 layers so that pipe=2 x 2 virtual stages cut whole patterns, on
+    16-token sequences."""
+    hf_fields = {**FIELDS, **FAMILIES[family][3], "model_type": family, **EQUIVALENCE_FIELDS[family]}
     return dataclasses.replace(hf_config.config_from_hf(hf_fields), seq_len=16)
 
 
@@ -243,6 +312,17 @@ STRATEGIES = {
         "zero2-tensor": ("data=4,tensor=2", {"zero": 2}, slow),
         "context-all-gather": ("data=4,context=2", {"context_form": "all-gather"}, slow),
         "context-ring-expert": ("data=2,context=2,expert=2", {"context_form": "ring"}, slow),
+        "interleaved-tensor": ("data=2,pipe=2,tensor=2", {"schedule": "interleaved", "virtual_stages": 2}, slow),
+    },
+    "gemma3_text": {
+        "context-ring-explicit-zero3": ("data=2,context=2,tensor=2",
+                                        {"context_form": "ring", "tensor_form": "explicit", "zero": 3}),
+        "data": ("data=8", {}, slow),
+        "zero1-explicit-sp": ("data=4,tensor=2", {"zero": 1, "tensor_form": "explicit", "sequence_parallel": True},
+                              slow),
+        "zero2-tensor-sp": ("data=4,tensor=2", {"zero": 2, "sequence_parallel": True}, slow),
+        "context-all-gather": ("data=4,context=2", {"context_form": "all-gather"}, slow),
+        "1f1b": ("data=4,pipe=2", {"schedule": "1f1b"}, slow),
         "interleaved-tensor": ("data=2,pipe=2,tensor=2", {"schedule": "interleaved", "virtual_stages": 2}, slow),
     },
 }
