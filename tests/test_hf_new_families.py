@@ -129,7 +129,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
 
 ROUND_TRIPS = {"qwen3_moe": ("data=2,expert=2,pipe=2", ["--zero", "3"]),
-               "gemma3_text": ("data=2,context=2,tensor=2", ["--zero", "3"])}
+               "gemma3_text": ("data=4,tensor=2", ["--zero", "3"])}
 
 
 @pytest.fixture(scope="module")
