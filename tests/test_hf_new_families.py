@@ -301,6 +301,16 @@ def test_gemma3_reads_the_rope_fields_of_transformers_4_and_a_single_layer_type(
         dataclasses.replace(local, rope_local_theta=100.0)
 
 
+def test_linear_rope_scaling_maps_both_ways_for_every_family():
+    """Gemma 3's global scaling (`rope_type="linear"`: frequencies / factor) is transformers' for a Llama too."""
+    llama = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 8, "intermediate_size": 96, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    cfg = hf_config.config_from_hf(llama)
+    assert (cfg.rope_type, cfg.rope_factor) == ("linear", 2.0)
+    assert hf_config.config_to_hf(cfg)["rope_parameters"] == {"rope_type": "linear", "rope_theta": 10000.0,
+                                                              "factor": 2.0}
+
+
 # -- training equals the plain-JAX reference -----------------------------------------------------------------
 
 EQUIVALENCE_FIELDS = {"qwen3_moe": {"num_hidden_layers": 4},  # pipe=2 x 2 virtual stages

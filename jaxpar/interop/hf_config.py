@@ -1,6 +1,6 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
-other activations, `pretraining_tp`, rope scaling other than Llama 3's, local layers of no period) is refused with
-the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); Qwen's
+other activations, `pretraining_tp`, rope scaling other than linear and Llama 3's, local layers of no period) is
+refused with the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); Qwen's
 sliding windows where their local layers repeat with a period; `mistral` (a
 Llama with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`);
 `qwen3_moe` (a Qwen3 with sparse MoE feed-forwards: `jaxpar.interop.hf_qwen3_moe`); `gemma` (GeGLU, (1 + w)
