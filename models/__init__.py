@@ -31,6 +31,12 @@ FAMILY_CONFIGS: dict[str, LlamaConfig] = {
                              d_ff=14336, seq_len=8192, tie_embeddings=True, norm_eps=1e-6, mlp_activation="gelu_tanh",
                              norm_plus_one=True, embed_scale=True, post_norms=True, final_softcap=30.0,
                              attn_softcap=50.0, sliding_window=4096, sliding_pattern=2),
+    # Gemma 3 1B (google/gemma-3-1b-pt, text): (1 + w) q/k norms in place of soft caps, 5 local layers (512-token
+    # window, rotary base 10k) to 1 global (base 1M), 26 layers: the last two local.
+    "gemma3-1b": LlamaConfig(vocab=262144, d_model=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256,
+                             d_ff=6912, seq_len=8192, tie_embeddings=True, norm_eps=1e-6, mlp_activation="gelu_tanh",
+                             norm_plus_one=True, embed_scale=True, post_norms=True, qk_norm=True, rope_theta=1e6,
+                             rope_local_theta=1e4, sliding_window=512, sliding_pattern=6),
 }
 
 MODELS: dict[str, tuple[Callable[..., nnx.Module], Any]] = {

@@ -36,10 +36,12 @@ RESIDUAL = ("batch", "seq_residual", "embed")
 Q_NAMES, KV_NAMES = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
 
 
-def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool = True):
+def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool = True, inv_freq=None):
     """q, k, v of x: the projections, the family's biases and per-head norms, then the rotation at `positions`.
 
     `positions` None: training's, those of q's whole sequence in jaxpar.parallel.attention's order.
+    `inv_freq` None: `cfg`'s rotary frequencies (a layer's config: `layer_pattern.layer_config`); the
+    inference scan passes each layer's as data (`layer_pattern.layer_frequencies`).
 
     The biases pass through `kv_heads_for_ranks` like their weights, so under
     tensor parallelism each rank adds the bias of the heads it computes.
@@ -54,9 +56,9 @@ def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool =
         q, k, v = (constrain(a + b.astype(a.dtype), n) for a, b, n in
                    ((q, p["bq"], Q_NAMES), (k, kv["bk"], KV_NAMES), (v, kv["bv"], KV_NAMES)))
     if cfg.qk_norm:
-        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+        q, k = (rms_norm(a, p[w], cfg.norm_eps, cfg.norm_plus_one) for a, w in ((q, "q_norm"), (k, "k_norm")))
     positions = attention_lib.positions(q.shape[1]) if positions is None else positions
-    inv_freq = rope_frequencies(cfg, q.shape[-1])
+    inv_freq = rope_frequencies(cfg, q.shape[-1]) if inv_freq is None else inv_freq
     return rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq), v
 
 

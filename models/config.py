@@ -13,7 +13,7 @@ import jax
 
 from jaxpar.models import layer_pattern
 
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3")
 # the MLP's gate activation: SiLU (SwiGLU: Llama, Qwen, Mistral) or GELU's tanh approximation (GeGLU: Gemma)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
@@ -33,7 +33,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     param_dtype: str = "float32"
     vocab_multiple: int = 128  # embedding rows padded to a multiple (Megatron's make-vocab-size-divisible-by)
-    # Rotary scaling: "default" (none) or "llama3" (Llama 3.1's wavelength-dependent frequency scaling).
+    # Rotary scaling: "default" (none), "linear" (every frequency divided by rope_factor: Gemma 3's global layers)
+    # or "llama3" (Llama 3.1's wavelength-dependent frequency scaling).
     rope_type: str = "default"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
@@ -60,6 +61,9 @@ class LlamaConfig:
     sliding_pattern: int = 1
     attn_softcap: float | None = None
     query_scale: float | None = None
+    # rope_local_theta: the local layers' own rotary base, unscaled, beside global layers that keep rope_theta and
+    # its scaling (Gemma 3's rope_local_base_freq); None: every layer rotates alike.
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:

@@ -59,7 +59,8 @@ def document_visible(q_slots, k_slots, window, q_seg, k_seg, q_pos, k_pos):
     return allowed
 
 
-def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None, window=None, documents=None):
+def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None, window=None, documents=None,
+                     inv_freq=None):
     """Causal GQA attention of x's tokens at `positions` ([batch, seq]); keys where `key_mask` is False are ignored.
 
     Without `kv` the keys are x's own tokens (key_mask [batch, seq]). With
@@ -70,9 +71,10 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
     as Hugging Face measures it (cache positions: left padding counts). `documents`
     (q_seg, k_seg, k_pos): segment ids of the queries and keys and the keys'
     positions; then only a query's own document is seen (`document_visible`) and
-    key_mask is not read. cfg's soft cap and query scale apply. Returns (output, (k, v)).
+    key_mask is not read. cfg's soft cap and query scale apply; `inv_freq` (None: cfg's) are the layer's rotary
+    frequencies. Returns (output, (k, v)).
     """
-    q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False)
+    q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False, inv_freq=inv_freq)
     b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
     query_slots = jnp.arange(s)
     if kv is not None:
@@ -110,17 +112,18 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
     """
     feed_forward = dense_feed_forward if feed_forward is None else feed_forward
 
-    windows = layer_pattern.layer_windows(cfg)
+    window = layer_pattern.layer_windows(cfg)  # None: no layer has a window
+    frequencies = layer_pattern.layer_frequencies(cfg, cfg.head_dim)  # None: every layer rotates by cfg's
 
     def body(h, layer):
-        p, kv, *window = layer
-        attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)),
-                                    cfg, positions, key_mask, kv, index, *(window or [None]), documents=documents)
+        p, kv, window, inv_freq = layer
+        attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)), cfg,
+                                    positions, key_mask, kv, index, window, documents=documents, inv_freq=inv_freq)
         h = residual_add(p, h, attn, "post_attn_norm", cfg)
         out = feed_forward(p, tensor.enter_tensor_region(block_norm(h, p["mlp_norm"], cfg)), cfg)
         return residual_add(p, h, out, "post_mlp_norm", cfg), kv
 
-    return jax.lax.scan(body, x, (stacked, cache, *windows))
+    return jax.lax.scan(body, x, (stacked, cache, window, frequencies))
 
 
 def padded_positions(mask):

@@ -1,12 +1,16 @@
-"""Which layers attend locally: a config's sliding window and its local/global layer pattern.
+"""Which layers attend locally: a config's sliding window, its local/global layer pattern and the local layers'
+rotary base.
 
 A config with `sliding_window` W and `sliding_pattern` P (models.llama.LlamaConfig) makes every layer
-local (P = 1: Mistral) or layer i global when (i + 1) % P == 0 and local otherwise (P = 2: Gemma 2).
+local (P = 1: Mistral) or layer i global when (i + 1) % P == 0 and local otherwise (P = 2: Gemma 2,
+P = 6: Gemma 3, whose n_layers need not be a multiple: the last layers are local). With
+`rope_local_theta` the local layers rotate with their own unscaled base (Gemma 3).
 A layer's window must be a Python value where it is traced, so that the attention's masks and the
 ring form's block plan are static: the blocks run in groups of one pattern each (`run_groups`, a scan
-over the groups, each running its P blocks with their own windows), the stacked parameters keeping
-their [layers, ...] layout. The KV-cache decode masks by a window per layer instead (`layer_windows`,
-scanned beside the layers). The configs here are any with those fields; this module knows no model.
+over the groups, each running its P blocks with their own windows, then a scan over the local layers
+left over), the stacked parameters keeping their [layers, ...] layout. The KV-cache decode masks by a
+window per layer instead (`layer_windows`, scanned beside the layers), and rotates by each layer's
+frequencies (`layer_frequencies`). The configs here are any with those fields; this module knows no model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxpar.core.trace import active_plan
+from jaxpar.models.rotary import rope_frequencies
 from jaxpar.parallel import zero
 from jaxpar.parallel.stack import scan_layers
 
@@ -33,20 +38,21 @@ def check(cfg) -> None:
     if pattern > 1 and window is None:
         raise ValueError(f"sliding_pattern={pattern} alternates local and global layers but sliding_window is None: "
                          "set the local layers' window")
-    if pattern > 1 and cfg.n_layers % pattern:
-        raise ValueError(f"n_layers={cfg.n_layers} is not a multiple of sliding_pattern={pattern}: the layers run in "
-                         "groups of one pattern each")
-    for name in ("attn_softcap", "query_scale"):
+    for name in ("attn_softcap", "query_scale", "rope_local_theta"):
         value = getattr(cfg, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0):
             raise ValueError(f"{name} must be None or a number > 0, got {value!r}")
+    if cfg.rope_local_theta is not None and pattern == 1:
+        raise ValueError(f"rope_local_theta={cfg.rope_local_theta} rotates local layers apart from global ones, but "
+                         f"sliding_pattern=1 makes every layer {'global' if window is None else 'local'}: set "
+                         "rope_theta instead")
 
 
 def check_pipeline_chunks(cfg, pipe: int, virtual_stages: int) -> None:
     """Raise ValueError, before tracing, when pipe x virtual_stages chunks cannot each hold whole patterns."""
     pattern = getattr(cfg, "sliding_pattern", 1) if getattr(cfg, "sliding_window", None) else 1
     chunks = pipe * virtual_stages if pipe > 1 else 1
-    if pattern > 1 and cfg.n_layers % (chunks * pattern):
+    if pattern > 1 and chunks > 1 and cfg.n_layers % (chunks * pattern):
         raise ValueError(f"n_layers={cfg.n_layers} do not cut into pipe={pipe} x virtual_stages={virtual_stages} "
                          f"chunks of whole local/global patterns (sliding_pattern={pattern}); choose pipe x "
                          f"virtual_stages dividing n_layers / {pattern} = {cfg.n_layers // pattern}")
@@ -60,10 +66,14 @@ def layer_window(cfg, layer: int) -> int | None:
 
 
 def layer_config(cfg, layer: int):
-    """`cfg` for one layer: its own window (or none) and sliding_pattern 1; `cfg` itself when all layers agree."""
+    """`cfg` for one layer: its own window (or none), sliding_pattern 1 and, a local layer under
+    `rope_local_theta`, its unscaled rotary base; `cfg` itself when all layers agree."""
     if cfg.sliding_pattern == 1:
         return cfg
-    return dataclasses.replace(cfg, sliding_window=layer_window(cfg, layer), sliding_pattern=1)
+    window = layer_window(cfg, layer)
+    rope = {} if cfg.rope_local_theta is None or window is None else {"rope_theta": cfg.rope_local_theta,
+                                                                        "rope_type": "default"}
+    return dataclasses.replace(cfg, sliding_window=window, sliding_pattern=1, rope_local_theta=None, **rope)
 
 
 def attention_options(cfg) -> dict:
@@ -74,23 +84,32 @@ def attention_options(cfg) -> dict:
     return {"window": cfg.sliding_window, "softcap": cfg.attn_softcap, "scale": cfg.query_scale}
 
 
-def layer_windows(cfg) -> tuple:
-    """() without a window; else (each layer's window [n_layers] int32, a global layer's beyond any distance)."""
+def layer_windows(cfg) -> np.ndarray | None:
+    """Each layer's window [n_layers] int32, a global layer's beyond any distance; None without a window."""
     if cfg.sliding_window is None:
-        return ()
+        return None
     wide = np.iinfo(np.int32).max
-    return (np.array([wide if (w := layer_window(cfg, i)) is None else w for i in range(cfg.n_layers)], np.int32),)
+    return np.array([wide if (w := layer_window(cfg, i)) is None else w for i in range(cfg.n_layers)], np.int32)
+
+
+def layer_frequencies(cfg, head_dim: int) -> np.ndarray | None:
+    """Each layer's rotary inverse frequencies [n_layers, head_dim / 2] under `rope_local_theta`; None without."""
+    if cfg.rope_local_theta is None:
+        return None
+    return np.stack([rope_frequencies(layer_config(cfg, i), head_dim) for i in range(cfg.n_layers)])
 
 
 def run_groups(block: Callable, stacked, x, cfg, remat: Callable | None = None):
     """`block(p, x, layer_cfg)` over the leading layer axis of `stacked`, in scanned groups of one pattern.
 
-    `stacked` is all layers or a pipeline chunk (contiguous layers from a multiple of its size: see
-    jaxpar.pipeline.layer_order); a chunk that does not start a pattern is refused, naming the sizes.
+    `stacked` is all layers (whose local layers past the last whole pattern run after the groups) or a
+    pipeline chunk (contiguous layers from a multiple of its size: see jaxpar.pipeline.layer_order); a
+    chunk that does not start a pattern is refused, naming the sizes.
     """
     pattern = cfg.sliding_pattern
     layers = jax.tree.leaves(stacked)[0].shape[0]
-    if layers % pattern:
+    tail = cfg.n_layers % pattern if layers == cfg.n_layers else 0
+    if (layers - tail) % pattern:
         plan = active_plan()
         cut = "" if plan is None else f" (pipe={plan.shape['pipe']} x virtual_stages={plan.virtual_stages} chunks)"
         raise ValueError(f"a pipeline chunk of {layers} layers{cut} is not a multiple of sliding_pattern={pattern}: "
@@ -103,4 +122,11 @@ def run_groups(block: Callable, stacked, x, cfg, remat: Callable | None = None):
             h = block(jax.tree.map(lambda a: a[i], p), h, layer_config(cfg, i))
         return h
 
-    return scan_layers(group, zero.regroup(stacked, layers // pattern), x, remat=remat)
+    whole = layers - tail
+    if whole:
+        x = scan_layers(group, zero.regroup(jax.tree.map(lambda a: a[:whole], stacked), whole // pattern), x,
+                        remat=remat)
+    if tail:  # layers whole..n-1 are pattern positions 0..tail-1 < pattern - 1: all local, alike
+        x = scan_layers(lambda p, h: block(p, h, layer_config(cfg, 0)), jax.tree.map(lambda a: a[whole:], stacked),
+                        x, remat=remat)
+    return x

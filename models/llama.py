@@ -67,8 +67,8 @@ class Blocks(nnx.Module):
             self.bk = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
             self.bv = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
         if cfg.qk_norm:
-            self.q_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt)
-            self.k_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt)
+            self.q_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt, zeros=cfg.norm_plus_one)
+            self.k_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt, zeros=cfg.norm_plus_one)
 
     def stacked(self) -> dict[str, jax.Array]:
         """The per-layer weights as a dict of arrays with a leading layer axis."""

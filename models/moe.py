@@ -72,6 +72,10 @@ CONFIGS: dict[str, MoeLlamaConfig] = {
     "mixtral-8x7b": MoeLlamaConfig(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                                    d_ff=14336, expert_d_ff=14336, n_experts=8, top_k=2, moe_every=1, dropless=True,
                                    seq_len=4096, rope_theta=1e6),
+    # Qwen3-30B-A3B's (Qwen/Qwen3-30B-A3B): Qwen3 blocks (q/k norms), dropless top-8 of 128 experts in every block
+    "qwen3-30b-a3b": MoeLlamaConfig(vocab=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                                    d_ff=6144, expert_d_ff=768, n_experts=128, top_k=8, moe_every=1, dropless=True,
+                                    seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
 }
 
 

@@ -1,7 +1,7 @@
 """Rotary position embeddings: the half-split rotation of Llama and Hugging Face, and its frequencies.
 
-Plain theta ** (-i / half) frequencies, or Llama 3.1's wavelength-dependent scaling
-(`rope_type="llama3"` on a models.llama.LlamaConfig).
+Plain theta ** (-i / half) frequencies, divided by a factor (`rope_type="linear"`, Gemma 3's global layers), or
+Llama 3.1's wavelength-dependent scaling (`rope_type="llama3"` on a models.llama.LlamaConfig).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 
 
 def rope_frequencies(cfg, head_dim: int | None = None) -> np.ndarray:
-    """The rotary inverse frequencies (float32, head_dim / 2 of them), Llama-3.1-scaled under rope_type="llama3".
+    """The rotary inverse frequencies (float32, head_dim / 2 of them): divided by `rope_factor` under
+    rope_type="linear" (position interpolation), Llama-3.1-scaled under rope_type="llama3".
 
     llama3 divides the low frequencies (wavelength beyond original/low_freq_factor)
     by `rope_factor`, keeps the high ones (below original/high_freq_factor) and
@@ -22,6 +23,8 @@ def rope_frequencies(cfg, head_dim: int | None = None) -> np.ndarray:
     inv = inv.astype(np.float32)
     if cfg.rope_type == "default":
         return inv
+    if cfg.rope_type == "linear":
+        return (inv / np.float32(cfg.rope_factor)).astype(np.float32)
     factor, low, high = np.float32(cfg.rope_factor), np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
     original = np.float32(cfg.rope_original_max_position)
     wavelen = np.float32(2 * np.pi) / inv

@@ -51,12 +51,12 @@ def norm(x, w, eps):
     return (h * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, theta, positions=None):
+def rope(x, theta, positions=None, factor=1.0):
     """Rotary embedding of [b, s, heads, hd] at `positions` ([s] or [b, s]; default 0, 1, ...): halves of hd rotate
-    as pairs (fp32)."""
+    as pairs (fp32); frequencies divided by `factor` (linear scaling)."""
     s, hd = x.shape[1], x.shape[-1]
     half = hd // 2
-    inv = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half))
+    inv = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half)) / np.float32(factor)
     positions = jnp.arange(s) if positions is None else jnp.asarray(positions)
     ang = positions.reshape(-1, s).astype(jnp.float32)[..., None] * inv
     cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
@@ -76,9 +76,13 @@ def self_attention(p, x, cfg, window=None, positions=None):
     v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
     if getattr(cfg, "qkv_bias", False):  # Qwen2: a bias per output feature of q, k and v
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    if getattr(cfg, "qk_norm", False):  # Qwen3: RMSNorm over each query and key head, before the rotation
-        q, k = norm(q, p["q_norm"], cfg.norm_eps), norm(k, p["k_norm"], cfg.norm_eps)
-    q, k = rope(q, cfg.rope_theta, positions), rope(k, cfg.rope_theta, positions)
+    if getattr(cfg, "qk_norm", False):  # Qwen3, Gemma 3 ((1 + w)): RMSNorm over each q and k head, before rotation
+        q, k = residual_norm(q, p["q_norm"], cfg), residual_norm(k, p["k_norm"], cfg)
+    # Gemma 3: local layers rotate with their own base, unscaled; global ones (and all others) by rope_theta, scaled
+    local = window is not None and getattr(cfg, "rope_local_theta", None) is not None
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    factor = cfg.rope_factor if not local and getattr(cfg, "rope_type", "default") == "linear" else 1.0
+    q, k = rope(q, theta, positions, factor), rope(k, theta, positions, factor)
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     s = x.shape[1]
@@ -272,8 +276,8 @@ def moe_loss(params, batch, cfg):
 
 def loss_fn(cfg) -> Callable:
     """The reference loss for a model config (MoE when it has experts); plain rotary frequencies only."""
-    if getattr(cfg, "rope_type", "default") != "default":
-        raise ValueError(f"the reference implements rope_type='default' only, got {cfg.rope_type!r}")
+    if getattr(cfg, "rope_type", "default") not in ("default", "linear"):
+        raise ValueError(f"the reference implements rope_type 'default' and 'linear' only, got {cfg.rope_type!r}")
     fn = moe_loss if hasattr(cfg, "n_experts") else llama_loss
     return lambda params, batch: fn(params, batch, cfg)
 

@@ -258,7 +258,7 @@ def test_layer_pattern():
 
 @pytest.mark.parametrize("fields, match", [
     ({"sliding_pattern": 2}, "sliding_window is None"),
-    ({"sliding_window": 4, "sliding_pattern": 3}, "n_layers=4 is not a multiple of sliding_pattern=3"),
+    ({"rope_local_theta": 100.0}, "rope_local_theta=100.0 rotates local layers apart from global ones"),
     ({"sliding_window": 0}, "sliding_window must be"),
     ({"sliding_pattern": 0}, "sliding_pattern must be"),
     ({"attn_softcap": -1.0}, "attn_softcap must be"),

@@ -154,7 +154,9 @@ def test_greedy_generation_equals_transformers_generate(saved):
         ({"model_type": "gemma2", "hidden_activation": "gelu"}, "hidden_activation='gelu'"),
         ({"model_type": "gemma", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"model_type": "gemma2", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
-        ({"model_type": "gemma2", "num_hidden_layers": 3}, r"layer_types .* period P dividing num_hidden_layers=3"),
+        ({"model_type": "gemma2", "num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention",
+                                                                            "full_attention"]},
+         r"layer_types .* repeat with a period P"),
         ({"model_type": "gemma2", "layer_types": ["chunked_attention", "full_attention"]}, "chunked_attention"),
     ],
 )

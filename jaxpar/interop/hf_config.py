@@ -1,10 +1,12 @@
 """A Hugging Face `config.json` as jaxpar's model config and back; what the model cannot represent (biases,
-other activations, `pretraining_tp`, rope scaling other than Llama 3's, local layers of no period) is refused with
-the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); Qwen's
+other activations, `pretraining_tp`, rope scaling other than linear and Llama 3's, local layers of no period) is
+refused with the config field named. Families: `llama`; `qwen2` (q/k/v biases); `qwen3` (per-head q/k RMSNorm); Qwen's
 sliding windows where their local layers repeat with a period; `mistral` (a
 Llama with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards: `jaxpar.interop.hf_mixtral`);
-`gemma` (GeGLU, (1 + w) RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit
-soft-capping and local/global layers).
+`qwen3_moe` (a Qwen3 with sparse MoE feed-forwards: `jaxpar.interop.hf_qwen3_moe`); `gemma` (GeGLU, (1 + w)
+RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit soft-capping and
+local/global layers); `gemma3_text` (Gemma 3's text model: gemma2's block with (1 + w) q/k norms, local layers
+rotating with their own base, global ones with theirs and its scaling).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxpar.interop import hf_mixtral
+from jaxpar.interop import hf_mixtral, hf_qwen3_moe
 from jaxpar.models.layer_pattern import layer_window
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
@@ -30,22 +32,31 @@ FAMILIES = {
 WINDOWED = ("mistral", hf_mixtral.MODEL_TYPE)
 FAMILIES.update({name: {"qkv_bias": False, "qk_norm": False} for name in WINDOWED})
 GEMMA = {"qkv_bias": False, "qk_norm": False, "mlp_activation": "gelu_tanh", "norm_plus_one": True, "embed_scale": True}
-FAMILIES.update({"gemma": {**GEMMA, "post_norms": False}, "gemma2": {**GEMMA, "post_norms": True}})
+FAMILIES.update({"gemma": {**GEMMA, "post_norms": False}, "gemma2": {**GEMMA, "post_norms": True},
+                 "gemma3_text": {**GEMMA, "post_norms": True, "qk_norm": True}})
+GEMMA3 = "gemma3_text"
+# the MoE families: model_type -> (the dense family whose blocks theirs are, the module of their experts)
+MOE = {hf_mixtral.MODEL_TYPE: ("llama", hf_mixtral), hf_qwen3_moe.MODEL_TYPE: ("qwen3", hf_qwen3_moe)}
+FAMILIES[hf_qwen3_moe.MODEL_TYPE] = FAMILIES["qwen3"]
 # the options a family's entry leaves out are off (a Llama's)
 LLAMA_OPTIONS = {"mlp_activation": "silu", "norm_plus_one": False, "embed_scale": False, "post_norms": False}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "mistral": "MistralForCausalLM",
-                 hf_mixtral.MODEL_TYPE: hf_mixtral.ARCHITECTURE}
+                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", GEMMA3: "Gemma3ForCausalLM",
+                 "mistral": "MistralForCausalLM",
+                 **{name: module.ARCHITECTURE for name, (_, module) in MOE.items()}}
 # Hugging Face activation names -> LlamaConfig.mlp_activation (Gemma's config field, and its legacy "gelu", as
 # transformers reads them: GemmaConfig turns hidden_act="gelu" into the tanh approximation)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 GEMMA_ACTIVATIONS = {"gemma": ("hidden_act", {**ACTIVATIONS, "gelu": "gelu_tanh"}),
-                     "gemma2": ("hidden_activation", ACTIVATIONS)}
+                     "gemma2": ("hidden_activation", ACTIVATIONS), GEMMA3: ("hidden_activation", ACTIVATIONS)}
+GEMMA3_PATTERN = 6  # transformers' sliding_window_pattern, where config.json gives neither it nor layer_types
 # LlamaConfig fields beyond the block options -> the families whose Hugging Face config can express them when on
 QWEN = ("qwen2", "qwen3")  # use_sliding_window: a window on the layers from max_window_layers on
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default, where config.json leaves it out
-FAMILY_FIELDS = {"final_softcap": ("gemma2",), "attn_softcap": ("gemma2",), "query_scale": ("gemma2",),
-                 "sliding_pattern": ("gemma2", *QWEN), "sliding_window": ("gemma2", *QWEN, *WINDOWED)}
+FAMILY_FIELDS = {"final_softcap": ("gemma2", GEMMA3), "attn_softcap": ("gemma2", GEMMA3),
+                 "query_scale": ("gemma2", GEMMA3), "sliding_pattern": ("gemma2", GEMMA3, *QWEN),
+                 "sliding_window": ("gemma2", GEMMA3, *QWEN, *WINDOWED, hf_qwen3_moe.MODEL_TYPE),
+                 "rope_local_theta": (GEMMA3,)}
 FIELD_OFF = {"sliding_pattern": 1}  # the others are off at None
 
 
@@ -57,6 +68,9 @@ def family_options(model_type: str) -> dict:
 def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     """The LlamaConfig of a Hugging Face Llama `config.json`; ValueError naming any field the model cannot represent."""
     model_type = hf.get("model_type", "llama")
+    if model_type == "gemma3":
+        raise ValueError("config.json: model_type='gemma3' (Gemma 3's multimodal model) is not supported; jaxpar "
+                         "takes its text model, model_type='gemma3_text' (Gemma3ForCausalLM)")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type={model_type!r} is not supported; only {sorted(FAMILIES)} are")
     for field in ("attention_bias", "mlp_bias"):
@@ -72,6 +86,8 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         extra = _gemma_fields(hf, model_type)
     elif model_type in QWEN:
         extra = _qwen_window(hf)
+    elif model_type == hf_qwen3_moe.MODEL_TYPE:  # transformers' window, when on, is on every layer
+        extra = _window_from_hf(hf, model_type) if hf.get("use_sliding_window") else {}
     else:
         extra = _window_from_hf(hf, model_type)
     if hf.get("pretraining_tp", 1) not in (None, 1):
@@ -81,7 +97,7 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
             raise ValueError(f"config.json: {field} is missing")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    rope = _rope_from_hf(hf)
+    rope = _gemma3_rope(hf, extra) if model_type == GEMMA3 else _rope_from_hf(hf)
     fields = dict(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim, d_ff=hf["intermediate_size"],
@@ -90,8 +106,8 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
         **options, **extra,
     )
-    if model_type == hf_mixtral.MODEL_TYPE:
-        return MoeLlamaConfig(**fields, **hf_mixtral.moe_fields_from_hf(hf))
+    if model_type in MOE:
+        return MoeLlamaConfig(**fields, **MOE[model_type][1].moe_fields_from_hf(hf))
     return LlamaConfig(**fields)
 
 
@@ -121,7 +137,7 @@ def _qwen_window(hf: dict) -> dict:
 
 def _window_from_hf(hf: dict, model_type: str) -> dict:
     """Mistral's and Mixtral's `sliding_window` (null: full causal attention) on every layer; Llama's has none."""
-    if model_type not in WINDOWED or hf.get("sliding_window") is None:
+    if model_type not in (*WINDOWED, hf_qwen3_moe.MODEL_TYPE) or hf.get("sliding_window") is None:
         return {}
     return {"sliding_window": int(hf["sliding_window"]), "sliding_pattern": 1}
 
@@ -134,7 +150,12 @@ def _gemma_fields(hf: dict, model_type: str) -> dict:
         return {}
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     scalar = hf.get("query_pre_attn_scalar", 256)
-    final, attn = hf.get("final_logit_softcapping", 30.0), hf.get("attn_logit_softcapping", 50.0)
+    caps = (30.0, 50.0) if model_type == "gemma2" else (None, None)  # Gemma 3's q/k norms replace the soft caps
+    final, attn = hf.get("final_logit_softcapping", caps[0]), hf.get("attn_logit_softcapping", caps[1])
+    if model_type == GEMMA3 and not hf.get("layer_types"):  # a Hub config of before layer_types
+        every = hf.get("sliding_window_pattern", GEMMA3_PATTERN)
+        hf = {**hf, "layer_types": ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                    for i in range(hf["num_hidden_layers"])]}
     return {"final_softcap": None if final is None else float(final),
             "attn_softcap": None if attn is None else float(attn),
             "query_scale": None if scalar == head_dim else float(scalar) ** -0.5, **_sliding_pattern(hf)}
@@ -159,25 +180,27 @@ def _sliding_pattern(hf: dict) -> dict:
         raise ValueError(f"config.json: sliding_window={window!r} with sliding_attention layers: expected an int >= 1")
     period = types.index("full_attention") + 1 if "full_attention" in types else 1
     expected = ["full_attention" if period > 1 and (i + 1) % period == 0 else "sliding_attention" for i in range(n)]
-    if types != expected or n % period:
+    if types != expected:
         raise ValueError(f"config.json: layer_types {types} are not supported: jaxpar's local layers repeat with a "
-                         f"period P dividing num_hidden_layers={n}, layer i global iff (i + 1) % P == 0")
+                         f"period P, layer i global iff (i + 1) % P == 0")
     return {"sliding_window": window, "sliding_pattern": period}
 
 
 def family_of(cfg: LlamaConfig) -> str:
     """The Hugging Face model_type whose block `cfg`'s options describe (a Llama block with a window on every layer:
-    Mistral's; with experts: Mixtral's)."""
-    matches = [name for name in FAMILIES if name not in WINDOWED
+    Mistral's; with experts: Mixtral's, a Qwen3 block with experts: Qwen3-MoE's)."""
+    matches = [name for name in FAMILIES if name not in WINDOWED and name not in MOE
                and all(getattr(cfg, option) == value for option, value in family_options(name).items())]
     if not matches:
         options = ", ".join(f"{option}={getattr(cfg, option)!r}" for option in family_options("gemma"))
         raise ValueError(f"no Hugging Face family has the block options {options}")
     family = matches[0]
     if hf_mixtral.is_moe(cfg):
-        if family != "llama":
-            raise ValueError(f"no Hugging Face family has experts on a {family} block (Mixtral's are Llama blocks)")
-        family = hf_mixtral.MODEL_TYPE
+        moe = [name for name, (dense, _) in MOE.items() if dense == family]
+        if not moe:
+            raise ValueError(f"no Hugging Face family has experts on a {family} block (Mixtral's are Llama blocks, "
+                             "Qwen3-MoE's Qwen3 blocks)")
+        family = moe[0]
     elif family == "llama" and cfg.sliding_window is not None and cfg.sliding_pattern == 1:
         family = "mistral"  # a windowless Mistral is a Llama
     for field, families in FAMILY_FIELDS.items():
@@ -198,14 +221,43 @@ def _rope_from_hf(hf: dict) -> dict:
     theta = merged.get("rope_theta", hf.get("rope_theta", 10000.0))
     if kind == "default":
         return {"rope_theta": float(theta)}
+    if kind == "linear":
+        return {"rope_theta": float(theta), "rope_type": "linear", "rope_factor": float(merged["factor"])}
     if kind != "llama3":
-        raise ValueError(f"config.json: {field}.rope_type={kind!r} is not supported; only 'default' and 'llama3' are")
+        raise ValueError(f"config.json: {field}.rope_type={kind!r} is not supported; only 'default', 'linear' and "
+                         "'llama3' are")
     return {
         "rope_theta": float(theta), "rope_type": "llama3", "rope_factor": float(merged["factor"]),
         "rope_low_freq_factor": float(merged["low_freq_factor"]),
         "rope_high_freq_factor": float(merged["high_freq_factor"]),
         "rope_original_max_position": int(merged["original_max_position_embeddings"]),
     }
+
+
+def _gemma3_rope(hf: dict, attention: dict) -> dict:
+    """Gemma 3's rotary fields: the global layers' base and scaling, and the local layers' own base.
+
+    transformers 5 keeps them per layer type in `rope_parameters` ({"full_attention": ..., "sliding_attention":
+    ...}); 4 in `rope_theta`, `rope_scaling` (the global layers') and `rope_local_base_freq`. Where every layer
+    is local (or global), the model has one rotation: that layer type's.
+    """
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1e6)}
+        local = {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+    full.setdefault("rope_theta", 1e6)
+    local.setdefault("rope_theta", 1e4)
+    kind = local.get("rope_type", local.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"config.json: rope_parameters.sliding_attention.rope_type={kind!r} is not supported: "
+                         "jaxpar's local layers rotate unscaled ('default')")
+    if "sliding_window" not in attention:  # no local layer
+        return _rope_from_hf({"rope_parameters": full})
+    if attention["sliding_pattern"] == 1:  # no global layer
+        return {"rope_theta": float(local["rope_theta"])}
+    return {**_rope_from_hf({"rope_parameters": full}), "rope_local_theta": float(local["rope_theta"])}
 
 
 def config_to_hf(cfg: LlamaConfig, dtype: str = "float32", source: dict | None = None) -> dict:
@@ -230,11 +282,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32", source: dict | None =
 def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
     """Every field of `config_to_hf` for `cfg` alone."""
     family = family_of(cfg)
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if cfg.rope_type == "llama3":
-        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
-                    high_freq_factor=cfg.rope_high_freq_factor,
-                    original_max_position_embeddings=cfg.rope_original_max_position)
+    rope = _rope_to_hf(cfg)
     return {
         "architectures": [ARCHITECTURES[family]], "model_type": family, "vocab_size": cfg.vocab,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -247,9 +295,22 @@ def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
         "pretraining_tp": 1, "torch_dtype": dtype, "dtype": dtype,
         **(_qwen_window_to_hf(cfg) if family in QWEN else {}),
         **({"sliding_window": cfg.sliding_window} if family in WINDOWED else {}),
-        **(hf_mixtral.moe_fields_to_hf(cfg) if family == hf_mixtral.MODEL_TYPE else {}),
+        **(MOE[family][1].moe_fields_to_hf(cfg) if family in MOE else {}),
+        **(_qwen3_moe_window_to_hf(cfg) if family == hf_qwen3_moe.MODEL_TYPE else {}),
         **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }
+
+
+def _rope_to_hf(cfg: LlamaConfig) -> dict:
+    """The (global layers') rotation as a Hugging Face rope_parameters table."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_type == "linear":
+        rope.update(rope_type="linear", factor=cfg.rope_factor)
+    if cfg.rope_type == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_position)
+    return rope
 
 
 def _qwen_window_to_hf(cfg: LlamaConfig) -> dict:
@@ -261,10 +322,20 @@ def _qwen_window_to_hf(cfg: LlamaConfig) -> dict:
             **({"max_window_layers": 0} if cfg.sliding_pattern == 1 else {})}
 
 
+def _qwen3_moe_window_to_hf(cfg: LlamaConfig) -> dict:
+    """Qwen3-MoE's window fields: off, or on every layer."""
+    return {"use_sliding_window": cfg.sliding_window is not None, "sliding_window": cfg.sliding_window}
+
+
 def _gemma_to_hf(cfg: LlamaConfig, family: str) -> dict:
     """A Gemma config's own fields: its activation field, and Gemma 2's scaling, soft-capping and layer types."""
     fields = {"hidden_act": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
-    if family == "gemma2":
+    if family == GEMMA3:  # the rotations per layer type (transformers 5's form, and 4's fields beside)
+        local = cfg.rope_theta if cfg.rope_local_theta is None else cfg.rope_local_theta
+        fields.update(rope_parameters={"full_attention": _rope_to_hf(cfg),
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+                      rope_local_base_freq=local, use_bidirectional_attention=False)
+    if family in ("gemma2", GEMMA3):
         scalar = cfg.head_dim if cfg.query_scale is None else round(cfg.query_scale ** -2, 6)
         scalar = int(scalar) if float(scalar).is_integer() else scalar
         types = ["full_attention" if layer_window(cfg, i) is None else "sliding_attention" for i in range(cfg.n_layers)]

@@ -9,7 +9,7 @@ output, so its pre-MLP norm (jaxpar's `mlp_norm`) is `pre_feedforward_layernorm`
 
 from __future__ import annotations
 
-from jaxpar.interop import hf_mixtral
+from jaxpar.interop import hf_mixtral, hf_qwen3_moe
 from jaxpar.models.llama import LlamaConfig
 
 # jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
@@ -41,13 +41,18 @@ TOP_PARAMS = {
 }
 
 
+def moe_family(cfg: LlamaConfig):
+    """The Hugging Face MoE family module of an MoE config: Qwen3-MoE's with q/k norms, Mixtral's without."""
+    return hf_qwen3_moe if cfg.qk_norm else hf_mixtral
+
+
 def layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
     """LAYER_PARAMS plus (or renamed by) the block parameters of the options `cfg` turns on (an MoE's experts for
     its MLP)."""
     extra = [params for option, params in FAMILY_PARAMS.items() if getattr(cfg, option)]
     params = {**LAYER_PARAMS, **{k: v for params in extra for k, v in params.items()}}
     if hf_mixtral.is_moe(cfg):
-        params = {k: v for k, v in params.items() if k not in hf_mixtral.DENSE_MLP} | hf_mixtral.LAYER_PARAMS
+        params = {k: v for k, v in params.items() if k not in hf_mixtral.DENSE_MLP} | moe_family(cfg).LAYER_PARAMS
     return params
 
 
@@ -94,7 +99,7 @@ def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if cfg.post_norms:
         layer.update({"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)})
     if hf_mixtral.is_moe(cfg):
-        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | hf_mixtral.expected_layer_shapes(cfg)
+        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | moe_family(cfg).expected_layer_shapes(cfg)
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)

@@ -69,14 +69,14 @@ def moe_fields_to_hf(cfg: MoeLlamaConfig) -> dict:
             "output_router_logits": False, "router_aux_loss_coef": cfg.load_balance_coef, "router_jitter_noise": 0.0}
 
 
-def expected_layer_shapes(cfg: MoeLlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The Hugging Face shapes of one block's router and experts."""
+def expected_layer_shapes(cfg: MoeLlamaConfig, names: dict = LAYER_PARAMS) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face shapes of one block's router and experts, named as `names` (Mixtral's by default)."""
     d, e, f = cfg.d_model, cfg.n_experts, cfg.expert_d_ff
-    shapes = {LAYER_PARAMS["router"][0]: (e, d)}
+    shapes = {names["router"][0]: (e, d)}
     for j in range(e):
-        shapes.update({LAYER_PARAMS["expert_gate"][0].format(expert=j): (f, d),
-                       LAYER_PARAMS["expert_up"][0].format(expert=j): (f, d),
-                       LAYER_PARAMS["expert_down"][0].format(expert=j): (d, f)})
+        shapes.update({names["expert_gate"][0].format(expert=j): (f, d),
+                       names["expert_up"][0].format(expert=j): (f, d),
+                       names["expert_down"][0].format(expert=j): (d, f)})
     return shapes
 
 

@@ -65,8 +65,10 @@ class Model:
 
     @property
     def pipeline_units(self) -> int:
-        """What each pipeline chunk must hold a whole number of: scan_depth's entries in whole attention patterns."""
-        return self.scan_depth // self.layer_pattern
+        """What each pipeline chunk must hold a whole number of: scan_depth's entries in whole attention patterns
+        (one unit when local layers follow the last whole pattern, as Gemma 3's: no pipeline cuts those layers)."""
+        units, left = divmod(self.scan_depth, self.layer_pattern)
+        return 1 if left else units
 
     @functools.cached_property
     def separate_head(self) -> bool:
