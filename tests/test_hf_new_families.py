@@ -153,7 +153,7 @@ def test_import_train_export_round_trip(trained, tmp_path):
     """import-hf -> 2 steps -> export: step 1's loss is transformers', the export reloads strictly with the trained
     logits and every field of the source config.json."""
     from jaxpar.train.checkpoint import Checkpoints
-    from jaxpar.train.data import Batches, default_corpus
+    from jaxpar.data.tokens import Batches, default_corpus
 
     family, reference, directory, run, rows = trained
     batch = Batches(default_corpus(), 8, 16, 0)[0]  # batch 0 of the run
