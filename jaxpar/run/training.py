@@ -22,7 +22,7 @@ import optax
 from jaxpar.core.plan import Plan
 from jaxpar.interop.tokenize import training_streams
 from jaxpar.models import layer_pattern, model_config, model_factory
-from jaxpar.parallel import offload
+from jaxpar.parallel import lora, offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.run.packed import packing_of
@@ -127,7 +127,7 @@ class Run:
             from jaxpar.interop.hf import initial_state
 
             return initial_state(self.config.init_from, self.model, self.optimizer, self.plan)
-        return init_state(self.make_model, self.optimizer, self.plan)[1]
+        return init_state(self.make_model, self.optimizer, self.plan, lora.trainable_for(self.plan))[1]
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         return data_lib.global_batch(self.batches, step, self.batch_sharding)
@@ -242,8 +242,8 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
         config = dataclasses.replace(config, model=name)  # what the run config saved with each checkpoint names
     mcfg = model_config(name, {**saved, "seq_len": config.seq_len, **config.model_overrides})
     plan.check_batch(config.batch_size)
-    make_model = model_factory(name, mcfg, config.seed)
-    model = describe(make_model)
+    make_model, trainable = lora.for_plan(model_factory(name, mcfg, config.seed), plan)  # --lora-rank's adapters
+    model = describe(make_model, trainable)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     layer_pattern.check_pipeline_chunks(mcfg, plan.shape["pipe"], plan.virtual_stages)  # Gemma 2's pairs
     by_documents = packing_of(config.data, config.packing) == "documents"
