@@ -15,11 +15,12 @@ from jaxpar.core.plan import Plan
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
 from jaxpar.parallel import lora
+from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import inspect
 from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import make_train_step
 
-RANK, ALPHA, STEPS = 4, 8.0, 3
+RANK, ALPHA, STEPS = 4, 8.0, 2
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
 OPTIMIZER = optax.sgd(0.5, momentum=0.9)  # linear in the gradients: Adam's first step from B = 0 is sign(g), noise on near-zero entries
 DATA = batches(batch_size=8, seq_len=16)
@@ -59,7 +60,9 @@ def run(family: str, mesh: str, **options):
     for i in range(STEPS):
         state, metrics = compiled(state, DATA[i])
         losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state), compiled, plan
+    state = jax.device_get(state)
+    state.params = to_natural_order(state.params, model.logical, plan)  # an interleaved plan holds its chunks' order
+    return np.array(losses), state, compiled, plan
 
 
 @functools.cache
@@ -74,8 +77,10 @@ def test_zero_b_gives_the_base_models_logits_bitwise():
         base, adapted = build("llama", adapters=False), build("llama")
     tokens = np.asarray(DATA[0]["inputs"])
     assert np.abs(np.asarray(adapted.blocks.wq_lora_a[...])).max() > 0  # A random, B zero
-    assert np.array_equal(np.asarray(lora.merged(adapted).logits(tokens)), np.asarray(base.logits(tokens)))
-    assert np.asarray(adapted(DATA[0])[0]) == np.asarray(base(DATA[0])[0])
+    logits = nnx.jit(lambda m, t: m.logits(t))
+    assert np.array_equal(np.asarray(logits(lora.merged(adapted), tokens)), np.asarray(logits(base, tokens)))
+    loss = nnx.jit(lambda m, b: m(b)[0])  # the training forward, adapters folded per layer in the scan
+    assert np.asarray(loss(adapted, DATA[0])) == np.asarray(loss(base, DATA[0]))
 
 
 MESHES = [
@@ -86,6 +91,17 @@ MESHES = [
     ("llama", "data=2,tensor=2,pipe=2", {"schedule": "1f1b", "microbatches": 2}),
     ("llama", "data=2,context=4", {}),
     ("mixtral", "data=4,expert=2", {}),
+    *(pytest.param(*cell, marks=pytest.mark.slow) for cell in [
+        ("llama", "data=8", {"zero": 1}),
+        ("llama", "data=8", {"zero": 2}),
+        ("llama", "replica=2,data=4", {"zero": 3}),
+        ("llama", "data=2,tensor=4", {"sequence_parallel": True}),
+        ("llama", "data=2,pipe=4", {"schedule": "gpipe", "microbatches": 4}),
+        ("llama", "data=4,pipe=2", {"schedule": "interleaved", "microbatches": 2, "virtual_stages": 2}),
+        ("llama", "data=4,pipe=2", {"schedule": "zb-h1", "microbatches": 2}),
+        ("llama", "data=2,context=4", {"context_form": "ring"}),
+        ("mixtral", "data=2,expert=2,tensor=2", {"zero": 3}),
+    ]),
 ]
 
 
@@ -131,6 +147,20 @@ def test_bad_targets_and_ranks_are_refused_in_one_line(targets, rank, message):
     assert "\n" not in str(error.value)
 
 
+def test_a_lora_table_is_the_plans_lora_options(tmp_path):
+    from jaxpar.cli import build_parser, resolve
+
+    config = tmp_path / "run.toml"
+    config.write_text('[lora]\nrank = 4\nalpha = 8\ntargets = ["q", "v", "down"]\n')
+    _, options, _ = resolve(build_parser().parse_args(["train", "--config", str(config), "--mesh", "data=8"]))
+    assert options == {"lora_rank": 4, "lora_alpha": 8, "lora_targets": ["q", "v", "down"]}
+    assert Plan.create("data=8", **options).lora_targets == ("q", "v", "down")
+    config.write_text('[plan]\nlora_rank = 4\n[lora]\nrank = 8\n')
+    with pytest.raises(ValueError, match=r"\[lora\] rank and \[plan\] lora_rank both set it"):
+        resolve(build_parser().parse_args(["train", "--config", str(config)]))
+
+
+@pytest.mark.slow
 def test_cli_trains_only_the_adapters_from_a_lora_table(tmp_path):
     """A [lora] table is the plan's lora_* options: the run trains the adapters, and its loss starts at the base's."""
     from jaxpar.cli import main
@@ -140,11 +170,11 @@ def test_cli_trains_only_the_adapters_from_a_lora_table(tmp_path):
     rows = {}
     for name, flags in (("lora", ["--config", str(config)]), ("base", ["--mesh", "data=8"])):
         metrics = tmp_path / f"{name}.jsonl"
-        assert main(["train", "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2",
+        assert main(["train", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2",
                      "--metrics", str(metrics), *flags]) == 0
         rows[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert rows["lora"][0]["loss"] == rows["base"][0]["loss"]  # B = 0: the first step's loss is the base model's
-    assert rows["lora"][1]["loss"] != rows["base"][1]["loss"]
+    assert rows["lora"][2]["loss"] != rows["base"][2]["loss"]  # step 1's learning rate is 0 (warm-up)
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -240,3 +270,19 @@ def test_a_users_own_flax_model_trains_its_adapters_only(mesh, options, kind):
     assert max_relative_error(final_adapters, ref.params) <= 1e-5
     assert max_relative_error(final_frozen, frozen) == 0.0
     assert ref.losses[-1] < ref.losses[0]
+
+
+def test_held_out_evaluation_reads_the_adapters():
+    """--eval-every's forward (the logits path, not the training loss) sees W + (alpha / r) A B."""
+    from jaxpar.run.evaluate import Evaluator
+
+    model, state = initial("llama")  # B random: the adapted model is not its base
+    inputs, targets = np.asarray(DATA[0]["inputs"]), np.asarray(DATA[0]["targets"])
+    windows = {"inputs": inputs, "targets": targets, "weights": np.ones(inputs.shape, np.float32)}
+    figures = Evaluator(model, single_device_plan(), windows, 8)(state.params)
+    adapters, frozen = reference_lora.split(state.params)
+    effective = reference_lora.effective(jax.tree.map(np.asarray, frozen), adapters, ALPHA / RANK)
+    expected_loss = float(reference_lora.reference.llama_loss(effective, DATA[0], TINY)[0])
+    base_loss = float(reference_lora.reference.llama_loss(reference_lora.effective(frozen, {}, 0.0), DATA[0], TINY)[0])
+    assert abs(figures["eval_loss"] / expected_loss - 1) <= 1e-5
+    assert abs(base_loss / expected_loss - 1) > 1e-3

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.parallel import lora
 from jaxpar.run.holdout import (MAX_BATCHES, HeldOut, held_out_batches, held_out_streams, split_documents,
                                 split_tokens)
 
@@ -64,7 +65,7 @@ class Evaluator:
         sharding = plan.sharding(plan.batch_spec(2))
 
         def loss_sum(params, batch):
-            module = model_def.merge(params)
+            module = lora.merged(model_def.merge(params))  # the logits forward reads W; LoRA's W + (alpha / r) A B
             losses = token_losses(module, batch["inputs"], batch["targets"], batch.get("positions"), batch.get("mask"),
                                   batch.get("segment_ids"))
             return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
