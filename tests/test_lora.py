@@ -286,3 +286,20 @@ def test_held_out_evaluation_reads_the_adapters():
     base_loss = float(reference_lora.reference.llama_loss(reference_lora.effective(frozen, {}, 0.0), DATA[0], TINY)[0])
     assert abs(figures["eval_loss"] / expected_loss - 1) <= 1e-5
     assert abs(base_loss / expected_loss - 1) > 1e-3
+
+
+def test_adapters_join_weights_read_from_elsewhere():
+    """--init-from with --lora-rank: the weights read are the frozen base, the adapters start as `apply` makes them."""
+    from jaxpar.train.state import describe, state_from_base
+
+    plan = Plan.create("data=8")
+    _, base = init_state(lambda: build("llama", adapters=False), OPTIMIZER, single_device_plan())
+    base = jax.tree.map(lambda x: np.asarray(x) + 1.0, base.params)  # weights no init of this model gives
+    model = describe(lambda: build("llama"), lora.TRAINABLE)
+    state = jax.device_get(state_from_base(base, lambda: build("llama"), model, OPTIMIZER, plan))
+    adapters, frozen = reference_lora.split(state.params)
+    made = jax.device_get(init_state(lambda: build("llama"), OPTIMIZER, plan, trainable=lora.TRAINABLE)[1].params)
+    fresh, _ = reference_lora.split(made)
+    assert max_relative_error(reference_lora.effective(frozen, {}, 0.0), base) == 0.0  # every weight read, unchanged
+    assert max_relative_error(adapters, fresh) == 0.0
+    assert sum(a.nbytes for a in jax.tree.leaves(state.opt_state)) == adapter_bytes(made)

@@ -35,7 +35,7 @@ from jaxpar.train.distributed import is_leader
 from jaxpar.train.prefetch import prefetched
 from jaxpar.train.sources import TOKEN_SUFFIXES, parse_sources
 from jaxpar.train.preemption import Preemption
-from jaxpar.train.state import ModelDef, TrainState, describe, init_state
+from jaxpar.train.state import ModelDef, TrainState, describe, init_state, state_from_base
 from jaxpar.train.step import Step, make_train_step
 
 DATA_WORKERS = 1  # threads reading the next batches while the step runs (benchmarks/data.py measures 0, 1, 2)
@@ -123,6 +123,12 @@ class Run:
         return self.plan.sharding(self.plan.batch_spec(2))
 
     def init(self) -> TrainState:
+        if self.config.init_from and self.plan.lora_rank:  # the weights read are the base; adapters added here
+            from jaxpar.interop.hf import load_params
+
+            base = describe(model_factory(self.config.model, self.model_config, self.config.seed))
+            return state_from_base(load_params(self.config.init_from, base, self.plan), self.make_model, self.model,
+                                   self.optimizer, self.plan)
         if self.config.init_from:
             from jaxpar.interop.hf import initial_state
 

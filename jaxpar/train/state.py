@@ -249,6 +249,19 @@ def state_from_params(params, model: ModelDef, optimizer, plan: Plan) -> TrainSt
     return jax.jit(build, out_shardings=state_shardings(model, optimizer, plan))(params)
 
 
+def state_from_base(base_params, make_model: Callable[[], nnx.Module], model: ModelDef, optimizer,
+                    plan: Plan) -> TrainState:
+    """Step 0 from given weights (natural order) of a model that `make_model` adds parameters to (LoRA adapters):
+    the given ones as they are, the added ones as `make_model` initialises them (the rest of its init is unused,
+    so XLA drops it)."""
+    def build(base):
+        with nnx.use_eager_sharding(False):
+            _, params, _ = _split(make_model())
+        return _initial_state(_replace(params, base), {}, model, optimizer, plan)
+
+    return jax.jit(build, out_shardings=state_shardings(model, optimizer, plan))(base_params)
+
+
 def _initial_state(params, variables, model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """Step 0 from the model's parameters (natural order), in `plan`'s layer order and parameter dtype (fp32 but
     under bf16-params, and bf16/fp16 under ZeRO-1, whose fp32 master the optimizer state holds)."""
