@@ -1,5 +1,6 @@
 """LoRA: adapters start the model at its base, train like a plain-JAX LoRA on every strategy, and sum only themselves."""
 
+import dataclasses
 import functools
 import json
 
@@ -10,7 +11,7 @@ import pytest
 from flax import nnx
 
 import reference_lora
-from helpers import TINY, batches, copy_state, max_relative_error, single_device_plan
+from helpers import TINY, batches, copy_state, max_relative_error, sharded_lookup_bytes, single_device_plan
 from jaxpar.core.plan import Plan
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
@@ -303,3 +304,14 @@ def test_adapters_join_weights_read_from_elsewhere():
     assert max_relative_error(reference_lora.effective(frozen, {}, 0.0), base) == 0.0  # every weight read, unchanged
     assert max_relative_error(adapters, fresh) == 0.0
     assert sum(a.nbytes for a in jax.tree.leaves(state.opt_state)) == adapter_bytes(made)
+
+
+def test_zero3_reduce_scatters_only_the_adapters_and_gathers_the_base_for_forward_and_backward():
+    _, final, compiled, plan = run("llama", "data=8", zero=3)
+    rows = {row["kind"]: row for row in inspect.collectives(compiled, plan.mesh)}
+    lookup = sharded_lookup_bytes(dataclasses.replace(TINY, seq_len=DATA.seq_len), DATA.batch_size)["rows"]
+    assert lookup > 0  # the frozen table's lookup: its rows reduce-scattered forward (no gradient comes back)
+    assert rows["reduce-scatter"]["bytes"] == adapter_bytes(final.params) + lookup
+    frozen_layers = sum(a.nbytes for k, a in reference_lora.split(final.params)[1]["blocks"].items()
+                        if not k.endswith("_lora_scale"))
+    assert rows["all-gather"]["bytes"] >= 2 * frozen_layers  # each layer's base gathered for the forward and again
