@@ -279,22 +279,26 @@ def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> Tr
     other layout (fp32 params held once, or ZeRO-1's 2-byte params beside an fp32 master) is converted to
     `plan`'s: its fp32 values are what carry over (see jaxpar.train.precision).
     """
-    state = _relayout(state, precision.for_plan(optimizer, plan))
+    state = _relayout(state, precision.for_plan(optimizer, plan), model)
     state = layer_order.state_to_pipeline_order(state, model.logical, optimizer, plan, model.trained(model.logical))
     return jax.device_put(state, state_shardings(model, optimizer, plan))
 
 
-def _relayout(state: TrainState, optimizer: precision.Optimizer) -> TrainState:
+def _relayout(state: TrainState, optimizer: precision.Optimizer, model: ModelDef) -> TrainState:
+    """`state` in `optimizer`'s layout: ZeRO-1's 2-byte params beside an fp32 master (of the trained parameters:
+    frozen ones are held 2-byte only), or fp32 params held once."""
     held = isinstance(state.opt_state, precision.MasterState)
     if optimizer.master and not held:
         scaled = isinstance(state.opt_state, precision.ScaledState)
         inner, scale = (state.opt_state.inner, state.opt_state.loss_scale) if scaled else (state.opt_state, None)
         return dataclasses.replace(state, params=optimizer.cast(state.params),
-                                   opt_state=precision.MasterState(state.params, inner, scale))
+                                   opt_state=precision.MasterState(model.trained(state.params), inner, scale))
     if held and not optimizer.master:
         opt = state.opt_state
         inner = opt.inner if opt.loss_scale is None else precision.ScaledState(opt.inner, opt.loss_scale)
-        return dataclasses.replace(state, params=opt.master, opt_state=inner)
+        widened = jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                               state.params)
+        return dataclasses.replace(state, params=model.with_trained(widened, opt.master), opt_state=inner)
     return state
 
 
