@@ -43,7 +43,8 @@ TRAIN_FLAGS = {
     "skip_bad_records": (bool, "train without a document source's bad records (malformed JSON, missing fields, unknown "
                                "chat roles) instead of refusing it; start-up says how many are left out"),
 }
-CONFIG_TABLES = ("model", "train", "mesh", "plan")
+CONFIG_TABLES = ("model", "train", "mesh", "plan", "lora")
+LORA_KEYS = ("rank", "alpha", "targets", "dropout")  # a [lora] table's keys: the plan's lora_rank, lora_alpha, ...
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
 
 
@@ -54,7 +55,8 @@ def _plan_fields():
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="TOML file with [model], [train], [mesh] and [plan] tables; flags override it")
+    parser.add_argument("--config", help="TOML file with [model], [train], [mesh], [plan] and [lora] tables; flags "
+                                         "override it")
     parser.add_argument("--mesh", help="axis sizes (data=4,tensor=2; one may be -1), a .toml file, or a preset name in meshes/")
     parser.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose when no accelerator is used (default 8)")
     parser.add_argument("--gpu-flags", default="auto", choices=("auto", "none"),
@@ -213,7 +215,7 @@ def resolve(args: argparse.Namespace):
         import jax
 
         mesh, options = parse_mesh(DEFAULT_MESH if jax.device_count() == 8 else None)
-    options = {**options, **table.get("plan", {})}
+    options = {**options, **table.get("plan", {}), **_lora_options(table, args.config)}
     for field in _plan_fields():
         if field.name in table.get("plan", {}) and field.default is not None:
             value, kind = table["plan"][field.name], type(field.default)
@@ -223,6 +225,24 @@ def resolve(args: argparse.Namespace):
         if getattr(args, field.name) is not None:
             options[field.name] = getattr(args, field.name)
     return config, options, mesh
+
+
+def _lora_options(table: dict, path: str | None) -> dict:
+    """A [lora] table's keys (rank, alpha, targets, dropout) as the plan's lora_* options, type-checked."""
+    lora = table.get("lora", {})
+    unknown = set(lora) - set(LORA_KEYS)
+    if unknown:
+        raise ValueError(f"{path}: unknown [lora] keys {sorted(unknown)}; allowed: {', '.join(LORA_KEYS)}")
+    twice = [k for k in lora if f"lora_{k}" in table.get("plan", {})]
+    if twice:
+        raise ValueError(f"{path}: [lora] {twice[0]} and [plan] lora_{twice[0]} both set it; give one")
+    kinds = {"rank": int, "alpha": float, "dropout": float}
+    for key, value in lora.items():
+        if key == "targets":
+            _check_type(value, list if isinstance(value, list) else str, f"{path}: [lora] targets")
+        else:
+            _check_type(value, kinds[key], f"{path}: [lora] {key}")
+    return {f"lora_{k}": v for k, v in lora.items()}
 
 
 def _set_host_devices(count: int | None) -> None:

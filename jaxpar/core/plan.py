@@ -62,6 +62,8 @@ class Plan:
         microbatches=0 means one per pipeline stage (`pipeline_microbatches`).
     offload: `optimizer` keeps the optimizer state (and any fp32 master copy) in
         host memory between steps (jaxpar.parallel.offload).
+    lora_rank, lora_alpha, lora_targets, lora_dropout: LoRA adapters the run puts on the model's weights
+        (jaxpar.parallel.lora); only they train.
     """
 
     mesh: Mesh
@@ -113,6 +115,19 @@ class Plan:
     offload: str = dataclasses.field(
         default="none", metadata={"help": "keep in host memory between steps: none or optimizer (ZeRO-Offload)"}
     )
+    lora_rank: int = dataclasses.field(
+        default=0, metadata={"help": "train LoRA adapters of this rank beside frozen weights (0: train every weight)"}
+    )
+    lora_alpha: float = dataclasses.field(
+        default=0.0, metadata={"help": "LoRA scale numerator: W + (alpha / rank) A B (0: alpha = rank)"}
+    )
+    lora_targets: tuple[str, ...] = dataclasses.field(
+        default=("q", "k", "v", "o"),
+        metadata={"help": "the weights LoRA adapts: q, k, v, o, gate, up, down (each expert's too), or path patterns"},
+    )
+    lora_dropout: float = dataclasses.field(
+        default=0.0, metadata={"help": "dropout on the LoRA branch's input (not yet supported: 0 only)"}
+    )
 
     def __post_init__(self):
         if self.zero not in (0, 1, 2, 3):
@@ -137,6 +152,7 @@ class Plan:
             raise ValueError(f"the plan's mesh has axes {self.mesh.axis_names}, not jaxpar's {AXES}: build it with "
                              f"Plan.create (axis_names= maps a user's axis names)")
         object.__setattr__(self, "zero_axes", self._checked_zero_axes())
+        self._check_lora()
         order = nesting_order(self.mesh, manual_axes(mesh_shape(self.mesh), self.tensor_form)).axis_names
         if tuple(self.mesh.axis_names) != tuple(order):
             raise ValueError(f"the plan's mesh axes {self.mesh.axis_names} must nest as {order} (jaxpar.core.mesh); "
@@ -165,6 +181,22 @@ class Plan:
                 "tensor all-reduce while those batch axes are left to the compiler; use precision='fp32', "
                 "tensor_form='annotation', or give those devices to data"
             )
+
+    def _check_lora(self) -> None:
+        """The LoRA options on their own (which weights the model has is checked where adapters are put on)."""
+        targets = self.lora_targets
+        targets = tuple(t.strip() for t in targets.split(",")) if isinstance(targets, str) else tuple(targets)
+        object.__setattr__(self, "lora_targets", targets)
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be an integer >= 0 (0: no adapters), got {self.lora_rank!r}")
+        if not targets or not all(targets):
+            raise ValueError(f"lora_targets must name at least one weight (q, k, v, o, gate, up, down), got "
+                             f"{self.lora_targets!r}")
+        if self.lora_dropout != 0.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout}: dropout on the LoRA branch is not yet supported; "
+                             "use 0")
+        if self.lora_rank == 0 and (self.lora_alpha or targets != ("q", "k", "v", "o")):
+            raise ValueError("lora_alpha / lora_targets are set but lora_rank is 0 (no adapters): set lora_rank")
 
     def _checked_zero_axes(self) -> tuple[str, ...]:
         """`zero_axes` as a tuple in mesh order, every entry a batch axis that ZeRO can shard over."""

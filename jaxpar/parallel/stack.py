@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxpar.core import options, usage, zero_layout
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import zero
+from jaxpar.parallel import lora, zero
 
 # What a block keeps for its backward pass: everything, nothing (recompute the
 # whole block), or the outputs of its weight matmuls (recompute attention and
@@ -68,7 +68,9 @@ def scan_layers(block: Callable, stacked: Any, x: Any, *, remat: Callable | None
     `block` returns the new x, or (x, aux); then `scan_layers` returns (x, aux
     stacked along a leading layer axis). `remat` overrides the plan's policy.
     Parameters the step holds sharded over `data` (ZeRO-2/3) are gathered one
-    layer at a time; any other tree of stacked arrays runs as it is.
+    layer at a time; any other tree of stacked arrays runs as it is. A weight
+    with LoRA adapters reaches the block as W + (alpha / r) A B, formed per layer
+    after the gather (`jaxpar.parallel.lora.fold`).
     """
     usage.mark(usage.STACK)
     remat = remat_wrapper(active_plan()) if remat is None else remat
@@ -76,7 +78,7 @@ def scan_layers(block: Callable, stacked: Any, x: Any, *, remat: Callable | None
     returns_aux = []
 
     def body(h, p):
-        out = block(zero.gather_layer(p, entries), h)
+        out = block(lora.fold(zero.gather_layer(p, entries)), h)
         returns_aux.append(isinstance(out, tuple))
         return out if isinstance(out, tuple) else (out, None)
 
@@ -111,7 +113,8 @@ class Stack(nnx.Module):
         graphdef, params, streams, variables = nnx.split(self.layers, nnx.Param, nnx.RngState, ...)
 
         def block(layer: dict, h):
-            module = nnx.merge(graphdef, layer["params"], layer["streams"], layer["variables"])
+            module = nnx.merge(graphdef, lora.refill(layer["params"], stacked["params"]), layer["streams"],
+                               layer["variables"])
             out = module(h, *args, **kwargs)
             y, aux = out if isinstance(out, tuple) else (out, None)
             return y, (aux, nnx.to_pure_dict(nnx.state(module, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))))

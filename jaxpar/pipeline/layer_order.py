@@ -51,23 +51,26 @@ def to_natural_order(tree, logical, plan):
     return _reordered(tree, logical, plan, to_natural=True)
 
 
-def state_to_pipeline_order(state, logical, optimizer, plan):
-    """A train state in natural order (parameters and optimizer state) in `plan`'s order."""
-    return _state_reordered(state, logical, optimizer, plan, to_natural=False)
+def state_to_pipeline_order(state, logical, optimizer, plan, optimized=None):
+    """A train state in natural order (parameters and optimizer state) in `plan`'s order.
+
+    `optimized`: the logical names of the parameters the optimizer updates (default `logical`: all of them).
+    """
+    return _state_reordered(state, logical, optimizer, plan, False, optimized)
 
 
-def state_to_natural_order(state, logical, optimizer, plan):
+def state_to_natural_order(state, logical, optimizer, plan, optimized=None):
     """A train state held in `plan`'s order in natural layer order (what checkpoints hold)."""
-    return _state_reordered(state, logical, optimizer, plan, to_natural=True)
+    return _state_reordered(state, logical, optimizer, plan, True, optimized)
 
 
-def _state_reordered(state, logical, optimizer, plan, to_natural: bool):
+def _state_reordered(state, logical, optimizer, plan, to_natural: bool, optimized=None):
     """Parameters and every optimizer leaf that mirrors one, matched as `Plan.optimizer_specs` matches them."""
     if not reorders(plan):
         return state
     one = _reorder_leaf(plan, to_natural)
-    opt_state = optax.tree_map_params(options.wrapped_optimizer(optimizer, plan), one, state.opt_state, logical,
-                                      is_leaf=is_logical)
+    opt_state = optax.tree_map_params(options.wrapped_optimizer(optimizer, plan), one, state.opt_state,
+                                      logical if optimized is None else optimized, is_leaf=is_logical)
     return dataclasses.replace(state, params=_reordered(state.params, logical, plan, to_natural), opt_state=opt_state)
 
 

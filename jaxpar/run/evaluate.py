@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxpar.data.holdout import MAX_BATCHES, HeldOut, held_out_batches
 from jaxpar.data.stream import DataSpec, held_out
+from jaxpar.parallel import lora
 
 
 def check_evaluable(model_name: str, cfg) -> None:
@@ -53,7 +54,7 @@ class Evaluator:
         sharding = plan.sharding(plan.batch_spec(2))
 
         def loss_sum(params, batch):
-            module = model_def.merge(params)
+            module = lora.merged(model_def.merge(params))  # the logits forward reads W; LoRA's W + (alpha / r) A B
             losses = token_losses(module, batch["inputs"], batch["targets"], batch.get("positions"), batch.get("mask"),
                                   batch.get("segment_ids"))
             return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])

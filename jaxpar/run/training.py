@@ -21,14 +21,14 @@ import optax
 from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.models import layer_pattern, model_config, model_factory
-from jaxpar.parallel import offload
+from jaxpar.parallel import lora, offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
 from jaxpar.train.distributed import heartbeat, is_leader
 from jaxpar.train.preemption import Preemption
-from jaxpar.train.state import ModelDef, TrainState, describe, init_state
+from jaxpar.train.state import ModelDef, TrainState, describe, init_state, state_from_base
 from jaxpar.train.step import Step, make_train_step
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
@@ -128,11 +128,17 @@ class Run:
         return self.data.sharding
 
     def init(self) -> TrainState:
+        if self.config.init_from and self.plan.lora_rank:  # the weights read are the base; adapters added here
+            from jaxpar.interop.hf import load_params
+
+            base = describe(model_factory(self.config.model, self.model_config, self.config.seed))
+            return state_from_base(load_params(self.config.init_from, base, self.plan), self.make_model, self.model,
+                                   self.optimizer, self.plan)
         if self.config.init_from:
             from jaxpar.interop.hf import initial_state
 
             return initial_state(self.config.init_from, self.model, self.optimizer, self.plan)
-        return init_state(self.make_model, self.optimizer, self.plan)[1]
+        return init_state(self.make_model, self.optimizer, self.plan, lora.trainable_for(self.plan))[1]
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         return self.data.batch(step)
@@ -192,8 +198,8 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
         config = dataclasses.replace(config, model=name)  # what the run config saved with each checkpoint names
     mcfg = model_config(name, {**saved, "seq_len": config.seq_len, **config.model_overrides})
     plan.check_batch(config.batch_size)
-    make_model = model_factory(name, mcfg, config.seed)
-    model = describe(make_model)
+    make_model, trainable = lora.for_plan(model_factory(name, mcfg, config.seed), plan)  # --lora-rank's adapters
+    model = describe(make_model, trainable)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     layer_pattern.check_pipeline_chunks(mcfg, plan.shape["pipe"], plan.virtual_stages)  # Gemma 2's pairs
     if config.eval_every:

@@ -308,7 +308,8 @@ class Checkpoints:
         if key not in self._reorders:
             reorder = layer_order.state_to_natural_order if to_natural else layer_order.state_to_pipeline_order
             # the objects ride along so that their ids are not reused while the entry lives
-            self._reorders[key] = (lambda s: reorder(s, model.logical, optimizer, plan), {}, (model, optimizer, plan))
+            self._reorders[key] = (lambda s: reorder(s, model.logical, optimizer, plan, model.trained(model.logical)), {},
+                                   (model, optimizer, plan))
         convert, compiled, _ = self._reorders[key]
         return _where_they_lie(convert, state, compiled)
 

@@ -64,13 +64,31 @@ class ModelDef:
     """The static half of a split NNX model: how to rebuild it, and the logical names of its arrays.
 
     logical: the parameters (tree of LogicalArray); variables: the other
-    variables (same form); streams: its RNG streams (None: it has none).
+    variables (same form); streams: its RNG streams (None: it has none);
+    trainable: per parameter, whether the optimizer updates it (same tree of
+    bools; None: all do). A frozen parameter (a LoRA base weight) gets no
+    gradient, no optimizer state and no gradient sum.
     """
 
     graphdef: nnx.GraphDef
     logical: Any
     variables: Any = dataclasses.field(default_factory=dict)
     streams: Streams | None = None
+    trainable: Any = None
+
+    def trained(self, tree) -> Any:
+        """The part of a tree shaped like the parameters (arrays, specs, names) that the optimizer updates."""
+        return tree if self.trainable is None else _select(tree, self.trainable)
+
+    def with_trained(self, tree, part) -> Any:
+        """`tree` (shaped like the parameters) with its trained part replaced by `part`."""
+        return part if self.trainable is None else _replace(tree, part)
+
+    def frozen_false(self, part) -> Any:
+        """A per-parameter tree of flags from one over the trained part, False for every frozen parameter."""
+        if self.trainable is None:
+            return part
+        return _replace(jax.tree.map(lambda _: False, self.trainable), part)
 
     @property
     def stateful(self) -> bool:
@@ -102,6 +120,29 @@ class ModelDef:
         return sum(a.nbytes for a in jax.tree.leaves(self.logical, is_leaf=is_logical))
 
 
+def _select(tree, mask):
+    if not isinstance(mask, dict):
+        return tree
+    return {k: _select(tree[k], m) for k, m in mask.items() if any(jax.tree.leaves(m))}
+
+
+def _replace(tree, part):
+    if not isinstance(part, dict):
+        return part
+    return {k: _replace(v, part[k]) if k in part else v for k, v in tree.items()}
+
+
+def _trainable_mask(abstract: nnx.Module, trainable) -> Any:
+    """Per parameter whether `trainable` (an nnx filter) selects it; None when it selects all."""
+    params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+    chosen = {p for p, _ in jax.tree_util.tree_flatten_with_path(
+        nnx.to_pure_dict(nnx.state(abstract, nnx.All(nnx.Param, trainable))))[0]}
+    if not chosen:
+        raise ValueError(f"the trainable filter {trainable!r} selects none of the model's parameters")
+    mask = jax.tree_util.tree_map_with_path(lambda p, _: p in chosen, params)
+    return None if all(jax.tree.leaves(mask)) else mask
+
+
 def _keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
@@ -126,17 +167,19 @@ def _logical(state: nnx.State) -> Any:
     return nnx.to_pure_dict(jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def describe(make_model: Callable[[], nnx.Module]) -> ModelDef:
+def describe(make_model: Callable[[], nnx.Module], trainable=nnx.Param) -> ModelDef:
     """Trace the model's construction abstractly: its graph and logical names, no memory used.
 
     A model with RNG streams is also built once for real, its parameters
-    left out, to read the keys it was seeded with.
+    left out, to read the keys it was seeded with. `trainable`: the nnx filter
+    of the parameters the optimizer updates (`jaxpar.lora.apply` returns the
+    adapters'); the others are frozen.
     """
     with nnx.use_eager_sharding(False):
         abstract = nnx.eval_shape(make_model)
     graphdef, params, rngs, variables = nnx.split(abstract, *GROUPS)
     streams = _streams(make_model) if jax.tree.leaves(rngs) else None
-    return ModelDef(graphdef, _logical(params), _logical(variables), streams)
+    return ModelDef(graphdef, _logical(params), _logical(variables), streams, _trainable_mask(abstract, trainable))
 
 
 def _streams(make_model: Callable[[], nnx.Module]) -> Streams:
@@ -160,7 +203,7 @@ def state_specs(model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """PartitionSpecs of the whole train state under `plan` (checked for divisibility)."""
     return TrainState(
         params=plan.param_specs(model.logical),
-        opt_state=plan.optimizer_specs(optimizer, model.logical),
+        opt_state=plan.optimizer_specs(optimizer, model.trained(model.logical)),
         step=jax.sharding.PartitionSpec(),
         variables=plan.variable_specs(model.variables),
     )
@@ -182,13 +225,15 @@ def state_shardings(model: ModelDef, optimizer, plan: Plan) -> TrainState:
                                params=offload.on_host(shardings.params) if master else shardings.params)
 
 
-def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan) -> tuple[ModelDef, TrainState]:
+def init_state(make_model: Callable[[], nnx.Module], optimizer, plan: Plan,
+               trainable=nnx.Param) -> tuple[ModelDef, TrainState]:
     """Build the model and optimizer state directly into their shards (never whole on one device).
 
     `optimizer`: an optax transformation, or an `nnx.Optimizer` (its `tx`; it must update `nnx.Param`).
-    The state holds the stacked layers in `plan`'s order (jaxpar.pipeline.layer_order).
+    The state holds the stacked layers in `plan`'s order (jaxpar.pipeline.layer_order). `trainable`: the
+    nnx filter of what the optimizer updates (see `describe`); the other parameters are frozen.
     """
-    model = describe(make_model)
+    model = describe(make_model, trainable)
 
     def build():
         with nnx.use_eager_sharding(False):
@@ -204,12 +249,26 @@ def state_from_params(params, model: ModelDef, optimizer, plan: Plan) -> TrainSt
     return jax.jit(build, out_shardings=state_shardings(model, optimizer, plan))(params)
 
 
+def state_from_base(base_params, make_model: Callable[[], nnx.Module], model: ModelDef, optimizer,
+                    plan: Plan) -> TrainState:
+    """Step 0 from given weights (natural order) of a model that `make_model` adds parameters to (LoRA adapters):
+    the given ones as they are, the added ones as `make_model` initialises them (the rest of its init is unused,
+    so XLA drops it)."""
+    def build(base):
+        with nnx.use_eager_sharding(False):
+            _, params, _ = _split(make_model())
+        return _initial_state(_replace(params, base), {}, model, optimizer, plan)
+
+    return jax.jit(build, out_shardings=state_shardings(model, optimizer, plan))(base_params)
+
+
 def _initial_state(params, variables, model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """Step 0 from the model's parameters (natural order), in `plan`'s layer order and parameter dtype (fp32 but
     under bf16-params, and bf16/fp16 under ZeRO-1, whose fp32 master the optimizer state holds)."""
     optimizer = precision.for_plan(optimizer, plan)
     params = layer_order.to_pipeline_order(params, model.logical, plan)
-    return TrainState(optimizer.cast(params), optimizer.init(params), jnp.zeros((), jnp.int32), variables)
+    return TrainState(optimizer.cast(params), optimizer.init(model.trained(params)), jnp.zeros((), jnp.int32),
+                      variables)
 
 
 def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> TrainState:
@@ -220,22 +279,26 @@ def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> Tr
     other layout (fp32 params held once, or ZeRO-1's 2-byte params beside an fp32 master) is converted to
     `plan`'s: its fp32 values are what carry over (see jaxpar.train.precision).
     """
-    state = _relayout(state, precision.for_plan(optimizer, plan))
-    state = layer_order.state_to_pipeline_order(state, model.logical, optimizer, plan)
+    state = _relayout(state, precision.for_plan(optimizer, plan), model)
+    state = layer_order.state_to_pipeline_order(state, model.logical, optimizer, plan, model.trained(model.logical))
     return jax.device_put(state, state_shardings(model, optimizer, plan))
 
 
-def _relayout(state: TrainState, optimizer: precision.Optimizer) -> TrainState:
+def _relayout(state: TrainState, optimizer: precision.Optimizer, model: ModelDef) -> TrainState:
+    """`state` in `optimizer`'s layout: ZeRO-1's 2-byte params beside an fp32 master (of the trained parameters:
+    frozen ones are held 2-byte only), or fp32 params held once."""
     held = isinstance(state.opt_state, precision.MasterState)
     if optimizer.master and not held:
         scaled = isinstance(state.opt_state, precision.ScaledState)
         inner, scale = (state.opt_state.inner, state.opt_state.loss_scale) if scaled else (state.opt_state, None)
         return dataclasses.replace(state, params=optimizer.cast(state.params),
-                                   opt_state=precision.MasterState(state.params, inner, scale))
+                                   opt_state=precision.MasterState(model.trained(state.params), inner, scale))
     if held and not optimizer.master:
         opt = state.opt_state
         inner = opt.inner if opt.loss_scale is None else precision.ScaledState(opt.inner, opt.loss_scale)
-        return dataclasses.replace(state, params=opt.master, opt_state=inner)
+        widened = jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                               state.params)
+        return dataclasses.replace(state, params=model.with_trained(widened, opt.master), opt_state=inner)
     return state
 
 

@@ -25,7 +25,7 @@ from jaxpar.core import trace, usage
 from jaxpar.core.microbatches import microbatches
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import specs_over
-from jaxpar.parallel import documents, offload, zero
+from jaxpar.parallel import documents, lora, offload, zero
 from jaxpar.parallel.tensor import WEIGHTED
 from jaxpar.parallel.constrain import varying_axes
 from jaxpar.pipeline import layer_order
@@ -156,7 +156,7 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
         functools.partial(per_rank, True),
         in_specs=(specs_over(plan.param_specs(model.logical), manual), P(plan.rank_axes), P(), P(),
                   *(P(),) * len(extra)),
-        out_specs=(P(), P(), specs_over(plan.gradient_specs(model.logical), manual), P()),
+        out_specs=(P(), P(), specs_over(plan.gradient_specs(model.trained(model.logical)), manual), P()),
         axis_names=set(manual),
     )(params, batch, variables, step, *extra)
 
@@ -164,11 +164,13 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
 def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data: bool, params, batch: dict,
               variables, step, loss_scale=None):
     """One data rank's share of `loss_and_grads` (`over_data`: inside the shard_map, manual over data)."""
-    param_specs, grad_specs = plan.param_specs(model.logical), plan.gradient_specs(model.logical)
+    param_specs = plan.param_specs(model.logical)
+    trained_specs, grad_specs = model.trained(param_specs), plan.gradient_specs(model.trained(model.logical))
     k = plan.grad_accum
-    at_use = zero.summed_at_use(param_specs, grad_specs) if over_data and _sums_at_use(plan) else None
-    if over_data:
-        params = zero.vary(params, param_specs, at_use)
+    at_use = zero.summed_at_use(trained_specs, grad_specs) if over_data and _sums_at_use(plan) else None
+    if over_data:  # only what trains is marked varying: a frozen parameter's gradient is never formed nor summed
+        params = model.with_trained(params, zero.vary(model.trained(params), trained_specs, at_use))
+    at_use_all = None if at_use is None else model.frozen_false(at_use)
     ranks = plan.axis_size(*plan.rank_axes) if over_data else 1
     # Each rank differentiates its share of the global mean, so the gradients summed over ranks and
     # microbatches are the mean's: nothing sums k * ranks full-size gradients first (fp16 would overflow).
@@ -178,18 +180,19 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
 
     dtype = precision.POLICIES[plan.precision].cast_at_use  # bf16/fp16: fp32 params, 2-byte compute
 
-    def compute(p, b, carried, j):
+    def compute(trained, b, carried, j):
         key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)  # None over data
+        p = model.with_trained(params, trained)
         with zero.layer_registry(), layer_order.train_state_layers():
-            module = model.merge(zero.gather_params(p, param_specs if over_data else None, dtype, at_use), carried[1],
-                                 rngs=carried[0])
+            whole = zero.gather_params(p, param_specs if over_data else None, dtype, at_use_all)
+            module = model.merge(lora.fold(whole, unstacked_only=True, keep=True), carried[1], rngs=carried[0])
             with documents.scope(documents.of_batch(b)):
                 loss, aux = call_loss(loss_fn, module, b, key)
             check_weights_read(b)
         return (loss if loss_scale is None and k * ranks == 1 else loss * share), (loss, aux, model.carried_of(module))
 
     def one_microbatch(b, carried, j=0):
-        grads, (loss, aux, carried) = jax.grad(compute, has_aux=True)(params, b, carried, j)
+        grads, (loss, aux, carried) = jax.grad(compute, has_aux=True)(model.trained(params), b, carried, j)
         return (loss, aux, grads), carried
 
     carried = (model.streams_at(step), variables)
@@ -199,7 +202,7 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
         (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
     grads = _to(grads, dtype)
     if over_data:
-        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, param_specs), grad_specs, at_use)
+        grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, trained_specs), grad_specs, at_use)
         loss, aux = zero.mean((loss, aux))
     if k > 1:
         loss, aux = loss / k, jax.tree.map(lambda x: x / k, aux)
@@ -319,7 +322,8 @@ def gather_master(master, model: ModelDef, plan: Plan, dtype):
     Written out inside `jax.shard_map` like ZeRO-2/3's gathers (jaxpar.parallel.zero), so
     the gather moves the 2-byte cast, never the fp32 master.
     """
-    grad_specs, param_specs = plan.gradient_specs(model.logical), plan.param_specs(model.logical)
+    trained = model.trained(model.logical)
+    grad_specs, param_specs = plan.gradient_specs(trained), plan.param_specs(trained)
     manual = plan.step_manual_axes
     if plan.zero_ranks == 1:
         return jax.tree.map(lambda m: m.astype(dtype), master)
@@ -343,13 +347,16 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
     cast of its fp32 master shard), ZeRO-2/3 keep them sharded until the layers
     gather them.
     """
+    if plan.lora_rank and model.trainable is None:
+        raise ValueError(f"the plan sets lora_rank={plan.lora_rank} but every parameter of the model trains: build it "
+                         "with jaxpar.lora.apply and pass the filter it returns to init_state / describe (trainable=)")
     optimizer = precision.for_plan(optimizer, plan)
     shardings = state_shardings(model, optimizer, plan)
     if plan.offload == "optimizer" and not offload.moved(shardings):
         warnings.warn(f"offload='optimizer' moves nothing: this optimizer keeps no state and precision="
                       f"{plan.precision!r} no separate fp32 master", usage.PlanOptionUnused, stacklevel=2)
     batch_sharding = plan.sharding(plan.batch_spec(1))
-    update_shardings = plan.shardings(plan.gradient_specs(model.logical))
+    update_shardings = plan.shardings(plan.gradient_specs(model.trained(model.logical)))
 
     def step(state: TrainState, batch: dict):
         usage.mark_tensor_params(plan.param_specs(model.logical))
@@ -359,24 +366,26 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
         scale = optimizer.loss_scale(opt_state)
         loss, aux, grads, variables = loss_and_grads(model, loss_fn, params, batch, plan, scale,
                                                      state.variables, state.step, seed)
+        trained = model.trained(params)  # a frozen parameter (a LoRA base weight) passes through unchanged
         if optimizer.policy.loss_scaling:  # the optimizer skips overflowing updates itself (and lowers its scale)
-            params, opt_state, stats = optimizer.apply(grads, opt_state, params)
-            params = (gather_master(opt_state.master, model, plan, optimizer.param_dtype) if optimizer.master
-                      else jax.lax.with_sharding_constraint(params, update_shardings))
-            new = TrainState(params, opt_state, state.step + 1, variables)
+            trained, opt_state, stats = optimizer.apply(grads, opt_state, trained)
+            trained = (gather_master(opt_state.master, model, plan, optimizer.param_dtype) if optimizer.master
+                       else jax.lax.with_sharding_constraint(trained, update_shardings))
+            new = TrainState(model.with_trained(params, trained), opt_state, state.step + 1, variables)
             return keep_finite(state, new, {"loss": loss, **stats, **aux}, True)
         stats = {"grad_norm": optimizer.grad_norm(grads)}
         finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
 
-        def update(params, opt_state):
+        def update(trained, opt_state):
             if optimizer.master:  # the params follow from the master below, skipped step or not
-                return params, optimizer.updated_master(grads, opt_state)[1]
-            params, opt_state, _ = optimizer.apply(grads, opt_state, params)
-            return jax.lax.with_sharding_constraint(params, update_shardings), opt_state
+                return trained, optimizer.updated_master(grads, opt_state)[1]
+            trained, opt_state, _ = optimizer.apply(grads, opt_state, trained)
+            return jax.lax.with_sharding_constraint(trained, update_shardings), opt_state
 
-        params, opt_state = guarded_update(finite, update, () if optimizer.master else params, opt_state)
+        trained, opt_state = guarded_update(finite, update, () if optimizer.master else trained, opt_state)
         if optimizer.master:
-            params = gather_master(opt_state.master, model, plan, optimizer.param_dtype)
+            trained = gather_master(opt_state.master, model, plan, optimizer.param_dtype)
+        params = model.with_trained(params, trained)
         metrics = {"loss": loss, **stats, **aux, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
         keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
         return TrainState(params, opt_state, state.step + 1, keep(variables, state.variables)), metrics

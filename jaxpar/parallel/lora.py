@@ -1,0 +1,200 @@
+"""LoRA: low-rank adapters beside a model's weights, W + (alpha / r) A B, trained while W stays frozen.
+
+The model never changes. `apply` puts three variables beside each targeted
+weight `w` of an NNX module: `w_lora_a` [..., d_in, r] (random) and `w_lora_b`
+[..., r, d_out] (zero), both `nnx.LoRAParam` as in Flax's own `nnx.LoRA`, and
+`w_lora_scale` (alpha / r, a frozen `nnx.Param` with the weight's stacked
+`layers`/`experts` dimensions, so that it travels wherever the weight's layers
+go: pipeline stages, regrouped layer patterns). A takes the weight's logical
+names on its input dimensions and B on its output ones, the rank dimension
+replicated, so every plan shards them like the weight itself.
+
+The effective weight is formed where the weight is fetched for use (`fold`):
+per layer inside `jaxpar.scan_layers`, after that layer's ZeRO gather, so one
+layer's delta exists at a time; for weights outside a layer stack, once in the
+step (`jaxpar.train.step`). `apply` returns the filter of what trains,
+`nnx.LoRAParam`: `init_state(..., trainable=...)` gives the frozen base no
+gradient, no optimizer state and no gradient sum.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.core import zero_layout
+
+A, B, SCALE = "_lora_a", "_lora_b", "_lora_scale"
+TRAINABLE = nnx.LoRAParam  # the filter `apply` returns: only the adapters train
+STACKED = (zero_layout.SCANNED, "experts")  # leading dimensions a weight is a stack of (layers, experts)
+HEADS = ("heads", "kv_heads")  # a heads dimension and the head_dim after it are one input or output group
+
+# `--lora-targets` short names -> the weights they name in jaxpar's models (dense MLP and each expert's)
+SHORT_NAMES = {"q": ("wq",), "k": ("wk",), "v": ("wv",), "o": ("wo",), "gate": ("w_gate", "expert_gate"),
+               "up": ("w_up", "expert_up"), "down": ("w_down", "expert_down")}
+
+
+def patterns_of(targets) -> tuple[str, ...]:
+    """Path patterns from short names (q, k, v, o, gate, up, down) or patterns given as they are."""
+    out = []
+    for t in targets:
+        out += [f"*{name}" for name in SHORT_NAMES[t]] if t in SHORT_NAMES else [t]
+    return tuple(out)
+
+
+def _split_dims(names: tuple, path: str) -> tuple[int, int, int]:
+    """(stacked, input, output) dimension counts of a weight from its logical names."""
+    lead = 0
+    while lead < len(names) and names[lead] in STACKED:
+        lead += 1
+    rest = names[lead:]
+    n_in = 2 if rest and rest[0] in HEADS else 1
+    if len(rest) - n_in < 1 or (len(rest) - n_in > 1 and rest[n_in] not in HEADS):
+        raise ValueError(f"LoRA target {path} has logical names {names}: an adapter needs [stacked..., input, "
+                         f"output] (a heads dimension with head_dim counting as one)")
+    return lead, n_in, len(rest) - n_in
+
+
+def _weights(model: nnx.Module):
+    """(path 'a/b/w', module, attribute) of every nnx.Param of `model` that is not itself an adapter."""
+    for path, module in nnx.iter_modules(model):
+        for name, value in list(vars(module).items()):
+            if type(value) is nnx.Param and not name.endswith(SCALE):
+                yield "/".join(str(p) for p in (*path, name)), module, name
+
+
+def apply(model: nnx.Module, rank: int, alpha: float | None = None, targets=("q", "k", "v", "o"),
+          rngs: nnx.Rngs | None = None):
+    """Put LoRA adapters of `rank` on the weights of `model` whose paths match `targets`; return the trainable filter.
+
+    `targets`: short names (q, k, v, o, gate, up, down) or fnmatch patterns on
+    paths such as 'blocks/wq' or '*/kernel'. `alpha` defaults to `rank` (scale
+    1). A starts He-uniform from `rngs` (default nnx.Rngs(0)), B at zero, so the
+    model starts equal to its base. Call it inside the function that builds the
+    model (the one `init_state` gets), then pass the returned filter as
+    `init_state(..., trainable=...)`. A target naming no weight, or a rank larger
+    than a weight's input or output size, is refused here.
+    """
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
+    alpha = float(rank if alpha is None else alpha)
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    weights = list(_weights(model))
+    chosen = []
+    for target in targets:
+        hits = [w for w in weights if any(fnmatch.fnmatchcase(w[0], p) for p in patterns_of((target,)))]
+        if not hits:
+            raise ValueError(f"--lora-targets {target!r} names no weight of the model; its weights: "
+                             f"{', '.join(w[0] for w in weights)}")
+        chosen += [w for w in hits if w not in chosen]
+    for path, module, name in chosen:
+        _attach(module, name, path, rank, alpha, rngs)
+    return TRAINABLE
+
+
+def _attach(module: nnx.Module, name: str, path: str, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+    base = getattr(module, name)
+    value = base.get_value()
+    names = tuple(base.get_metadata().get("out_sharding") or (None,) * value.ndim)
+    lead, n_in, n_out = _split_dims(names, path)
+    d_in, d_out = value.shape[lead:lead + n_in], value.shape[lead + n_in:]
+    for what, dims in (("input", d_in), ("output", d_out)):
+        size = math.prod(dims)
+        if rank > size:
+            raise ValueError(f"--lora-rank {rank} is larger than {path}'s {what} dimension ({size})")
+    stack, lead_names = value.shape[:lead], names[:lead]
+    init_a = nnx.initializers.he_uniform(in_axis=tuple(range(lead, lead + n_in)), out_axis=-1,
+                                         batch_axis=tuple(range(lead)))
+    a_names, b_names = (*lead_names, *names[lead:lead + n_in], None), (*lead_names, None, *names[lead + n_in:])
+    setattr(module, name + A, nnx.LoRAParam(nnx.with_partitioning(init_a, a_names)(
+        rngs.params(), (*stack, *d_in, rank), value.dtype)))
+    setattr(module, name + B, nnx.LoRAParam(nnx.with_partitioning(nnx.initializers.zeros, b_names)(
+        rngs.params(), (*stack, rank, *d_out), value.dtype)))
+    scale = lambda key, shape, dtype: jnp.full(shape, alpha / rank, dtype)  # noqa: E731
+    setattr(module, name + SCALE, nnx.Param(nnx.with_partitioning(scale, lead_names)(
+        rngs.params(), stack, jnp.float32)))
+
+
+def trainable_for(plan):
+    """The filter of what trains under `plan`: the adapters with lora_rank, else every nnx.Param."""
+    return TRAINABLE if plan.lora_rank else nnx.Param
+
+
+def for_plan(make_model, plan):
+    """(`make_model` with the plan's adapters put on, the trainable filter); as given, nnx.Param, without lora_rank."""
+    if not plan.lora_rank:
+        return make_model, nnx.Param
+
+    def adapted():
+        model = make_model()
+        apply(model, plan.lora_rank, plan.lora_alpha or None, plan.lora_targets)
+        return model
+
+    return adapted, TRAINABLE
+
+
+def delta(a, b, scale):
+    """(alpha / r) A B in the weight's shape: A [lead..., in..., r], B [lead..., r, out...], scale [lead...]."""
+    lead, rank = scale.ndim, a.shape[-1]
+    d_in, d_out = a.shape[lead:-1], b.shape[lead + 1:]
+    ab = jnp.matmul(a.reshape(*a.shape[:lead], math.prod(d_in), rank),
+                    b.reshape(*b.shape[:lead], rank, math.prod(d_out)))
+    ab = ab * scale.reshape(*scale.shape, 1, 1).astype(ab.dtype)
+    return ab.reshape(*a.shape[:lead], *d_in, *d_out)
+
+
+def _adapter_of(key, tree) -> str | None:
+    """The weight an adapter key (w_lora_a, w_lora_b, w_lora_scale) belongs to, None for any other key."""
+    for suffix in (A, B, SCALE):
+        if isinstance(key, str) and key.endswith(suffix) and key[:-len(suffix)] + SCALE in tree:
+            return key[:-len(suffix)]
+    return None
+
+
+def fold(tree, unstacked_only: bool = False, keep: bool = False):
+    """`tree` (nested dicts of arrays) with each adapted weight W replaced by W + (alpha / r) A B.
+
+    `unstacked_only`: only the weights outside a layer stack (a scalar scale),
+    leaving stacked ones for the layer scan to fold one layer at a time.
+    `keep`: the adapters stay in the tree (to merge a module from it); else they
+    are dropped, so that a nested layer scan cannot fold them twice.
+    """
+    if not isinstance(tree, dict):
+        return tree
+    out = {}
+    for key, value in tree.items():
+        base = _adapter_of(key, tree)
+        chosen = lambda w: not unstacked_only or tree[w + SCALE].ndim == 0  # noqa: E731
+        if base is not None:
+            if keep or not chosen(base):
+                out[key] = value
+        elif isinstance(key, str) and key + SCALE in tree and chosen(key):
+            out[key] = value + delta(tree[key + A], tree[key + B], tree[key + SCALE]).astype(value.dtype)
+        else:
+            out[key] = fold(value, unstacked_only, keep)
+    return out
+
+
+def refill(folded, like):
+    """`folded` (one layer, adapters dropped) with zeros in place of the adapters `like` (all layers) holds.
+
+    For a module merged from the folded layer (`jaxpar.Stack`): its adapters are
+    variables it has but never reads, since the folded weight carries them.
+    """
+    if not isinstance(like, dict):
+        return folded
+    return {k: refill(folded[k], v) if k in folded else jnp.zeros(v.shape[1:], v.dtype) for k, v in like.items()}
+
+
+def merged(model: nnx.Module) -> nnx.Module:
+    """A copy of `model` with every adapter folded into its weight, for inference and export (the logits, decode).
+
+    The adapters stay (unread): the copy's weights already carry them.
+    """
+    graphdef, state = nnx.split(model)
+    nnx.replace_by_pure_dict(state, fold(nnx.to_pure_dict(state), keep=True))
+    return nnx.merge(graphdef, state)

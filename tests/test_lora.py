@@ -1,0 +1,317 @@
+"""LoRA: adapters start the model at its base, train like a plain-JAX LoRA on every strategy, and sum only themselves."""
+
+import dataclasses
+import functools
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import reference_lora
+from helpers import TINY, batches, copy_state, max_relative_error, sharded_lookup_bytes, single_device_plan
+from jaxpar.core.plan import Plan
+from jaxpar.models.llama import Llama
+from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
+from jaxpar.parallel import lora
+from jaxpar.pipeline.layer_order import to_natural_order
+from jaxpar.planner import inspect
+from jaxpar.train.state import init_state, place_state
+from jaxpar.train.step import make_train_step
+
+RANK, ALPHA, STEPS = 4, 8.0, 2
+ALL = ("q", "k", "v", "o", "gate", "up", "down")
+OPTIMIZER = optax.sgd(0.5, momentum=0.9)  # linear in the gradients: Adam's first step from B = 0 is sign(g), noise on near-zero entries
+DATA = batches(batch_size=8, seq_len=16)
+MIXTRAL = MoeLlamaConfig(vocab=256, d_model=32, n_layers=2, moe_every=1, n_heads=2, n_kv_heads=2, head_dim=16,
+                         d_ff=64, expert_d_ff=32, n_experts=4, top_k=2, dropless=True, seq_len=16)
+CONFIGS = {"llama": (Llama, TINY), "mixtral": (MoeLlama, MIXTRAL)}
+
+
+def build(family: str, adapters: bool = True):
+    make, cfg = CONFIGS[family]
+    model = make(cfg, nnx.Rngs(0))
+    if adapters:
+        lora.apply(model, RANK, ALPHA, targets=ALL, rngs=nnx.Rngs(1))
+    return model
+
+
+@functools.cache
+def initial(family: str):
+    """The model and its step-0 state, every B drawn small and random (B = 0 gives A no gradient at first)."""
+    model, state = init_state(lambda: build(family), OPTIMIZER, single_device_plan(), trainable=lora.TRAINABLE)
+    rng = np.random.default_rng(0)
+    state = copy_state(state)
+    state.params = jax.tree_util.tree_map_with_path(
+        lambda path, x: (0.05 * rng.standard_normal(x.shape)).astype(x.dtype)
+        if str(path[-1]).endswith("_lora_b']") else x, state.params)
+    return model, state
+
+
+@functools.cache
+def run(family: str, mesh: str, **options):
+    """(losses, final parameters, compiled step, plan) of STEPS LoRA steps on `mesh`."""
+    model, state = initial(family)
+    plan = Plan.create(mesh, **options)
+    state = place_state(copy_state(state), model, OPTIMIZER, plan)
+    compiled = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan).lower(state, DATA[0]).compile()
+    losses = []
+    for i in range(STEPS):
+        state, metrics = compiled(state, DATA[i])
+        losses.append(float(metrics["loss"]))
+    state = jax.device_get(state)
+    state.params = to_natural_order(state.params, model.logical, plan)  # an interleaved plan holds its chunks' order
+    return np.array(losses), state, compiled, plan
+
+
+@functools.cache
+def expected(family: str):
+    _, state = initial(family)
+    return reference_lora.train(CONFIGS[family][1], state.params, [DATA[i] for i in range(STEPS)], OPTIMIZER,
+                                ALPHA / RANK)
+
+
+def test_zero_b_gives_the_base_models_logits_bitwise():
+    with nnx.use_eager_sharding(False):
+        base, adapted = build("llama", adapters=False), build("llama")
+    tokens = np.asarray(DATA[0]["inputs"])
+    assert np.abs(np.asarray(adapted.blocks.wq_lora_a[...])).max() > 0  # A random, B zero
+    logits = nnx.jit(lambda m, t: m.logits(t))
+    assert np.array_equal(np.asarray(logits(lora.merged(adapted), tokens)), np.asarray(logits(base, tokens)))
+    loss = nnx.jit(lambda m, b: m(b)[0])  # the training forward, adapters folded per layer in the scan
+    assert np.asarray(loss(adapted, DATA[0])) == np.asarray(loss(base, DATA[0]))
+
+
+MESHES = [
+    ("llama", "data=8", {}),
+    ("llama", "data=8", {"zero": 3}),
+    ("llama", "data=2,tensor=4", {}),
+    ("llama", "data=2,tensor=4", {"tensor_form": "explicit"}),
+    ("llama", "data=2,tensor=2,pipe=2", {"schedule": "1f1b", "microbatches": 2}),
+    ("llama", "data=2,context=4", {}),
+    ("mixtral", "data=4,expert=2", {}),
+    *(pytest.param(*cell, marks=pytest.mark.slow) for cell in [
+        ("llama", "data=8", {"zero": 1}),
+        ("llama", "data=8", {"zero": 2}),
+        ("llama", "replica=2,data=4", {"zero": 3}),
+        ("llama", "data=2,tensor=4", {"sequence_parallel": True}),
+        ("llama", "data=2,pipe=4", {"schedule": "gpipe", "microbatches": 4}),
+        ("llama", "data=4,pipe=2", {"schedule": "interleaved", "microbatches": 2, "virtual_stages": 2}),
+        ("llama", "data=4,pipe=2", {"schedule": "zb-h1", "microbatches": 2}),
+        ("llama", "data=2,context=4", {"context_form": "ring"}),
+        ("mixtral", "data=2,expert=2,tensor=2", {"zero": 3}),
+    ]),
+]
+
+
+@pytest.mark.parametrize("family,mesh,options", MESHES, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         ",".join(f"{k}={o}" for k, o in v.items()) or "-")
+def test_lora_training_matches_plain_jax_reference(family, mesh, options):
+    losses, final, _, plan = run(family, mesh, **options)
+    ref = expected(family)
+    adapters, frozen = reference_lora.split(final.params)
+    adapters0, start = reference_lora.split(initial(family)[1].params)
+    moved = lambda tree: jax.tree.map(lambda x, x0: np.asarray(x) - x0, tree, adapters0)  # noqa: E731
+    assert np.max(np.abs(losses / ref.losses - 1)) <= 1e-5
+    assert max_relative_error(adapters, ref.params) <= 1e-5
+    assert max_relative_error(moved(adapters), moved(ref.params)) <= 1e-5  # the updates: A moves little against its size
+    assert max_relative_error(frozen, start) == 0.0  # the base never moves
+    assert ref.losses[-1] < ref.losses[0]
+
+
+def adapter_bytes(params) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(reference_lora.split(params)[0]))
+
+
+def test_data_parallel_all_reduce_moves_exactly_the_adapters():
+    losses, final, compiled, plan = run("llama", "data=8")
+    sums = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.kind == "all-reduce"]
+    scalars = 4  # the loss's mean over data rides in the same all-reduce
+    assert len(sums) == 1 and sums[0].axes == ("data",)
+    assert (sums[0].bytes - scalars) / adapter_bytes(final.params) == 1.0
+    assert len(inspect.collectives(compiled, plan.mesh)) == 1  # no base weight is summed, nor anything else
+    momentum = jax.tree.leaves(final.opt_state)
+    assert sum(a.nbytes for a in momentum) == adapter_bytes(final.params)  # the optimizer state: the adapters' alone
+
+
+@pytest.mark.parametrize("targets,rank,message", [
+    (("q", "wqkv"), RANK, "--lora-targets 'wqkv' names no weight of the model"),
+    (("q",), 65, "--lora-rank 65 is larger than blocks/wq's input dimension (64)"),
+])
+def test_bad_targets_and_ranks_are_refused_in_one_line(targets, rank, message):
+    with nnx.use_eager_sharding(False):
+        model = build("llama", adapters=False)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+        lora.apply(model, rank, targets=targets)
+    assert "\n" not in str(error.value)
+
+
+def test_a_lora_table_is_the_plans_lora_options(tmp_path):
+    from jaxpar.cli import build_parser, resolve
+
+    config = tmp_path / "run.toml"
+    config.write_text('[lora]\nrank = 4\nalpha = 8\ntargets = ["q", "v", "down"]\n')
+    _, options, _ = resolve(build_parser().parse_args(["train", "--config", str(config), "--mesh", "data=8"]))
+    assert options == {"lora_rank": 4, "lora_alpha": 8, "lora_targets": ["q", "v", "down"]}
+    assert Plan.create("data=8", **options).lora_targets == ("q", "v", "down")
+    config.write_text('[plan]\nlora_rank = 4\n[lora]\nrank = 8\n')
+    with pytest.raises(ValueError, match=r"\[lora\] rank and \[plan\] lora_rank both set it"):
+        resolve(build_parser().parse_args(["train", "--config", str(config)]))
+
+
+@pytest.mark.slow
+def test_cli_trains_only_the_adapters_from_a_lora_table(tmp_path):
+    """A [lora] table is the plan's lora_* options: the run trains the adapters, and its loss starts at the base's."""
+    from jaxpar.cli import main
+
+    config = tmp_path / "run.toml"
+    config.write_text('[mesh]\ndata = 8\n[lora]\nrank = 4\nalpha = 8.0\ntargets = ["q", "v", "down"]\n')
+    rows = {}
+    for name, flags in (("lora", ["--config", str(config)]), ("base", ["--mesh", "data=8"])):
+        metrics = tmp_path / f"{name}.jsonl"
+        assert main(["train", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2",
+                     "--metrics", str(metrics), *flags]) == 0
+        rows[name] = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert rows["lora"][0]["loss"] == rows["base"][0]["loss"]  # B = 0: the first step's loss is the base model's
+    assert rows["lora"][2]["loss"] != rows["base"][2]["loss"]  # step 1's learning rate is 0 (warm-up)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lora-rank", "4", "--lora-targets", "q,wqkv"], "--lora-targets 'wqkv' names no weight of the model"),
+    (["--lora-rank", "65"], "--lora-rank 65 is larger than blocks/wq's input dimension (64)"),
+    (["--lora-rank", "4", "--lora-dropout", "0.1"], "dropout on the LoRA branch is not yet supported"),
+    (["--lora-targets", "q"], "lora_targets are set but lora_rank is 0"),
+])
+def test_cli_refuses_bad_lora_options_before_compiling(flags, message, capsys):
+    from jaxpar.cli import main
+
+    assert main(["train", "--steps", "1", "--mesh", "data=8", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+class UserMLP(nnx.Module):
+    """A user's own Flax model, built from nnx.Linear as Flax's tutorials write it (no layer stack)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(16, 32, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs)
+        self.down = nnx.Linear(32, 16, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")), rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+class UserStack(nnx.Module):
+    """The same block three times in a `jaxpar.Stack` (parameters stacked on `layers`, scanned)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        import jaxpar
+
+        self.blocks = jaxpar.Stack(lambda r: UserMLP(r), 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.blocks(x)
+
+
+def user_loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def reference_forward(kind: str, params, x):
+    """The user's model on plain parameters, its stacked layers walked in a Python loop."""
+    with nnx.use_eager_sharding(False):
+        graphdef, _ = nnx.split(UserMLP(nnx.Rngs(0)))
+    if kind == "mlp":
+        return nnx.merge(graphdef, params)(x)
+    for i in range(3):
+        x = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params["blocks"]["layers"]))(x)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["mlp", "stack"])
+@pytest.mark.parametrize("mesh,options", [("data=8", {}), ("data=8", {"zero": 3}), ("data=2,tensor=4", {})])
+def test_a_users_own_flax_model_trains_its_adapters_only(mesh, options, kind):
+    """`jaxpar.lora.apply` on nnx.Linear kernels by path pattern, in a plain module or a `jaxpar.Stack`; the step
+    matches plain JAX + optax on W + (alpha / r) A B, differentiated by the adapters alone."""
+    import jaxpar
+
+    def make():
+        model = (UserMLP if kind == "mlp" else UserStack)(nnx.Rngs(0))
+        trainable = jaxpar.lora.apply(model, 2, 4.0, targets=("*/kernel",), rngs=nnx.Rngs(1))
+        assert trainable is nnx.LoRAParam
+        return model
+
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((16, 16)).astype(np.float32) for _ in range(STEPS)]
+    data = [{"x": x, "y": np.zeros_like(x)} for x in xs]
+    model, state0 = init_state(make, OPTIMIZER, single_device_plan(), trainable=jaxpar.lora.TRAINABLE)
+    state0 = copy_state(state0)
+    up = state0.params["up"] if kind == "mlp" else state0.params["blocks"]["layers"]["up"]
+    up["kernel_lora_b"] = (0.1 * rng.standard_normal(up["kernel_lora_b"].shape)).astype(np.float32)
+    plan = Plan.create(mesh, **options)
+    state = place_state(copy_state(state0), model, OPTIMIZER, plan)
+    step = make_train_step(model, user_loss, OPTIMIZER, plan)
+    losses = []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+
+    adapters, frozen = reference_lora.split(state0.params)
+
+    def loss(a, batch):
+        out = reference_forward(kind, reference_lora.effective(frozen, a, 2.0), batch["x"])
+        return ((out - batch["y"]) ** 2).mean(), {}
+
+    ref = reference_lora.reference.train(loss, adapters, data, OPTIMIZER)
+    final_adapters, final_frozen = reference_lora.split(jax.device_get(state.params))
+    assert np.max(np.abs(np.array(losses) / ref.losses - 1)) <= 1e-5
+    assert max_relative_error(final_adapters, ref.params) <= 1e-5
+    assert max_relative_error(final_frozen, frozen) == 0.0
+    assert ref.losses[-1] < ref.losses[0]
+
+
+def test_held_out_evaluation_reads_the_adapters():
+    """--eval-every's forward (the logits path, not the training loss) sees W + (alpha / r) A B."""
+    from jaxpar.run.evaluate import Evaluator
+
+    model, state = initial("llama")  # B random: the adapted model is not its base
+    inputs, targets = np.asarray(DATA[0]["inputs"]), np.asarray(DATA[0]["targets"])
+    windows = {"inputs": inputs, "targets": targets, "weights": np.ones(inputs.shape, np.float32)}
+    figures = Evaluator(model, single_device_plan(), windows, 8)(state.params)
+    adapters, frozen = reference_lora.split(state.params)
+    effective = reference_lora.effective(jax.tree.map(np.asarray, frozen), adapters, ALPHA / RANK)
+    expected_loss = float(reference_lora.reference.llama_loss(effective, DATA[0], TINY)[0])
+    base_loss = float(reference_lora.reference.llama_loss(reference_lora.effective(frozen, {}, 0.0), DATA[0], TINY)[0])
+    assert abs(figures["eval_loss"] / expected_loss - 1) <= 1e-5
+    assert abs(base_loss / expected_loss - 1) > 1e-3
+
+
+def test_adapters_join_weights_read_from_elsewhere():
+    """--init-from with --lora-rank: the weights read are the frozen base, the adapters start as `apply` makes them."""
+    from jaxpar.train.state import describe, state_from_base
+
+    plan = Plan.create("data=8")
+    _, base = init_state(lambda: build("llama", adapters=False), OPTIMIZER, single_device_plan())
+    base = jax.tree.map(lambda x: np.asarray(x) + 1.0, base.params)  # weights no init of this model gives
+    model = describe(lambda: build("llama"), lora.TRAINABLE)
+    state = jax.device_get(state_from_base(base, lambda: build("llama"), model, OPTIMIZER, plan))
+    adapters, frozen = reference_lora.split(state.params)
+    made = jax.device_get(init_state(lambda: build("llama"), OPTIMIZER, plan, trainable=lora.TRAINABLE)[1].params)
+    fresh, _ = reference_lora.split(made)
+    assert max_relative_error(reference_lora.effective(frozen, {}, 0.0), base) == 0.0  # every weight read, unchanged
+    assert max_relative_error(adapters, fresh) == 0.0
+    assert sum(a.nbytes for a in jax.tree.leaves(state.opt_state)) == adapter_bytes(made)
+
+
+def test_zero3_reduce_scatters_only_the_adapters_and_gathers_the_base_for_forward_and_backward():
+    _, final, compiled, plan = run("llama", "data=8", zero=3)
+    rows = {row["kind"]: row for row in inspect.collectives(compiled, plan.mesh)}
+    lookup = sharded_lookup_bytes(dataclasses.replace(TINY, seq_len=DATA.seq_len), DATA.batch_size)["rows"]
+    assert lookup > 0  # the frozen table's lookup: its rows reduce-scattered forward (no gradient comes back)
+    assert rows["reduce-scatter"]["bytes"] == adapter_bytes(final.params) + lookup
+    frozen_layers = sum(a.nbytes for k, a in reference_lora.split(final.params)[1]["blocks"].items()
+                        if not k.endswith("_lora_scale"))
+    assert rows["all-gather"]["bytes"] >= 2 * frozen_layers  # each layer's base gathered for the forward and again
