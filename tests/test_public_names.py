@@ -70,3 +70,12 @@ def test_the_public_objects_keep_their_methods(owner):
     cls = getattr(importlib.import_module(owner[0]), owner[1])
     gone = [name for name in METHODS[owner] if not callable(getattr(cls, name, None))]
     assert not gone, f"{owner[0]}.{owner[1]} lost methods {gone}"
+
+
+# jaxpar.lora: what a loop of one's own calls to put adapters on its model and to fold them back in
+LORA = ["apply", "merged", "TRAINABLE"]
+
+
+def test_lora_keeps_its_calls():
+    gone = [name for name in LORA if not hasattr(jaxpar.lora, name)]
+    assert not gone, f"jaxpar.lora lost {gone}: scripts using them break"
