@@ -15,19 +15,17 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
-import reference as reference_lib
-from helpers import copy_state, max_relative_error, single_device_plan
+import family_strategies
+from helpers import copy_state
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
 from jaxpar.interop import hf, hf_config
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
-from jaxpar.pipeline.layer_order import to_natural_order
-from jaxpar.train.state import init_state, place_state
+from jaxpar.train.state import place_state
 from jaxpar.train.step import make_train_step
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
                      torch_logits, transformers)
@@ -356,34 +354,14 @@ CELLS = [pytest.param(family, name, id=f"{family}-{name}", marks=cell[2:])
 def equivalence(family: str):
     """The initial state, 3 batches and the single-device reference's losses and parameters after 3 SGD steps."""
     cfg = equivalence_config(family)
-    optimizer = optax.sgd(0.5)
-    model, state = init_state(lambda: FAMILIES[family][2](cfg, nnx.Rngs(0)), optimizer, single_device_plan())
-    rng = np.random.default_rng(0)
-    batches = [{"inputs": jnp.asarray(rng.integers(0, cfg.vocab, (8, 16)), jnp.int32),
-                "targets": jnp.asarray(rng.integers(0, cfg.vocab, (8, 16)), jnp.int32)} for _ in range(3)]
-    expected = reference_lib.train(reference_lib.loss_fn(cfg), copy_state(state).params, batches, optimizer)
-    return model, state, optimizer, batches, expected
+    return family_strategies.reference_run(lambda: FAMILIES[family][2](cfg, nnx.Rngs(0)), cfg)
 
 
 @pytest.mark.parametrize("family, strategy", CELLS)
 def test_training_matches_the_single_device_reference(family, strategy):
     """3 SGD steps of the family's imported config: every loss and the final parameters within 1e-5."""
-    model, state, optimizer, batches, expected = equivalence(family)
     mesh, options = STRATEGIES[family][strategy][:2]
-    plan = Plan.create(mesh, devices=jax.devices()[:8], **options)
-    placed = place_state(copy_state(state), model, optimizer, plan)
-    step = make_train_step(model, lambda m, b: m(b), optimizer, plan)
-    losses = []
-    for batch in batches:
-        placed, metrics = step(placed, batch)
-        losses.append(float(metrics["loss"]))
-    loss_error = np.max(np.abs(np.array(losses) / expected.losses - 1))
-    assert loss_error <= 1e-5, loss_error
-    params = to_natural_order(jax.device_get(placed.params), model.logical, plan)
-    param_error = max_relative_error(params, expected.params)
-    assert param_error <= 1e-5, param_error
-    assert expected.losses[-1] < expected.losses[0]
-    print(f"{family} {strategy}: losses {loss_error:.1e}, parameters {param_error:.1e}")
+    family_strategies.assert_matches(equivalence(family), mesh, options, f"{family} {strategy}")
 
 
 def test_qwen3_moe_refuses_the_explicit_tensor_form_before_compiling():
