@@ -41,3 +41,17 @@ def assert_matches(run, mesh: str, options: dict, label: str) -> None:
     assert param_error <= 1e-5, param_error
     assert expected.losses[-1] < expected.losses[0]
     print(f"{label}: losses {loss_error:.1e}, parameters {param_error:.1e}")
+
+
+def assert_explicit_tensor_form_refused(run) -> None:
+    """An MoE family's experts split their hidden width by annotations only: tensor_form='explicit' is refused
+    by name, before compiling."""
+    model, state, optimizer, batches, _ = run
+    plan = Plan.create("data=4,tensor=2", devices=jax.devices()[:8], tensor_form="explicit")
+    placed = place_state(copy_state(state), model, optimizer, plan)
+    try:
+        make_train_step(model, lambda m, b: m(b), optimizer, plan)(placed, batches[0])
+    except ValueError as error:
+        assert "tensor_form='annotation'" in str(error), error
+    else:
+        raise AssertionError("tensor_form='explicit' on an MoE family trained instead of being refused")

@@ -19,14 +19,10 @@ import pytest
 from flax import nnx
 
 import family_strategies
-from helpers import copy_state
 from jaxpar.cli import main
-from jaxpar.core.plan import Plan
 from jaxpar.interop import hf, hf_config
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
-from jaxpar.train.state import place_state
-from jaxpar.train.step import make_train_step
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
                      torch_logits, transformers)
 from test_hf_export import run_json, unchanged
@@ -366,8 +362,4 @@ def test_training_matches_the_single_device_reference(family, strategy):
 
 def test_qwen3_moe_refuses_the_explicit_tensor_form_before_compiling():
     """The experts split their hidden width by annotations only: tensor_form='explicit' is refused by name."""
-    model, state, optimizer, batches, _ = equivalence("qwen3_moe")
-    plan = Plan.create("data=4,tensor=2", devices=jax.devices()[:8], tensor_form="explicit")
-    placed = place_state(copy_state(state), model, optimizer, plan)
-    with pytest.raises(ValueError, match="tensor_form='annotation'"):
-        make_train_step(model, lambda m, b: m(b), optimizer, plan)(placed, batches[0])
+    family_strategies.assert_explicit_tensor_form_refused(equivalence("qwen3_moe"))
