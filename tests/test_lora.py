@@ -183,6 +183,9 @@ def test_cli_trains_only_the_adapters_from_a_lora_table(tmp_path):
     (["--lora-rank", "65"], "--lora-rank 65 is larger than blocks/wq's input dimension (64)"),
     (["--lora-rank", "4", "--lora-dropout", "0.1"], "dropout on the LoRA branch is not yet supported"),
     (["--lora-targets", "q"], "lora_targets are set but lora_rank is 0"),
+    (["--mesh", "data=2,pipe=2,tensor=2", "--lora-rank", "4", "--lora-targets", "q,v"],
+     "--lora-targets q,v leaves k,gate,up frozen, which share fused column-parallel matmuls with adapted weights; "
+     "on data x pipe x tensor that is not supported yet"),
 ])
 def test_cli_refuses_bad_lora_options_before_compiling(flags, message, capsys):
     from jaxpar.cli import main
@@ -315,3 +318,20 @@ def test_zero3_reduce_scatters_only_the_adapters_and_gathers_the_base_for_forwar
     frozen_layers = sum(a.nbytes for k, a in reference_lora.split(final.params)[1]["blocks"].items()
                         if not k.endswith("_lora_scale"))
     assert rows["all-gather"]["bytes"] >= 2 * frozen_layers  # each layer's base gathered for the forward and again
+
+
+def test_eval_and_generate_read_a_lora_checkpoint_with_its_adapters_folded(tmp_path, capsys):
+    """`jaxpar eval` / `generate` on a LoRA run's checkpoint: the adapters are read and folded into their weights
+    (they were refused as 'not in the model'); eval gives the run's own held-out loss at that step."""
+    from jaxpar.cli import main
+
+    directory, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    assert main(["train", "--mesh", "data=8", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--lr", "1e-2",
+                 "--lora-rank", "4", "--lora-targets", "q,v,down", "--eval-every", "3", "--checkpoint-dir", str(directory),
+                 "--metrics", str(metrics)]) == 0
+    in_run = [json.loads(line) for line in metrics.read_text().splitlines() if "eval_loss" in line][-1]
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint-dir", str(directory), "--seq-len", "16"]) == 0
+    from_checkpoint = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(from_checkpoint["eval_loss"] / in_run["eval_loss"] - 1) <= 1e-5, (from_checkpoint, in_run)
+    assert main(["generate", "--checkpoint-dir", str(directory), "--prompt", "The ", "--max-new-tokens", "4"]) == 0

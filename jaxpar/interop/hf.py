@@ -39,6 +39,7 @@ from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, f
 from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
+from jaxpar.parallel import lora
 
 SINGLE_FILE = "model.safetensors"
 MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most this many bytes
@@ -449,12 +450,15 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
     with Checkpoints(path, read_only=True) as checkpoints:
         step = checkpoints._step(step)
         saved = checkpoints._array_metadata(step, "params")
-        wrong = mismatches(saved, target, dtypes=False)
+        # a LoRA run's adapters, read whole (they are small) and folded into their weights: W + (alpha / r) A B
+        adapted = lora.with_saved_adapters(saved, target, jax.sharding.NamedSharding(plan.mesh, jax.P()))
+        wrong = mismatches(saved, adapted, dtypes=False)
         if wrong:
             raise ValueError(f"checkpoint step {step} in {path} does not fit the model:{listing(wrong)}")
-        read = ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        read = ocp.args.PyTreeRestore(adapted, restore_args=ocp.checkpoint_utils.construct_restore_args(adapted),
                                       partial_restore=True)
-        return checkpoints._read(step, ocp.args.Composite(params=read))["params"]
+        params = lora.fold(checkpoints._read(step, ocp.args.Composite(params=read))["params"])
+        return jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), params, target)
 
 
 def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dict:
