@@ -124,31 +124,10 @@ def trainable_for(plan):
     return TRAINABLE if plan.lora_rank else nnx.Param
 
 
-FUSED = ("q", "k", "v", "gate", "up")  # short names whose weights share one column-parallel matmul in jaxpar's models
-
-
-def check_fused_targets(plan) -> None:
-    """Refuse, before compiling, a frozen weight inside a fused column-parallel matmul on data x pipe x tensor.
-
-    There the pipeline's stage VJP cannot yet return such a weight's (discarded) gradient: it varies over `data`
-    where the frozen weight does not, and tracing fails deep in JAX. Adapting the whole group, or dropping one of
-    the three axes, trains (tests/test_lora.py).
-    """
-    shape = plan.shape
-    if shape["pipe"] > 1 and shape["tensor"] > 1 and shape["data"] * shape["replica"] > 1:
-        frozen = [t for t in FUSED if t not in plan.lora_targets]
-        if frozen:
-            raise ValueError(f"--lora-targets {','.join(plan.lora_targets)} leaves {','.join(frozen)} frozen, which "
-                             f"share fused column-parallel matmuls with adapted weights; on data x pipe x tensor that "
-                             f"is not supported yet: add {','.join(frozen)} to --lora-targets, or run without one of "
-                             f"data, pipe and tensor")
-
-
 def for_plan(make_model, plan):
     """(`make_model` with the plan's adapters put on, the trainable filter); as given, nnx.Param, without lora_rank."""
     if not plan.lora_rank:
         return make_model, nnx.Param
-    check_fused_targets(plan)
 
     def adapted():
         model = make_model()

@@ -169,7 +169,12 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
     k = plan.grad_accum
     at_use = zero.summed_at_use(trained_specs, grad_specs) if over_data and _sums_at_use(plan) else None
     if over_data:  # only what trains is marked varying: a frozen parameter's gradient is never formed nor summed
-        params = model.with_trained(params, zero.vary(model.trained(params), trained_specs, at_use))
+        trained = zero.vary(model.trained(params), trained_specs, at_use)
+        if plan.shape["pipe"] > 1 and model.trainable is not None:
+            # except in a pipeline: its residual ring hands each stage's saved weights back varying over data, so a
+            # frozen weight must be too, or its (never used) gradient has another type than the weight
+            params = zero.vary(params, param_specs)
+        params = model.with_trained(params, trained)
     at_use_all = None if at_use is None else model.frozen_false(at_use)
     ranks = plan.axis_size(*plan.rank_axes) if over_data else 1
     # Each rank differentiates its share of the global mean, so the gradients summed over ranks and
