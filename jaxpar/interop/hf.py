@@ -493,8 +493,8 @@ def merged_reader(read: Callable[[str], "SavedParameter"], adapted) -> Callable[
         def block(index: tuple[slice, ...]) -> np.ndarray:
             stacked = index[:lead]
             delta = lora.delta(*(p.read((*stacked, *(slice(None),) * (len(p.shape) - lead))) for p in (a, b, scale)))
-            base = weight.read(index)
-            return base + np.asarray(delta)[(slice(None),) * lead + index[lead:]].astype(base.dtype)
+            base = weight.read(index).astype(np.float32)  # a LoRA run's frozen weight may be held 2-byte
+            return base + np.asarray(delta, np.float32)[(slice(None),) * lead + index[lead:]]
 
         return SavedParameter(weight.shape, block)
 

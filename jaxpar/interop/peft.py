@@ -48,13 +48,13 @@ def _linear_targets(cfg: LlamaConfig) -> dict[str, str]:
             if layout in INPUT_DIMS and "{expert}" not in suffix}
 
 
-def _module_of(cfg: LlamaConfig, path: str) -> tuple[str, str]:
+def peft_module(cfg: LlamaConfig, path: str) -> tuple[str, str]:
     """(jaxpar weight name, torch module name) of an adapted weight; ValueError naming one PEFT cannot hold."""
     name = path.removeprefix(f"{blocks_path(cfg)}/")
     targets = _linear_targets(cfg)
     if name not in targets:
-        what = layer_params(cfg).get(name, (path,))[0]
-        raise ValueError(f"--format peft: the adapter on {path} ({what}) has no PEFT form: PEFT adapts one "
+        what = f" ({layer_params(cfg)[name][0]})" if name in layer_params(cfg) else ""
+        raise ValueError(f"--format peft: the adapter on {path}{what} has no PEFT form: PEFT adapts one "
                          f"nn.Linear per layer ({', '.join(sorted(set(targets.values())))}), and transformers holds "
                          "a Mixtral's experts as one fused parameter per block")
     return name, targets[name]
@@ -71,7 +71,7 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
         adapted = lora.adapted_names(names)
         if not adapted:
             raise ValueError(f"--format peft: {path} holds no LoRA adapters (train with --lora-rank)")
-        modules = dict(_module_of(cfg, p) for p in adapted)
+        modules = dict(peft_module(cfg, p) for p in adapted)
         pairs = {p: (read(p + lora.A), read(p + lora.B)) for p in adapted}
         ranks = {a.shape[-1] for a, _ in pairs.values()}
         scales = {float(v) for p in adapted for v in np.asarray(read(p + lora.SCALE)).reshape(-1)}
