@@ -36,9 +36,10 @@ FIELDS = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_l
               num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
               max_position_embeddings=128)
 DENSE = ("q", "k", "v", "o", "gate", "up", "down")
+ATTENTION = ("q", "k", "v", "o")
 MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
-FAMILIES = {  # family -> (transformers config, model class, the family's own fields, --lora-targets)
+FAMILIES = {  # family -> (transformers config, model class, the family's own fields, peft's target_modules)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, DENSE),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, DENSE),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 6}, DENSE),
@@ -46,7 +47,7 @@ FAMILIES = {  # family -> (transformers config, model class, the family's own fi
                                                      "query_pre_attn_scalar": 8, "sliding_window": 4,
                                                      "tie_word_embeddings": True}, DENSE),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
-                                                        "sliding_window": None}, ("q", "k", "v", "o")),
+                                                        "sliding_window": None}, ATTENTION),  # + fused experts
 }
 TOKENS = np.random.default_rng(0).integers(0, 290, size=(2, 12))
 
@@ -96,7 +97,7 @@ def trained(request, tmp_path_factory):
     family_model(family).save_pretrained(work / "base")
     run = work / "run"
     assert main(train_args(work / "base", "--steps", str(STEPS), "--lr", "1e-2", "--lora-rank", str(RANK),
-                           "--lora-alpha", str(ALPHA), "--lora-targets", ",".join(FAMILIES[family][3]),
+                           "--lora-alpha", str(ALPHA), "--lora-targets", ",".join(DENSE),
                            "--checkpoint-dir", str(run), "--save-every", str(STEPS))) == 0
     _, cfg = hf.saved_model_config(work / "base")
     with Checkpoints(run, read_only=True) as checkpoints:
@@ -111,6 +112,8 @@ def test_the_exported_adapter_on_its_base_in_peft_gives_jaxpars_logits(trained, 
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (RANK, ALPHA, str(base))
     assert config["target_modules"] == sorted(MODULES[t] for t in FAMILIES[family][3])
+    if family == "mixtral":  # each expert's gate, up and down: PEFT's LoRA on transformers' fused parameters
+        assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     adapted = peft.PeftModel.from_pretrained(base_model(base), tmp_path / "adapter").eval()
     error = relative(torch_logits(adapted), ours)
     assert error <= 1e-5, error
@@ -239,12 +242,26 @@ def test_a_bf16_lora_checkpoint_exports_its_frozen_weights_and_fp32_adapters(tmp
 
 @needs_peft
 @pytest.mark.parametrize("trained", ["mixtral"], indirect=True)
-def test_an_adapter_on_mixtral_experts_has_no_peft_form_and_is_refused(trained):
-    """transformers 5 holds a Mixtral block's experts as one fused gate_up_proj parameter: no per-expert Linear."""
+def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
+    """A router adapter has no PEFT form; an adapter naming a Linear the Mixtral lacks, or on its fused experts (one
+    A shared by gate and up, not jaxpar's two), is not read."""
+    from safetensors.numpy import save_file
+
     from jaxpar.interop.peft import peft_module
 
-    _, _, _, cfg, _ = trained
-    assert peft_module(cfg, "blocks/moe/wq") == ("wq", "self_attn.q_proj")
-    with pytest.raises(ValueError, match=r"^--format peft: the adapter on blocks/moe/expert_gate \(block_sparse_moe"
-                                         r"\.experts\.\{expert\}\.w1\.weight\) has no PEFT form"):
-        peft_module(cfg, "blocks/moe/expert_gate")
+    _, base, run, cfg, _ = trained
+    assert peft_module(cfg, "blocks/moe/wq") == "self_attn.q_proj"
+    with pytest.raises(ValueError, match=r"^--format peft: the adapter on blocks/moe/router \(block_sparse_moe"
+                                         r"\.gate\.weight\) has no PEFT form"):
+        peft_module(cfg, "blocks/moe/router")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA,
+                                                             "target_modules": ["gate_proj"]}))
+    save_file({"base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": np.zeros((RANK, 32), np.float32)},
+              adapter / "adapter_model.safetensors")
+    assert "target_modules gate_proj is no linear layer of" in refusal(train_args(base, "--adapter", str(adapter)),
+                                                                        capsys)
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "experts"), "--format", "peft"]) == 0
+    assert "target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']" in refusal(
+        train_args(base, "--adapter", str(tmp_path / "experts")), capsys)

@@ -11,23 +11,27 @@ flattened and transposed.
 
 `export_peft` writes a LoRA checkpoint's adapters (`jaxpar export --format
 peft`); `adapter_options` and `read_adapter` read one back for `jaxpar train
---init-from BASE --adapter DIR`. An adapter PEFT cannot express on these
-models is refused by name: transformers 5 holds a Mixtral's experts as one
-fused parameter per block, not the per-expert modules jaxpar's adapters are on.
+--init-from BASE --adapter DIR`. A Mixtral's expert adapters go out as PEFT's
+`target_parameters` on transformers 5's fused experts (`peft_experts`); an
+adapter PEFT cannot express is refused by name, and so is reading an adapter
+on fused experts back (its one A shared by gate and up is not two of jaxpar's).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from jaxpar.interop import hf_mixtral, peft_experts
 from jaxpar.interop.export import CONFIG_FILE, unflatten
 from jaxpar.interop.hf import SafetensorsFile, _numpy_dtype, _parameter_reader, saved_model_config
 from jaxpar.interop.hf_config import is_hf_dir
-from jaxpar.interop.hf_families import blocks_path, jaxpar_shapes, layer_params
+from jaxpar.interop.hf_families import blocks_path, jaxpar_shapes, layer_params, moe_family
+from jaxpar.interop.peft_experts import FUSED
 from jaxpar.interop.safetensors_reader import SafetensorsReader
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.parallel import lora
@@ -43,25 +47,29 @@ PLAIN = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias"
 
 def _linear_targets(cfg: LlamaConfig) -> dict[str, str]:
     """jaxpar weight name ('wq') -> its torch module's name within a layer ('self_attn.q_proj'), for every weight
-    that is one `nn.Linear` per layer."""
+    that is one `nn.Linear` per layer (an MoE block's router and experts are not: transformers 5 names them
+    otherwise in memory than in its files)."""
+    moe = moe_family(cfg).LAYER_PARAMS if hf_mixtral.is_moe(cfg) else {}
     return {name: suffix.removesuffix(".weight") for name, (suffix, layout) in layer_params(cfg).items()
-            if layout in INPUT_DIMS and "{expert}" not in suffix}
+            if layout in INPUT_DIMS and name not in moe}
 
 
-def peft_module(cfg: LlamaConfig, path: str) -> tuple[str, str]:
-    """(jaxpar weight name, torch module name) of an adapted weight; ValueError naming one PEFT cannot hold."""
+def peft_module(cfg: LlamaConfig, path: str) -> str:
+    """The torch module name ('self_attn.q_proj') of an adapted weight ('blocks/wq'), or '' for a Mixtral expert
+    weight (`jaxpar.interop.peft_experts`); ValueError naming one PEFT cannot hold."""
     name = path.removeprefix(f"{blocks_path(cfg)}/")
     targets = _linear_targets(cfg)
-    if name not in targets:
-        what = f" ({layer_params(cfg)[name][0]})" if name in layer_params(cfg) else ""
-        raise ValueError(f"--format peft: the adapter on {path}{what} has no PEFT form: PEFT adapts one "
-                         f"nn.Linear per layer ({', '.join(sorted(set(targets.values())))}), and transformers holds "
-                         "a Mixtral's experts as one fused parameter per block")
-    return name, targets[name]
+    if name in targets:
+        return targets[name]
+    if hf_mixtral.is_moe(cfg) and moe_family(cfg) is hf_mixtral and any(name in n for n in FUSED.values()):
+        return ""
+    what = f" ({layer_params(cfg)[name][0]})" if name in layer_params(cfg) else ""
+    raise ValueError(f"--format peft: the adapter on {path}{what} has no PEFT form: PEFT adapts an nn.Linear per "
+                     f"layer ({', '.join(sorted(set(targets.values())))}) and a Mixtral's fused experts")
 
 
 def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> dict:
-    """`jaxpar export --format peft`: a LoRA checkpoint's adapters as a PEFT folder, a layer at a time."""
+    """`jaxpar export --format peft`: a LoRA checkpoint's adapters as a PEFT folder (they are small: held whole)."""
     path, out = Path(path), Path(out).absolute()
     np_dtype = _numpy_dtype(dtype)
     if out.exists():
@@ -71,34 +79,37 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
         adapted = lora.adapted_names(names)
         if not adapted:
             raise ValueError(f"--format peft: {path} holds no LoRA adapters (train with --lora-rank)")
-        modules = dict(peft_module(cfg, p) for p in adapted)
-        pairs = {p: (read(p + lora.A), read(p + lora.B)) for p in adapted}
+        modules = {p: peft_module(cfg, p) for p in adapted}
+        pairs = {p: (np.asarray(read(p + lora.A)), np.asarray(read(p + lora.B))) for p in adapted}
         ranks = {a.shape[-1] for a, _ in pairs.values()}
         scales = {float(v) for p in adapted for v in np.asarray(read(p + lora.SCALE)).reshape(-1)}
-        if len(ranks) != 1 or len(scales) != 1:
-            raise ValueError(f"--format peft: the adapters have ranks {sorted(ranks)} and scales {sorted(scales)}; a "
-                             "PEFT adapter_config holds one r and one lora_alpha")
-        (rank,), (scale,) = ranks, scales
-        shapes = {}
+    if len(ranks) != 1 or len(scales) != 1:
+        raise ValueError(f"--format peft: the adapters have ranks {sorted(ranks)} and scales {sorted(scales)}; a "
+                         "PEFT adapter_config holds one r and one lora_alpha")
+    (rank,), (scale,) = ranks, scales
+    experts = {p.rsplit("/", 1)[-1]: pair for p, pair in pairs.items() if not modules[p]}
+    tensors = {}
+    for i in range(cfg.n_layers):
+        layer = f"{PREFIX}model.layers.{i}."
         for p, (a, b) in pairs.items():
-            for i in range(cfg.n_layers):
-                module = f"{PREFIX}model.layers.{i}.{modules[p.rsplit('/', 1)[-1]]}"
-                shapes[f"{module}.lora_A.weight"] = (rank, math.prod(a.shape[1:-1]))
-                shapes[f"{module}.lora_B.weight"] = (math.prod(b.shape[2:]), rank)
-        out.mkdir(parents=True)
-        with SafetensorsFile(out / ADAPTER_WEIGHTS, shapes, np_dtype, {"format": "pt"}) as writer:
-            for p, (a, b) in pairs.items():
-                for i in range(cfg.n_layers):
-                    module = f"{PREFIX}model.layers.{i}.{modules[p.rsplit('/', 1)[-1]]}"
-                    writer.write(f"{module}.lora_A.weight", a[i].reshape(-1, rank).T)
-                    writer.write(f"{module}.lora_B.weight", b[i].reshape(rank, -1).T)
+            if modules[p]:
+                tensors[f"{layer}{modules[p]}.lora_A.weight"] = a[i].reshape(-1, rank).T
+                tensors[f"{layer}{modules[p]}.lora_B.weight"] = b[i].reshape(rank, -1).T
+        tensors.update(peft_experts.layer_tensors(layer, {k: (a[i], b[i]) for k, (a, b) in experts.items()}, rank))
+    out.mkdir(parents=True)
+    with SafetensorsFile(out / ADAPTER_WEIGHTS, {k: v.shape for k, v in tensors.items()}, np_dtype,
+                         {"format": "pt"}) as writer:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
-              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules.values()}), "lora_dropout": 0.0,
-              "base_model_name_or_path": _base_name(path), "inference_mode": True, **PLAIN}
+              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules.values() if m}), "lora_dropout": 0.0,
+              "base_model_name_or_path": _base_name(path), "inference_mode": True,
+              **PLAIN, **(peft_experts.config_fields(peft_experts.fused_targets(set(experts)), rank, scale * rank)
+                          if experts else {})}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return {"path": str(out), "format": "peft", "step": saved_step, "r": rank, "lora_alpha": scale * rank,
-            "target_modules": config["target_modules"], "tensors": len(shapes),
-            "bytes": sum(math.prod(s) for s in shapes.values()) * np_dtype.itemsize}
+            "target_modules": config["target_modules"], "target_parameters": config["target_parameters"],
+            "tensors": len(tensors), "bytes": sum(t.size for t in tensors.values()) * np_dtype.itemsize}
 
 
 def _base_name(path: Path) -> str | None:
@@ -160,7 +171,7 @@ def adapter_options(directory, given: dict) -> dict:
                              f"adapter_config.json says {value}; drop the flag (the adapter decides)")
     if config.get("lora_dropout"):
         print(f"warning: --adapter {directory}: lora_dropout={config['lora_dropout']} is not applied (jaxpar trains "
-              "LoRA without dropout)", flush=True)
+              "LoRA without dropout)", file=sys.stderr)
     return options
 
 
@@ -179,6 +190,9 @@ def read_adapter(directory, cfg: LlamaConfig, base: str) -> dict:
     try:
         flat, expected = {}, set()
         for module in config["target_modules"]:
+            if module not in targets:
+                raise ValueError(f"--adapter {directory}: target_modules {module} is no linear layer of {base} "
+                                 f"({', '.join(targets)}); the adapter was made for another base")
             name = targets[module]
             path, layout = f"{blocks_path(cfg)}/{name}", layer_params(cfg)[name][1]
             d_in, d_out = shapes[path][1:1 + INPUT_DIMS[layout]], shapes[path][1 + INPUT_DIMS[layout]:]
