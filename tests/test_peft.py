@@ -136,11 +136,14 @@ def test_an_adapter_made_by_peft_starts_training_at_peft_logits(trained, tmp_pat
     """peft's own adapter (init_lora_weights=False: A and B random) read by `train --adapter`: step 0's weights."""
     family, base, _, cfg, _ = trained
     torch.manual_seed(1)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if family == "mixtral" else None
     made = peft.get_peft_model(base_model(base), peft.LoraConfig(
-        r=RANK, lora_alpha=ALPHA, target_modules=[MODULES[t] for t in FAMILIES[family][3]], init_lora_weights=False))
+        r=RANK, lora_alpha=ALPHA, target_modules=[MODULES[t] for t in FAMILIES[family][3]], target_parameters=experts,
+        init_lora_weights=False))
     made.save_pretrained(tmp_path / "adapter")
     config, options, mesh = resolve(build_parser().parse_args(train_args(base, "--adapter", str(tmp_path / "adapter"))))
-    assert (options["lora_rank"], options["lora_alpha"]) == (RANK, ALPHA)
+    assert (options["lora_rank"], options["lora_alpha"], options["lora_targets"]) == (RANK, ALPHA, DENSE if experts
+                                                                                       else FAMILIES[family][3])
     state = prepare(config, Plan.create(mesh, **options)).init()
     ours = jaxpar_logits(cfg, jax.device_get(state.params))
     error = relative(ours, torch_logits(made.eval()))
@@ -243,8 +246,8 @@ def test_a_bf16_lora_checkpoint_exports_its_frozen_weights_and_fp32_adapters(tmp
 @needs_peft
 @pytest.mark.parametrize("trained", ["mixtral"], indirect=True)
 def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
-    """A router adapter has no PEFT form; an adapter naming a Linear the Mixtral lacks, or on its fused experts (one
-    A shared by gate and up, not jaxpar's two), is not read."""
+    """A router adapter has no PEFT form; an adapter naming a Linear the Mixtral lacks, or one of two ranks (gate and
+    up's two A exported as one of rank 2r), is not read."""
     from safetensors.numpy import save_file
 
     from jaxpar.interop.peft import peft_module
@@ -263,5 +266,5 @@ def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
     assert "target_modules gate_proj is no linear layer of" in refusal(train_args(base, "--adapter", str(adapter)),
                                                                         capsys)
     assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "experts"), "--format", "peft"]) == 0
-    assert "target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']" in refusal(
+    assert f"rank_pattern={{'gate_up_proj': {2 * RANK}}}" in refusal(  # gate and up's two A as one of rank 2r
         train_args(base, "--adapter", str(tmp_path / "experts")), capsys)

@@ -12,9 +12,8 @@ flattened and transposed.
 `export_peft` writes a LoRA checkpoint's adapters (`jaxpar export --format
 peft`); `adapter_options` and `read_adapter` read one back for `jaxpar train
 --init-from BASE --adapter DIR`. A Mixtral's expert adapters go out as PEFT's
-`target_parameters` on transformers 5's fused experts (`peft_experts`); an
-adapter PEFT cannot express is refused by name, and so is reading an adapter
-on fused experts back (its one A shared by gate and up is not two of jaxpar's).
+`target_parameters` on transformers 5's fused experts and come back from
+them (`peft_experts`); an adapter PEFT cannot express is refused by name.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ PREFIX = "base_model.model."  # PeftModel's path to the wrapped model's modules
 INPUT_DIMS = {"in_heads": 1, "out_heads": 2, "transpose": 1}  # layouts of a torch Linear: jaxpar's input dimensions
 # PEFT LoRA options an adapter of jaxpar's kind leaves at these values (an adapter with others is refused)
 PLAIN = {"use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
-         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None}
+         "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
 
 
 def _linear_targets(cfg: LlamaConfig) -> dict[str, str]:
@@ -150,6 +149,11 @@ def _read_config(directory: Path) -> dict:
     if not isinstance(config.get("target_modules"), list):
         raise ValueError(f"--adapter {directory}: target_modules={config.get('target_modules')!r}; jaxpar reads a "
                          "list of module names (q_proj, v_proj, ...)")
+    fused = [f"{peft_experts.EXPERTS}.{name}" for name in FUSED]
+    other = [t for t in config.get("target_parameters") or [] if t not in fused]
+    if other:
+        raise ValueError(f"--adapter {directory}: target_parameters {other} are not parameters jaxpar adapts "
+                         f"({', '.join(fused)})")
     return config
 
 
@@ -163,8 +167,10 @@ def adapter_options(directory, given: dict) -> dict:
     if unknown:
         raise ValueError(f"--adapter {directory}: target_modules {unknown} are not linear layers jaxpar adapts "
                          f"({', '.join(short)})")
+    targets = {short[m] for m in config["target_modules"]} | {  # a Mixtral's fused experts: gate_up_proj -> gate, up
+        t.removeprefix("expert_") for p in config.get("target_parameters") or [] for t in FUSED[p.rsplit(".", 1)[-1]]}
     options = {"lora_rank": int(config["r"]), "lora_alpha": float(config.get("lora_alpha", config["r"])),
-               "lora_targets": tuple(short[m] for m in sorted(config["target_modules"], key=list(short).index))}
+               "lora_targets": tuple(t for t in lora.SHORT_NAMES if t in targets)}
     for key, value in options.items():
         if given.get(key) not in (None, value, *((",".join(value), list(value)) if key == "lora_targets" else ())):
             raise ValueError(f"--{key.replace('_', '-')} {given[key]} conflicts with --adapter {directory}, whose "
@@ -205,6 +211,19 @@ def read_adapter(directory, cfg: LlamaConfig, base: str) -> dict:
                 a_layers.append(a.T.reshape(*d_in, rank))
                 b_layers.append(b.T.reshape(rank, *d_out))
             flat[path + lora.A], flat[path + lora.B] = np.stack(a_layers), np.stack(b_layers)
+        fused = [p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or []]
+        if fused and not (hf_mixtral.is_moe(cfg) and moe_family(cfg) is hf_mixtral):
+            raise ValueError(f"--adapter {directory}: target_parameters {config['target_parameters']} are a "
+                             f"Mixtral's experts; {base} is not a Mixtral")
+        if fused:
+            shapes = {name: (cfg.n_experts, cfg.expert_d_ff if name == "down_proj" else cfg.d_model,
+                             cfg.d_model if name == "down_proj" else 2 * cfg.expert_d_ff) for name in fused}
+            layers = [peft_experts.read_layer(lambda name, shape: _tensor(reader, name, shape, base),
+                                              f"{PREFIX}model.layers.{i}.", shapes, rank) for i in range(cfg.n_layers)]
+            expected |= {name for layer in layers for name in layer.pop("names")}
+            for name in layers[0]:
+                for what, j in ((lora.A, 0), (lora.B, 1)):
+                    flat[f"{blocks_path(cfg)}/{name}{what}"] = np.stack([layer[name][j] for layer in layers])
         extra = sorted(set(reader.files) - expected)
         if extra:
             raise ValueError(f"--adapter {directory}: tensors {extra[:4]} are not on the targets of a {cfg.n_layers}-"

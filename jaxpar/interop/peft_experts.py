@@ -13,6 +13,9 @@ jaxpar's gate and up experts have an A each; gate_up_proj has one A for both.
 So gate_up_proj's adapter has rank 2r (`rank_pattern`, with `alpha_pattern`
 2 alpha keeping the scale alpha / r): A_e stacks gate's and up's A, B_e is
 block-diagonal, which is exactly the two adapters (an absent one is zero).
+Read back (`read_layer`), a gate_up_proj adapter of rank r gives gate and up
+each a copy of A_e and their rows of B_e; one of rank 2r (rank_pattern) is
+refused, since jaxpar trains one rank.
 """
 
 from __future__ import annotations
@@ -55,3 +58,20 @@ def layer_tensors(prefix: str, pairs: dict[str, tuple[np.ndarray, np.ndarray]], 
         out[f"{module}.lora_A.weight"] = a.reshape(-1, a.shape[-1])
         out[f"{module}.lora_B.weight"] = b.transpose(1, 2, 0).reshape(b.shape[1], -1)
     return out
+
+
+def read_layer(read, prefix: str, shapes: dict[str, tuple[int, int, int]], rank: int) -> dict:
+    """One layer's expert adapters in jaxpar's layout from PEFT's tensors: expert weight name -> (A [experts, in,
+    r], B [experts, r, out]), plus "names", the tensors read. `read(name, shape)` gives a checked tensor; `shapes`:
+    each fused parameter's (experts, in, out) as PEFT sees it (gate_up_proj: out = 2 d_ff)."""
+    out, names = {}, []
+    for name, (experts, d_in, d_out) in shapes.items():
+        module = f"{prefix}{EXPERTS}{'.base_layer' if len(shapes) == 2 and name == 'gate_up_proj' else ''}"
+        names += [f"{module}.lora_A.weight", f"{module}.lora_B.weight"]
+        a = read(names[-2], (rank * experts, d_in)).reshape(experts, rank, d_in).transpose(0, 2, 1)
+        b = read(names[-1], (d_out, rank * experts)).reshape(d_out, rank, experts).transpose(2, 1, 0)
+        parts = FUSED[name]
+        for j, weight in enumerate(parts):  # gate_up_proj's rows: gate's, then up's
+            rows = d_out // len(parts)
+            out[weight] = (a, b[:, :, j * rows:(j + 1) * rows])
+    return {**out, "names": names}
