@@ -107,7 +107,7 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
                           if experts else {})}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return {"path": str(out), "format": "peft", "step": saved_step, "r": rank, "lora_alpha": scale * rank,
-            "target_modules": config["target_modules"], "target_parameters": config["target_parameters"],
+            "target_modules": config["target_modules"], "target_parameters": config.get("target_parameters"),
             "tensors": len(tensors), "bytes": sum(t.size for t in tensors.values()) * np_dtype.itemsize}
 
 
