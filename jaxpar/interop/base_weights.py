@@ -4,15 +4,16 @@ A LoRA run's adapters mean something only beside the weights they were
 trained on. Its run config names them (`record`); resume, eval, generate and
 export refuse a checkpoint whose base has changed since (`check`).
 
-The fingerprint is a SHA-256 over every file under the base (a Hugging Face
-directory, an import-hf or export directory): its relative path, its size and
+The fingerprint is a SHA-256 over the weights' files under the base (a Hugging
+Face directory's safetensors and their index; every file of an import-hf or
+export directory, whose Orbax files hold only weights): relative path, size and
 `SAMPLES` blocks of `SAMPLE_BYTES` spread evenly through it (the start, with a
 safetensors header, and the end among them). Hashing every byte would read the
 whole model (14 GB for a 7B model, tens of seconds) at every resume and export;
-the sample reads under a megabyte per file. Replacing the weights with others
-(another model, a further fine-tune, a re-quantized copy) changes sizes,
-headers or the sampled bytes of every tensor region; an edit of a few bytes
-between the samples would pass unnoticed.
+the sample reads 64 KiB per file. Replacing the weights with others (another
+model, a further fine-tune, a re-quantized copy) changes every tensor's bytes,
+and so the sampled ones; an edit of a few bytes between the samples would pass
+unnoticed.
 """
 
 from __future__ import annotations
@@ -21,16 +22,20 @@ import hashlib
 import sys
 from pathlib import Path
 
+from jaxpar.interop.safetensors_reader import INDEX_FILE
+
 SAMPLES = 16
 SAMPLE_BYTES = 4096
 KEY = "lora_base"  # where the run config holds {"path", "fingerprint"}
 
 
 def fingerprint(path) -> str:
-    """The hex SHA-256 of every file under `path`: relative path, size and `SAMPLES` evenly spread blocks."""
+    """The hex SHA-256 of the weights' files under `path`: relative path, size and `SAMPLES` evenly spread blocks."""
     path = Path(path)
+    files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+    weights = [p for p in files if p.suffix == ".safetensors" or p.name == INDEX_FILE]
     digest = hashlib.sha256()
-    for file in sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file()):
+    for file in weights or files:
         size = file.stat().st_size
         digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{size}\0".encode())
         with open(file, "rb") as handle:
