@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="--format hf of a LoRA checkpoint: write each adapted weight merged, W + (alpha / r) A B")
     export.add_argument("--dtype", default="float32", help="--format hf or peft: float32, bfloat16 or float16")
+    export.add_argument("--devices", type=int, default=None,
+                        help="host (CPU) devices to expose (default 8; `jaxpar launch` gives each process its own)")
     _add_hf_commands(sub)
     launch = sub.add_parser("launch", help="run a jaxpar command, or any command (`-- python my_train.py ...`), as "
                                            "several cooperating processes on this machine",
@@ -345,6 +347,9 @@ def _hf_command(args: argparse.Namespace) -> int:
                                  "the adapter alone)")
             result = export_peft(args.checkpoint_dir, args.out, args.step, args.dtype)
         elif args.command == "export":
+            from jaxpar.train import distributed
+
+            distributed.initialize()  # under `jaxpar launch`, each process writes its share of the tensors
             from jaxpar.interop.hf import export_hf
 
             result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype, args.merge)
@@ -429,10 +434,15 @@ def main(argv: list[str] | None = None) -> int:
         from jaxpar.planner.command import main as plan_main
 
         return plan_main(args)
+    if args.command == "export" and args.format != "hf" and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+        print(f"error: export --format {args.format} is written by one process; only --format hf is written by "
+              "several (`jaxpar launch`)", file=sys.stderr)
+        return 2
     if args.command in HF_COMMANDS or (args.command == "export" and args.format != "jaxpar"):
         _set_host_devices(getattr(args, "devices", None))
         return _hf_command(args)
     if args.command == "export":
+        _set_host_devices(args.devices)
         return _export(args)
     _set_host_devices(args.devices)
     from jaxpar.core import gpu_profile

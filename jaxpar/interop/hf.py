@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from jaxpar.interop import base_weights, hf_mixtral
+from jaxpar.interop import base_weights, export_shares, hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
@@ -192,20 +192,22 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
     raise AssertionError(layout)
 
 
-def _hf_tensors(cfg: LlamaConfig, path: str, array) -> Iterator[tuple[str, np.ndarray]]:
+def _hf_tensors(cfg: LlamaConfig, path: str, array, wanted=None) -> Iterator[tuple[str, np.ndarray]]:
     """The Hugging Face tensors (name, torch layout) of one jaxpar parameter (numpy or a SavedParameter, read a
-    layer, or a layer's expert, at a time): one per layer (and expert)."""
+    layer, or a layer's expert, at a time): one per layer (and expert); with `wanted`, only those it names, the
+    others never read."""
     if path in TOP_PARAMS:
         name, layout = TOP_PARAMS[path]
-        yield name, _to_hf(np.asarray(array), layout, cfg.vocab)
+        if wanted is None or name in wanted:
+            yield name, _to_hf(np.asarray(array), layout, cfg.vocab)
         return
     suffix, layout = layer_params(cfg)[path.removeprefix(f"{blocks_path(cfg)}/")]
     for i in range(cfg.n_layers):
-        if "{expert}" in suffix:
-            for e in range(cfg.n_experts):
-                yield f"model.layers.{i}.{suffix.format(expert=e)}", _to_hf(array[i, e], layout, cfg.vocab)
-        else:
-            yield f"model.layers.{i}.{suffix}", _to_hf(array[i], layout, cfg.vocab)
+        experts = range(cfg.n_experts) if "{expert}" in suffix else [None]
+        for e in experts:
+            name = f"model.layers.{i}.{suffix if e is None else suffix.format(expert=e)}"
+            if wanted is None or name in wanted:
+                yield name, _to_hf(array[i] if e is None else array[i, e], layout, cfg.vocab)
 
 
 class SafetensorsFile:
@@ -262,43 +264,61 @@ def write_hf_from(read: Callable[[str], np.ndarray], cfg: LlamaConfig, out, dtyp
     `read(path)` gives one jaxpar parameter ('blocks/wq'): numpy, or a SavedParameter that reads one layer (or
     one layer's expert) at a time. Each block is cut into its Hugging Face tensor and written at its place in
     the files before the next is read, so the host holds about one tensor, not the model. A failed export
-    leaves no directory behind.
+    leaves no directory behind. In a job of several processes each writes one file of its share of the tensors
+    (`export_shares`), and process 0 the config and index once all are written.
     """
     out = Path(out)
     if out.exists():
         raise ValueError(f"export target {str(out)!r} already exists; choose another --out or remove it")
     np_dtype = _numpy_dtype(dtype)
     shapes = expected_hf_shapes(cfg)
+    process, processes = jax.process_index(), jax.process_count()
+    groups = _file_groups(shapes, np_dtype, max_shard_bytes) if processes == 1 else \
+        [share for share in export_shares.shares(shapes, np_dtype.itemsize, processes) if share]
+    files = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                     for i in range(len(groups))]
+    mine = list(zip(files, groups)) if processes == 1 else list(zip(files, groups))[process:process + 1]
+    config = config_to_hf(cfg, dtype, source)
+    export_shares.barrier("export: target checked")  # by every process before any makes it
+    out.mkdir(parents=True, exist_ok=processes > 1)
+    try:
+        with contextlib.ExitStack() as stack:
+            writers = [stack.enter_context(SafetensorsFile(out / file, group, np_dtype, {"format": "pt"}))
+                       for file, group in mine]
+            where = {name: writer for writer in writers for name in writer.places}
+            for path in jaxpar_shapes(cfg):
+                for name, tensor in _hf_tensors(cfg, path, read(path), where):
+                    where[name].write(name, tensor)
+    except BaseException:
+        if processes == 1:
+            shutil.rmtree(out)
+        for file, _ in mine:
+            (out / file).unlink(missing_ok=True)
+        raise
+    export_shares.barrier("export: files written")
+    total = sum(math.prod(shape) * np_dtype.itemsize for shape in shapes.values())
+    if process == 0:
+        (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if len(files) > 1:
+            weight_map = {name: file for file, group in zip(files, groups) for name in group}
+            (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=2))
+    return {"path": str(out), "format": "hf", "files": files, "tensors": len(shapes), "bytes": total,
+            **({"process": process, "written": [file for file, _ in mine]} if processes > 1 else {})}
+
+
+def _file_groups(shapes: dict[str, tuple[int, ...]], dtype: np.dtype, max_shard_bytes: int) -> list[dict]:
+    """The tensors cut, in order, into files of at most `max_shard_bytes` (a larger tensor alone in its file)."""
     groups: list[dict[str, tuple[int, ...]]] = [{}]
     size = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * np_dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append({})
             size = 0
         groups[-1][name] = shape
         size += nbytes
-    files = [SINGLE_FILE] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-                                                     for i in range(len(groups))]
-    config = config_to_hf(cfg, dtype, source)
-    out.mkdir(parents=True)
-    try:
-        (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        with contextlib.ExitStack() as stack:
-            writers = [stack.enter_context(SafetensorsFile(out / file, group, np_dtype, {"format": "pt"}))
-                       for file, group in zip(files, groups)]
-            where = {name: writer for writer in writers for name in writer.places}
-            for path in jaxpar_shapes(cfg):
-                for name, tensor in _hf_tensors(cfg, path, read(path)):
-                    where[name].write(name, tensor)
-    except BaseException:
-        shutil.rmtree(out)
-        raise
-    total = sum(math.prod(shape) * np_dtype.itemsize for shape in shapes.values())
-    if len(files) > 1:
-        weight_map = {name: file for file, group in zip(files, groups) for name in group}
-        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return {"path": str(out), "format": "hf", "files": files, "tensors": len(shapes), "bytes": total}
+    return groups
 
 
 def _numpy_dtype(dtype: str) -> np.dtype:
