@@ -43,6 +43,7 @@ from jaxpar.parallel import lora
 
 SINGLE_FILE = "model.safetensors"
 MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most this many bytes
+WRITE_BYTES = 16 << 20  # export: a tensor is converted to its file layout and dtype this many bytes at a time
 JAXPAR_NAME = "tiny"  # imported checkpoints name a Llama whose every config field is given (see import_hf)
 MOE_NAME = "moe-tiny"  # ... and an MoE Llama (Mixtral) likewise
 
@@ -236,7 +237,9 @@ class SafetensorsFile:
         if array.shape != shape:
             raise ValueError(f"{name}: shape {list(array.shape)}, the file's header says {list(shape)}")
         self.file.seek(self.start + offset)
-        self.file.write(np.ascontiguousarray(array, self.dtype).reshape(-1).view(np.uint8).data)  # bf16: as bytes
+        rows = max(1, WRITE_BYTES // max(1, math.prod(shape[1:]) * self.dtype.itemsize))
+        for lo in range(0, shape[0], rows):  # a transposed or cast tensor copied a few rows at a time, not whole
+            self.file.write(np.ascontiguousarray(array[lo:lo + rows], self.dtype).reshape(-1).view(np.uint8).data)
         self.written.add(name)
 
     def __enter__(self) -> "SafetensorsFile":
@@ -607,9 +610,12 @@ def _tensorstore_parameter(saved) -> SavedParameter:
         """The block, read a stored chunk at a time into one buffer: TensorStore decodes every chunk a read
         overlaps at once, and a chunk spans all the layers one saving device held."""
         bounds = [_bounds(i, n) for i, n in zip(index, array.shape)]
+        parts = [tuple(slice(max(s, a), min(s + c, b)) for s, c, (a, b) in zip(corner, chunk, bounds))
+                 for corner in itertools.product(*(range(a - a % c, b, c) for (a, b), c in zip(bounds, chunk)))]
+        if len(parts) == 1:  # within one chunk: TensorStore's buffer is the block, no second copy
+            return array[parts[0]].read().result()
         out = np.empty([b - a for a, b in bounds], array.dtype.numpy_dtype)
-        for corner in itertools.product(*(range(a - a % c, b, c) for (a, b), c in zip(bounds, chunk))):
-            part = tuple(slice(max(s, a), min(s + c, b)) for s, c, (a, b) in zip(corner, chunk, bounds))
+        for part in parts:
             out[tuple(slice(p.start - a, p.stop - a) for p, (a, _) in zip(part, bounds))] = array[part].read().result()
         return out
 
