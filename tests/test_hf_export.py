@@ -169,6 +169,22 @@ def test_block_checksums_add_up_to_the_saved_checksum():
         assert summed == checksums({"a": array})["a"] == _block_checksum(array, 0, chunk=11)
 
 
+def test_a_tensor_is_cast_and_written_a_few_rows_at_a_time(tmp_path, monkeypatch):
+    """Transposed (a head's layout) and cast to bf16 in pieces of 2 rows: the file safetensors reads holds the
+    whole tensor's cast, bit for bit."""
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file
+
+    from jaxpar.interop import hf
+
+    monkeypatch.setattr(hf, "WRITE_BYTES", 2 * 5 * 2)  # 2 rows of 5 bf16 values
+    array = np.random.default_rng(0).standard_normal((5, 7), np.float32).T  # 7 rows, not contiguous
+    with hf.SafetensorsFile(tmp_path / "t.safetensors", {"w": (7, 5)}, np.dtype(jnp.bfloat16), {}) as writer:
+        writer.write("w", array)
+    got = load_file(tmp_path / "t.safetensors")["w"]
+    assert got.tobytes() == np.ascontiguousarray(array.astype(jnp.bfloat16)).tobytes()
+
+
 @needs_torch
 def test_a_corrupted_parameter_stops_the_export_and_leaves_no_directory(trained_mixtral, tmp_path, monkeypatch,
                                                                        capsys):

@@ -1,7 +1,7 @@
 """`jaxpar launch -n 2 ... export --format hf`: a checkpoint saved by two processes is exported by both together.
 
-A tiny Llama is trained one step by two processes of 4 devices (data=2,pipe=2,tensor=2: each process holds one
-pipeline stage) and exported by two processes: each writes one safetensors file of its share of the tensors
+A tiny Llama is trained one step by two processes of 4 devices (data=2,pipe=2,tensor=2) and exported by two
+processes: each writes one safetensors file of its share of the tensors
 (disjoint, together all of them), process 0 the index naming every file once both are written. The tensors are
 bitwise those of the one-process export, and transformers reloads the directory strictly.
 """

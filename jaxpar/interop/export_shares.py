@@ -2,8 +2,8 @@
 
 Each process writes one safetensors file of its own share, disjoint from the others': a contiguous run of the
 tensors in file order (embeddings, then layer by layer), cut where the bytes before reach its fraction of the
-total, so the shares are about equal and a process reads whole layers, those its pipeline stage held under a
-`pipe` axis over the processes. Process 0 writes `config.json` and the index naming every file once all have
+total, so the shares are about equal and a process reads whole layers (each from the checkpoint's shared files,
+as one process does). Process 0 writes `config.json` and the index naming every file once all have
 written theirs.
 """
 
