@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core import zero_layout
+from jaxpar.parallel import quantized_base
 
 A, B, SCALE = "_lora_a", "_lora_b", "_lora_scale"
 TRAINABLE = nnx.LoRAParam  # the filter `apply` returns: only the adapters train
@@ -125,13 +126,16 @@ def trainable_for(plan):
 
 
 def for_plan(make_model, plan):
-    """(`make_model` with the plan's adapters put on, the trainable filter); as given, nnx.Param, without lora_rank."""
+    """(`make_model` with the plan's adapters put on, its base quantized under base_dtype, the trainable filter);
+    as given, nnx.Param, without lora_rank."""
     if not plan.lora_rank:
         return make_model, nnx.Param
 
     def adapted():
         model = make_model()
         apply(model, plan.lora_rank, plan.lora_alpha or None, plan.lora_targets)
+        if plan.base_dtype != "none":
+            quantized_base.store(model, plan.base_dtype)
         return model
 
     return adapted, TRAINABLE
@@ -161,10 +165,14 @@ def fold(tree, unstacked_only: bool = False, keep: bool = False):
     `unstacked_only`: only the weights outside a layer stack (a scalar scale),
     leaving stacked ones for the layer scan to fold one layer at a time.
     `keep`: the adapters stay in the tree (to merge a module from it); else they
-    are dropped, so that a nested layer scan cannot fold them twice.
+    are dropped, so that a nested layer scan cannot fold them twice. A weight
+    held quantized (QLoRA, `jaxpar.parallel.quantized_base`: only stacked ones)
+    is dequantized first.
     """
     if not isinstance(tree, dict):
         return tree
+    if not unstacked_only:
+        tree = quantized_base.dequantized(tree, keep)
     out = {}
     for key, value in tree.items():
         base = _adapter_of(key, tree)
