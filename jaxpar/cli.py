@@ -147,6 +147,11 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     plan.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: ~4M tokens)")
     plan.add_argument("--precision", default="bf16", help="fp32, bf16, fp16 or bf16-params")
+    plan.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base "
+                                                                 "(0: every weight trains)")
+    plan.add_argument("--lora-targets", default="q,k,v,o", help="the weights LoRA adapts (default q,k,v,o)")
+    plan.add_argument("--base-dtype", default="none", help="with --lora-rank: the frozen layer-stack matrices held "
+                                                           "as int8 or nf4 (QLoRA); none: in the parameter dtype")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", default=None, help='one layout\'s breakdown, e.g. "data=8,tensor=8,pipe=16 zero=1"')
     plan.add_argument("--json", action="store_true", help="also print everything as one JSON object on stdout")

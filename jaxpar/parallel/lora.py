@@ -141,14 +141,37 @@ def for_plan(make_model, plan):
     return adapted, TRAINABLE
 
 
+@jax.custom_vjp
 def delta(a, b, scale):
-    """(alpha / r) A B in the weight's shape: A [lead..., in..., r], B [lead..., r, out...], scale [lead...]."""
+    """(alpha / r) A B in the weight's shape: A [lead..., in..., r], B [lead..., r, out...], scale [lead...].
+
+    Its backward keeps A, B and the scale, never the product: a remat policy
+    that keeps matmul outputs (`jaxpar.parallel.stack.remat_wrapper`) would
+    otherwise keep a weight-sized A B for every layer.
+    """
+    return _delta(a, b, scale)
+
+
+def _delta(a, b, scale):
     lead, rank = scale.ndim, a.shape[-1]
     d_in, d_out = a.shape[lead:-1], b.shape[lead + 1:]
     ab = jnp.matmul(a.reshape(*a.shape[:lead], math.prod(d_in), rank),
                     b.reshape(*b.shape[:lead], rank, math.prod(d_out)))
     ab = ab * scale.reshape(*scale.shape, 1, 1).astype(ab.dtype)
     return ab.reshape(*a.shape[:lead], *d_in, *d_out)
+
+
+def _delta_forward(a, b, scale):
+    return _delta(a, b, scale), (a, b, scale)
+
+
+def _delta_backward(saved, cotangent):
+    a, b, scale = saved
+    _, pullback = jax.vjp(_delta, a, b, scale)
+    return pullback(cotangent)
+
+
+delta.defvjp(_delta_forward, _delta_backward)
 
 
 def _adapter_of(key, tree) -> str | None:

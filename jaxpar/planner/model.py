@@ -18,6 +18,8 @@ class Leaf:
     path: str
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
+    trained: bool = True  # False: frozen (a LoRA base), no gradient, no optimizer state, no gradient sum
+    held_bytes: float = 0.0  # bytes a value is held in when quantized (QLoRA's base); 0: the precision's
 
     @property
     def size(self) -> int:
@@ -49,10 +51,16 @@ class Model:
     dropless: bool = False
     group_size: int | None = None
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
+    plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
 
     @functools.cached_property
     def params(self) -> int:
         return sum(leaf.size for leaf in self.leaves)
+
+    @functools.cached_property
+    def quantized_bytes(self) -> float:
+        """Bytes a quantized base value is held in (0: none is quantized)."""
+        return max((leaf.held_bytes for leaf in self.leaves), default=0.0)
 
     @property
     def moe_layers(self) -> int:
