@@ -11,14 +11,13 @@ import pytest
 from flax import nnx
 
 import reference_lora
-from helpers import batches, copy_state, max_relative_error, single_device_plan
+from helpers import batches, compile_and_train, copy_state, max_relative_error, single_device_plan
 from jaxpar.core.plan import Plan
 from jaxpar.models.config import LlamaConfig
 from jaxpar.models.llama import Llama
 from jaxpar.parallel import lora, quantized_base
 from jaxpar.parallel.quantize import NF4
 from jaxpar.train.state import init_state, place_state
-from jaxpar.train.step import make_train_step
 
 RANK, ALPHA, STEPS = 4, 8.0, 2
 ALL = ("q", "k", "v", "o", "gate", "up", "down")
@@ -40,12 +39,7 @@ def build(kind="nf4"):
 def initial():
     """The model and its step-0 state, every B drawn small and random (B = 0 gives A no gradient at first)."""
     model, state = init_state(build, OPTIMIZER, single_device_plan(), trainable=lora.TRAINABLE)
-    rng = np.random.default_rng(0)
-    state = copy_state(state)
-    state.params = jax.tree_util.tree_map_with_path(
-        lambda path, x: (0.05 * rng.standard_normal(x.shape)).astype(x.dtype)
-        if str(path[-1]).endswith("_lora_b']") else x, state.params)
-    return model, state
+    return model, reference_lora.with_random_b(copy_state(state))
 
 
 def dequantized(params):
@@ -68,16 +62,10 @@ def dequantized(params):
 
 @functools.cache
 def run(mesh: str, **options):
-    """(losses, final state, compiled step, plan) of STEPS QLoRA steps on `mesh`."""
+    """(losses, final state on host) of STEPS QLoRA steps on `mesh`."""
     model, state = initial()
-    plan = Plan.create(mesh, **options)
-    state = place_state(copy_state(state), model, OPTIMIZER, plan)
-    compiled = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan).lower(state, DATA[0]).compile()
-    losses = []
-    for i in range(STEPS):
-        state, metrics = compiled(state, DATA[i])
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), state, compiled, plan
+    losses, final, _ = compile_and_train(model, state, OPTIMIZER, Plan.create(mesh, **options), DATA, STEPS)
+    return losses, final
 
 
 @functools.cache
@@ -98,10 +86,9 @@ MESHES = [
 @pytest.mark.parametrize("mesh,options", MESHES, ids=lambda v: str(v) if not isinstance(v, dict) else
                          ",".join(f"{k}={o}" for k, o in v.items()) or "-")
 def test_qlora_training_matches_plain_jax_lora_on_the_dequantized_base(mesh, options):
-    losses, final, _, _ = run(mesh, **options)
+    losses, final = run(mesh, **options)
     ref = expected()
-    params = jax.device_get(final.params)
-    adapters, frozen = reference_lora.split(params)
+    adapters, frozen = reference_lora.split(final.params)
     start = reference_lora.split(initial()[1].params)[1]
     print(f"{mesh} {options}: losses {losses} vs {ref.losses}, adapters' error "
           f"{max_relative_error(adapters, ref.params):.1e}")
@@ -117,10 +104,11 @@ def _bytes_on(x, device) -> int:
 
 @pytest.mark.parametrize("mesh,options", MESHES[:3], ids=["data", "zero3", "tensor"])
 def test_the_base_takes_under_a_third_of_bf16s_bytes_per_device(mesh, options):
-    """Per device: each matrix's codes and scales against the bf16 shard of the weight they stand for."""
-    _, final, _, plan = run(mesh, **options)
+    """Per device: each matrix's codes and scales, as the plan places them, against the bf16 shard of the weight."""
+    model, state = initial()
+    plan = Plan.create(mesh, **options)
+    blocks = place_state(copy_state(state), model, OPTIMIZER, plan).params["blocks"]
     device = plan.mesh.devices.flat[0]
-    blocks = final.params["blocks"]
     held = bf16 = 0
     for key, scales in blocks.items():
         if key.endswith("_quant_scales"):

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core import zero_layout
-from jaxpar.parallel import quantized_base
+from jaxpar.parallel import constrain, quantized_base
 
 A, B, SCALE = "_lora_a", "_lora_b", "_lora_scale"
 TRAINABLE = nnx.LoRAParam  # the filter `apply` returns: only the adapters train
@@ -141,18 +141,19 @@ def for_plan(make_model, plan):
     return adapted, TRAINABLE
 
 
-@jax.custom_vjp
 def delta(a, b, scale):
     """(alpha / r) A B in the weight's shape: A [lead..., in..., r], B [lead..., r, out...], scale [lead...].
 
-    Its backward keeps A, B and the scale, never the product: a remat policy
-    that keeps matmul outputs (`jaxpar.parallel.stack.remat_wrapper`) would
-    otherwise keep a weight-sized A B for every layer.
+    Its backward keeps A and B, never the product, and never forms it again: a
+    remat policy that keeps matmul outputs (`jaxpar.parallel.stack.remat_wrapper`)
+    would otherwise keep a weight-sized A B for every layer. The scale is a
+    constant (alpha / r): no gradient reaches it.
     """
-    return _delta(a, b, scale)
+    return _low_rank(a, b, jax.lax.stop_gradient(scale))
 
 
-def _delta(a, b, scale):
+@jax.custom_vjp
+def _low_rank(a, b, scale):
     lead, rank = scale.ndim, a.shape[-1]
     d_in, d_out = a.shape[lead:-1], b.shape[lead + 1:]
     ab = jnp.matmul(a.reshape(*a.shape[:lead], math.prod(d_in), rank),
@@ -161,17 +162,30 @@ def _delta(a, b, scale):
     return ab.reshape(*a.shape[:lead], *d_in, *d_out)
 
 
-def _delta_forward(a, b, scale):
-    return _delta(a, b, scale), (a, b, scale)
+def _low_rank_forward(a, b, scale):
+    return _low_rank(a, b, scale), (a, b, scale)
 
 
-def _delta_backward(saved, cotangent):
+def _low_rank_backward(saved, cotangent):
+    """dA = s g B^T and dB = s A^T g, from the cotangent g of the product: A B is not formed again."""
     a, b, scale = saved
-    _, pullback = jax.vjp(_delta, a, b, scale)
-    return pullback(cotangent)
+    lead, rank = scale.ndim, a.shape[-1]
+    a2, b2 = a.reshape(*a.shape[:lead], -1, rank), b.reshape(*b.shape[:lead], rank, -1)
+    g = cotangent.reshape(*a2.shape[:-1], b2.shape[-1]).astype(a.dtype)
+    s = scale.reshape(*scale.shape, 1, 1).astype(a.dtype)
+    d_a = jnp.matmul(g, jnp.swapaxes(b2, -1, -2)) * s
+    d_b = jnp.matmul(jnp.swapaxes(a2, -1, -2), g) * s
+    return _summed_like(d_a.reshape(a.shape), a), _summed_like(d_b.reshape(b.shape), b), jnp.zeros_like(scale)
 
 
-delta.defvjp(_delta_forward, _delta_backward)
+def _summed_like(cotangent, primal):
+    """`cotangent` summed over the manual axes it varies over and `primal` does not (inside a shard_map: an A
+    whole over tensor beside a B split over it), as autodiff sums where it broadcast the primal."""
+    extra = tuple(sorted(constrain.varying_axes(cotangent) - constrain.varying_axes(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
+_low_rank.defvjp(_low_rank_forward, _low_rank_backward)
 
 
 def _adapter_of(key, tree) -> str | None:

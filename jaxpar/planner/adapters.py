@@ -43,8 +43,9 @@ def with_lora(model: Model, rank: int, targets=("q", "k", "v", "o"), base_dtype:
     for leaf in model.leaves:
         name = leaf.path.split(".")[-1]
         quantized = held if leaf.stacked and name in quantized_base.MATRICES else 0.0
-        leaves.append(dataclasses.replace(leaf, trained=False, held_bytes=quantized))
-        if any(fnmatch.fnmatchcase(leaf.path.replace(".", "/"), p) for p in patterns):
+        adapted = any(fnmatch.fnmatchcase(leaf.path.replace(".", "/"), p) for p in patterns)
+        leaves.append(dataclasses.replace(leaf, trained=False, adapted=adapted, held_bytes=quantized))
+        if adapted:
             leaves += _adapters(leaf, rank)
     if not any(leaf.trained for leaf in leaves):
         raise ValueError(f"--lora-targets {','.join(targets)} names no weight of {model.name}")

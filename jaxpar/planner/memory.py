@@ -71,12 +71,14 @@ class Inventory:
     dense_replicated_over_expert: float  # `local` parameters not split over expert (their gradients sum over it)
 
 
-PARTS = {"all": lambda leaf: True, "trained": lambda leaf: leaf.trained, "quantized": lambda leaf: leaf.held_bytes > 0}
+PARTS = {"all": lambda leaf: True, "trained": lambda leaf: leaf.trained, "quantized": lambda leaf: leaf.held_bytes > 0,
+         "adapted": lambda leaf: leaf.adapted}
 
 
 @functools.lru_cache(maxsize=4096)
 def inventory(model: Model, data: int, tensor: int, pipe: int, expert: int, part: str = "all") -> Inventory:
-    """The parameters of `part`: all, those that train (not a LoRA base), or those held quantized (QLoRA)."""
+    """The parameters of `part`: all, those that train (not a LoRA base), those held quantized (QLoRA), or the
+    weights LoRA adapts."""
     shape = {"data": data, "tensor": tensor, "pipe": pipe, "expert": expert}
     local = sharded = st_local = st_sharded = rep_pipe = rep_expert = 0.0
     for leaf in filter(PARTS[part], model.leaves):
@@ -133,6 +135,10 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
     if z == 3:
         gathered = C * (per_layer + outside - (inv.sharded - inv.stacked_sharded))
+        gathered -= (C - qb) * q.stacked_local / depth  # a quantized base is gathered as its codes
+    # LoRA: each layer's backward forms its folded weights W + A B again (compute dtype) and their cotangent
+    adapted = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, "adapted").stacked_local
+    transient += (C + G) * adapted / depth
     workspace = transient + layer_workspace(model, layout, work) + update_workspace(tr, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
     host = offloaded_bytes(layout, z, at_rest, optimizer)
@@ -171,7 +177,7 @@ def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     columns = model.vocab // layout.tensor
     logits = 2 * 4 * b * s * columns / layout.pipe / loss_chunks.pick(int(b), int(s), columns)
-    recomputed = remat_policy(layout) in ("full", "selective") and layout.context == 1
+    recomputed = remat_policy(layout, model) in ("full", "selective") and layout.context == 1
     return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0)
 
 

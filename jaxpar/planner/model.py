@@ -19,6 +19,7 @@ class Leaf:
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
     trained: bool = True  # False: frozen (a LoRA base), no gradient, no optimizer state, no gradient sum
+    adapted: bool = False  # LoRA adapters sit beside it: its layer's backward forms W + A B and its cotangent
     held_bytes: float = 0.0  # bytes a value is held in when quantized (QLoRA's base); 0: the precision's
 
     @property
@@ -56,6 +57,11 @@ class Model:
     @functools.cached_property
     def params(self) -> int:
         return sum(leaf.size for leaf in self.leaves)
+
+    @functools.cached_property
+    def frozen(self) -> bool:
+        """Whether part of the model is frozen (LoRA: all but the adapters)."""
+        return not all(leaf.trained for leaf in self.leaves)
 
     @functools.cached_property
     def quantized_bytes(self) -> float:
