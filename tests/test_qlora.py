@@ -167,3 +167,22 @@ def test_a_lora_table_sets_the_base_dtype(tmp_path):
     config.write_text('[lora]\nrank = 4\nbase_dtype = "int8"\n')
     _, options, _ = resolve(build_parser().parse_args(["train", "--config", str(config), "--mesh", "data=8"]))
     assert options == {"lora_rank": 4, "base_dtype": "int8"} and Plan.create("data=8", **options).base_dtype == "int8"
+
+
+def test_weights_read_for_the_base_are_stored_as_their_codes():
+    """`--init-from` with `--base-dtype`: the imported weights (here a plain model's) become codes and scales, as NF4
+    makes them from those weights; the adapters start as `lora.apply` makes them."""
+    from jaxpar.parallel import quantize
+    from jaxpar.train.state import describe, state_from_base
+
+    plain = nnx.to_pure_dict(nnx.state(Llama(CONFIG, nnx.Rngs(7)), nnx.Param))
+    model, _ = initial()
+    state = jax.device_get(state_from_base(plain, build, model, OPTIMIZER, single_device_plan()))
+    blocks = state.params["blocks"]
+    for name in ("wq", "wo", "w_down"):
+        q = quantize.quantize(plain["blocks"][name], "nf4")
+        assert np.array_equal(blocks[name], q.codes) and np.array_equal(blocks[name + "_quant_scales"], q.scales)
+    assert np.array_equal(state.params["embedding"], plain["embedding"])
+    built = jax.device_get(init_state(build, OPTIMIZER, single_device_plan(), trainable=lora.TRAINABLE)[1].params)
+    assert np.array_equal(blocks["wq_lora_a"], built["blocks"]["wq_lora_a"])
+    assert describe(build, lora.TRAINABLE).logical["blocks"]["wq"].dtype == np.uint8
