@@ -18,6 +18,9 @@ class Leaf:
     path: str
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
+    trained: bool = True  # False: frozen (a LoRA base), no gradient, no optimizer state, no gradient sum
+    adapted: bool = False  # LoRA adapters sit beside it: its layer's backward forms W + A B and its cotangent
+    held_bytes: float = 0.0  # bytes a value is held in when quantized (QLoRA's base); 0: the precision's
 
     @property
     def size(self) -> int:
@@ -49,10 +52,21 @@ class Model:
     dropless: bool = False
     group_size: int | None = None
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
+    plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
 
     @functools.cached_property
     def params(self) -> int:
         return sum(leaf.size for leaf in self.leaves)
+
+    @functools.cached_property
+    def frozen(self) -> bool:
+        """Whether part of the model is frozen (LoRA: all but the adapters)."""
+        return not all(leaf.trained for leaf in self.leaves)
+
+    @functools.cached_property
+    def quantized_bytes(self) -> float:
+        """Bytes a quantized base value is held in (0: none is quantized)."""
+        return max((leaf.held_bytes for leaf in self.leaves), default=0.0)
 
     @property
     def moe_layers(self) -> int:
