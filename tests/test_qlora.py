@@ -186,3 +186,35 @@ def test_weights_read_for_the_base_are_stored_as_their_codes():
     built = jax.device_get(init_state(build, OPTIMIZER, single_device_plan(), trainable=lora.TRAINABLE)[1].params)
     assert np.array_equal(blocks["wq_lora_a"], built["blocks"]["wq_lora_a"])
     assert describe(build, lora.TRAINABLE).logical["blocks"]["wq"].dtype == np.uint8
+
+
+def test_the_merged_export_of_a_qlora_checkpoint_dequantizes_its_base(tmp_path):
+    """`export --format hf --merge` of an NF4 run writes W + (alpha / r) A B with W the dequantized codes (numpy
+    here: the high nibble is the even value, the low the odd one, each level times its block's absmax)."""
+    from safetensors.numpy import load_file
+
+    from jaxpar.cli import main
+
+    config, run = tmp_path / "run.toml", tmp_path / "run"
+    config.write_text(MODEL_TABLE)
+    assert main(["train", "--config", str(config), "--mesh", "data=8", "--steps", "2", "--batch-size", "8",
+                 "--seq-len", "16", "--lr", "1e-2", "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+                 "--lora-targets", "q,down", "--base-dtype", "nf4", "--checkpoint-dir", str(run)]) == 0
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "all.npz")]) == 0
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "hf"), "--format", "hf",
+                 "--merge"]) == 0
+    saved = np.load(tmp_path / "all.npz")
+    blocks = {k.removeprefix("blocks/"): saved[k] for k in saved.files if k.startswith("blocks/")}
+    merged = load_file(tmp_path / "hf" / "model.safetensors")
+
+    def base(name, layer):
+        codes, scales = blocks[name][layer], blocks[name + "_quant_scales"][layer]
+        values = NF4[np.stack([codes >> 4, codes & 0xF], axis=-1).reshape(*codes.shape[:-1], -1)]
+        return (values.reshape(*scales.shape, 64) * scales[..., None]).reshape(values.shape)
+
+    assert np.abs(blocks["w_down_lora_b"]).max() > 0
+    for layer in range(CONFIG.n_layers):
+        down = base("w_down", layer) + ALPHA / RANK * blocks["w_down_lora_a"][layer] @ blocks["w_down_lora_b"][layer]
+        np.testing.assert_allclose(merged[f"model.layers.{layer}.mlp.down_proj.weight"], down.T, rtol=0, atol=1e-6)
+        k = base("wk", layer).reshape(CONFIG.d_model, -1).T  # frozen and not adapted: the codes alone
+        np.testing.assert_allclose(merged[f"model.layers.{layer}.self_attn.k_proj.weight"], k, rtol=0, atol=1e-7)

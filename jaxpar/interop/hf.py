@@ -39,7 +39,7 @@ from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, f
 from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
-from jaxpar.parallel import lora
+from jaxpar.parallel import lora, quantize, quantized_base
 
 SINGLE_FILE = "model.safetensors"
 MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most this many bytes
@@ -477,14 +477,17 @@ def export_hf(path, out, step: int | None = None, dtype: str = "float32", merge:
         if adapted and not merge:
             raise ValueError(f"{path} holds LoRA adapters (on {', '.join(adapted)}): give --merge to write the merged "
                              "weights W + (alpha / r) A B, or --format peft to write the adapter alone")
-        read = merged_reader(read, adapted) if merge else read
+        read = merged_reader(read, adapted, names) if merge else read
         return {**write_hf_from(read, cfg, out, dtype, source=saved_hf_config(path)), "step": saved_step}
 
 
-def merged_reader(read: Callable[[str], "SavedParameter"], adapted) -> Callable[[str], "SavedParameter"]:
-    """`read` with each adapted weight read as W + (alpha / r) A B, a block (a layer, an expert) at a time."""
+def merged_reader(read: Callable[[str], "SavedParameter"], adapted, names=()) -> Callable[[str], "SavedParameter"]:
+    """`read` with each adapted weight read as W + (alpha / r) A B, a block (a layer, an expert) at a time; a QLoRA
+    base weight (`names` holds its scales) is its codes dequantized first, the W its adapters were trained on."""
     def merged(name: str) -> SavedParameter:
         weight = read(name)
+        if name + quantized_base.SCALES in names:
+            weight = dequantized_parameter(weight, read(name + quantized_base.SCALES))
         if name not in adapted:
             return weight
         a, b, scale = (read(name + suffix) for suffix in (lora.A, lora.B, lora.SCALE))
@@ -499,6 +502,21 @@ def merged_reader(read: Callable[[str], "SavedParameter"], adapted) -> Callable[
         return SavedParameter(weight.shape, block)
 
     return merged
+
+
+def dequantized_parameter(codes: "SavedParameter", scales: "SavedParameter") -> "SavedParameter":
+    """A weight QLoRA saved as int8 or NF4 codes with per-block scales, read back as fp32 a block at a time: each
+    block's rows are read whole along the last (quantized) dimension, dequantized, then cut to the block asked for."""
+    kind = quantized_base.CODE_KINDS[np.dtype(codes.read(tuple(slice(0, 1) for _ in codes.shape)).dtype)]
+    per_byte = 2 if kind == "nf4" else 1
+    block = codes.shape[-1] * per_byte // scales.shape[-1]
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        rows = (*index[:-1], slice(None))
+        q = quantize.Quantized(codes.read(rows), scales.read(rows).astype(np.float32), kind, block)
+        return np.asarray(quantize.dequantize(q, np.float32))[(..., index[-1])]
+
+    return SavedParameter((*scales.shape[:-1], scales.shape[-1] * block), read)
 
 
 class SavedParameter:
