@@ -91,9 +91,12 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
         if window is not None:
             allowed = allowed & (query_slots[:, None] - jnp.arange(k.shape[1])[None, :] < window)
         allowed = allowed[None] & key_mask[:, None, :]
-    if "chunk" in layer:  # chunks of positions; without documents a row's keys sit at its last query's offset
-        k_at = documents[2] if documents is not None else (
-            jnp.arange(k.shape[1])[None] - (query_slots[-1] - positions[:, -1:]))
+    if "chunk" in layer:  # chunks of positions: the keys' own, or in a plain cache (left-padded rows) each row's
+        # slots less its last query's offset
+        if documents is not None or kv is None:
+            k_at = positions if documents is None else documents[2]
+        else:
+            k_at = jnp.arange(k.shape[1])[None] - (query_slots[-1] - positions[:, -1:])
         allowed = allowed & (positions[:, :, None] // layer["chunk"] == k_at[:, None, :] // layer["chunk"])
     kv_heads = k.shape[2]
     scoring = attention_math.Scoring(softcap=cfg.attn_softcap, scale=cfg.query_scale)

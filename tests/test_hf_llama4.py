@@ -99,6 +99,11 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     theirs = torch_logits(reference, TOKENS)
     imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), theirs)
     assert imported <= 1e-5, imported
+    mask = np.ones(TOKENS.shape, bool)
+    mask[0, 18:] = False  # a right-padded row: its real tokens' chunks and temperatures as without the padding
+    padded = np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS), mask=jnp.asarray(mask)))
+    assert relative(padded[mask], torch_logits(reference, TOKENS, mask, np.maximum(np.cumsum(mask, 1) - 1, 0))[mask]) \
+        <= 1e-5
     for option, off in OFF.items():  # each option acts on these rows
         changed = relative(torch_logits(family_model(**off), TOKENS), theirs)
         assert changed > 1e-3, (option, changed)
