@@ -253,6 +253,8 @@ def test_llama4_config_maps_both_ways():
     assert (back["no_rope_layers"], back["layer_types"][:2], back["floor_scale"]) == \
         ([1, 0, 1, 0], ["chunked_attention", "full_attention"], 32)
     assert hf_config.config_from_hf(back) == cfg
+    with pytest.raises(ValueError, match="shared_expert=True: the Hugging Face family with a shared expert is Llama 4"):
+        hf_config.config_to_hf(dataclasses.replace(cfg, sigmoid_input_gate=False))
     every = hf_config.config_from_hf({**LLAMA4, "no_rope_layer_interval": 8, "attention_chunk_size": None})
     assert (every.sliding_pattern, every.global_nope, every.attention_chunk, every.temperature_floor) == \
         (1, False, None, None)

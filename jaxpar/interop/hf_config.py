@@ -204,6 +204,9 @@ def family_of(cfg: LlamaConfig) -> str:
     family = matches[0]
     if hf_llama4.is_llama4(cfg):
         family = hf_llama4.MODEL_TYPE
+    elif hf_mixtral.is_moe(cfg) and cfg.shared_expert:
+        raise ValueError("shared_expert=True: the Hugging Face family with a shared expert is Llama 4, whose routing "
+                         "is sigmoid_input_gate=True")
     elif hf_mixtral.is_moe(cfg):
         moe = [name for name, (dense, _) in MOE.items() if dense == family]
         if not moe:
