@@ -1,4 +1,5 @@
-"""The Llama family's config: sizes, rotary scaling and the family options (Qwen, Gemma, Mistral, Llama 4), checked on creation.
+"""The Llama family's config: sizes, rotary scaling and the family options (Qwen, Gemma, Mistral, Llama 4), checked
+on creation.
 
 Its own module so that the block arithmetic (`models.block`), the inference forward (`models.inference`) and
 the model (`models.llama`) all read it without importing one another in a cycle.

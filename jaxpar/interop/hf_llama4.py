@@ -60,7 +60,8 @@ def moe_fields_from_hf(hf: dict) -> dict:
     moe_layers = hf.get("moe_layers")
     if step != 1 or (moe_layers is not None and list(moe_layers) != list(range(n))):
         raise ValueError(f"config.json: interleave_moe_layer_step={step}, moe_layers={moe_layers} is not supported: "
-                         "jaxpar's Llama 4 has an MoE feed-forward in every layer (Scout's interleave_moe_layer_step=1)")
+                         "jaxpar's Llama 4 has an MoE feed-forward in every layer (Scout's "
+                         "interleave_moe_layer_step=1)")
     for field in ("output_router_logits", "router_jitter_noise"):
         if hf.get(field):
             raise ValueError(f"config.json: {field}={hf[field]} is not supported (jaxpar's Llama 4 router adds "
@@ -95,8 +96,8 @@ def _attention_from_hf(hf: dict) -> dict:
 
 def moe_fields_to_hf(cfg: MoeLlamaConfig) -> dict:
     """The Llama 4 text `config.json` fields of a Llama 4 config; ValueError for what it cannot express."""
-    problems = [f"{name}={getattr(cfg, name)}" for name, wanted in (("moe_every", 1), ("top_k", 1), ("shared_expert", True))
-                if getattr(cfg, name) != wanted]
+    wanted = {"moe_every": 1, "top_k": 1, "shared_expert": True}
+    problems = [f"{name}={getattr(cfg, name)}" for name, value in wanted.items() if getattr(cfg, name) != value]
     if cfg.qkv_bias or cfg.qk_norm or cfg.sliding_window is not None:
         problems.append(f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}")
     if problems:
