@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from jaxpar.interop import base_weights, hf_mixtral
+from jaxpar.interop import base_weights, hf_llama4, hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
@@ -83,6 +83,15 @@ def _read_shard(reader: SafetensorsReader, name: str, layout: str, shape, index,
         hd = shape[1]
         cols = reader.read(name, slice(d0, d1), slice(h0 * hd, h1 * hd))
         return cols.reshape(d1 - d0, h1 - h0, hd)[:, :, k0:k1].transpose(1, 2, 0)
+    if layout == "in_heads_pairs":  # in_heads, each head's rows from Llama 4's rotary pairs into halves
+        (d0, d1), (h0, h1), (k0, k1) = bounds
+        hd = shape[2]
+        rows = reader.read(name, slice(h0 * hd, h1 * hd), slice(d0, d1)).reshape(h1 - h0, hd, d1 - d0)
+        return rows[:, hf_llama4.half_order(hd)[k0:k1], :].transpose(2, 0, 1)
+    if layout in ("plain", "gate_half", "up_half"):  # jaxpar [E, a, b] <- torch [E, a, b] (or [E, a, 2 b]: gate, up)
+        offset = shape[-1] if layout == "up_half" else 0
+        *lead, (f0, f1) = bounds
+        return reader.read(name, *(slice(a, b) for a, b in lead), slice(f0 + offset, f1 + offset))
     if layout in ("vocab_rows", "vocab_cols"):  # padded vocabulary rows are zero
         (v0, v1), (d0, d1) = bounds if layout == "vocab_rows" else bounds[::-1]
         out = np.zeros((v1 - v0, d1 - d0), np.float32)
@@ -185,6 +194,11 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
         return array.reshape(d, -1).T
     if layout == "out_heads":
         return array.reshape(-1, array.shape[-1]).T
+    if layout == "in_heads_pairs":
+        d, _, hd = array.shape
+        return array[:, :, np.argsort(hf_llama4.half_order(hd))].reshape(d, -1).T
+    if layout == "plain":
+        return array
     if layout == "vocab_rows":
         return array[:vocab]
     if layout == "vocab_cols":
@@ -192,14 +206,23 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
     raise AssertionError(layout)
 
 
-def _hf_tensors(cfg: LlamaConfig, path: str, array) -> Iterator[tuple[str, np.ndarray]]:
-    """The Hugging Face tensors (name, torch layout) of one jaxpar parameter (numpy or a SavedParameter, read a
-    layer, or a layer's expert, at a time): one per layer (and expert)."""
+def _hf_tensors(cfg: LlamaConfig, path: str, read: Callable) -> Iterator[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors (name, torch layout) of one jaxpar parameter (`read(path)`: numpy or a
+    SavedParameter, read a layer, or a layer's expert, at a time): one per layer (and expert). A fused tensor
+    (Llama 4's experts' gate_up_proj) comes with its first part, its second part read beside it a layer at a time."""
+    array = read(path)
     if path in TOP_PARAMS:
         name, layout = TOP_PARAMS[path]
         yield name, _to_hf(np.asarray(array), layout, cfg.vocab)
         return
     suffix, layout = layer_params(cfg)[path.removeprefix(f"{blocks_path(cfg)}/")]
+    if layout == "up_half":
+        return
+    if layout == "gate_half":
+        up = read(path.removesuffix("expert_gate") + "expert_up")
+        for i in range(cfg.n_layers):
+            yield f"model.layers.{i}.{suffix}", np.concatenate([np.asarray(array[i]), np.asarray(up[i])], axis=-1)
+        return
     for i in range(cfg.n_layers):
         if "{expert}" in suffix:
             for e in range(cfg.n_experts):
@@ -289,7 +312,7 @@ def write_hf_from(read: Callable[[str], np.ndarray], cfg: LlamaConfig, out, dtyp
                        for file, group in zip(files, groups)]
             where = {name: writer for writer in writers for name in writer.places}
             for path in jaxpar_shapes(cfg):
-                for name, tensor in _hf_tensors(cfg, path, read(path)):
+                for name, tensor in _hf_tensors(cfg, path, read):
                     where[name].write(name, tensor)
     except BaseException:
         shutil.rmtree(out)

@@ -117,7 +117,7 @@ class Model:
             moe = dict(n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every,
                        expert_d_ff=config.expert_d_ff, capacity_factor=config.capacity_factor,
                        dropless=config.dropless, group_size=config.group_size)
-        pattern = getattr(config, "sliding_pattern", 1) if getattr(config, "sliding_window", None) else 1
+        pattern = getattr(config, "sliding_pattern", 1)
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
                    config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern)
 
@@ -161,6 +161,10 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
                    Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
                    Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
                    Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
+        if getattr(c, "shared_expert", False):  # Llama 4
+            leaves += [Leaf("blocks.moe.shared_gate", (groups, d, fe), ("layers", "embed", "mlp")),
+                       Leaf("blocks.moe.shared_up", (groups, d, fe), ("layers", "embed", "mlp")),
+                       Leaf("blocks.moe.shared_down", (groups, fe, d), ("layers", "mlp", "embed"))]
     else:
         leaves += blocks("blocks.", c.n_layers)
     leaves.append(Leaf("final_norm", (d,), ("norm",)))
