@@ -46,7 +46,7 @@ TRAIN_FLAGS = {
                                "chat roles) instead of refusing it; start-up says how many are left out"),
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan", "lora")
-LORA_KEYS = ("rank", "alpha", "targets", "dropout")  # a [lora] table's keys: the plan's lora_rank, lora_alpha, ...
+LORA_KEYS = ("rank", "alpha", "targets", "dropout", "base_dtype")  # a [lora] table's keys: the plan's lora_rank, ...
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
 
 
@@ -154,6 +154,11 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     plan.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: ~4M tokens)")
     plan.add_argument("--precision", default="bf16", help="fp32, bf16, fp16 or bf16-params")
+    plan.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base "
+                                                                 "(0: every weight trains)")
+    plan.add_argument("--lora-targets", default="q,k,v,o", help="the weights LoRA adapts (default q,k,v,o)")
+    plan.add_argument("--base-dtype", default="none", help="with --lora-rank: the frozen layer-stack matrices held "
+                                                           "as int8 or nf4 (QLoRA); none: in the parameter dtype")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--explain", default=None, help='one layout\'s breakdown, e.g. "data=8,tensor=8,pipe=16 zero=1"')
     plan.add_argument("--json", action="store_true", help="also print everything as one JSON object on stdout")
@@ -241,21 +246,23 @@ def resolve(args: argparse.Namespace):
 
 
 def _lora_options(table: dict, path: str | None) -> dict:
-    """A [lora] table's keys (rank, alpha, targets, dropout) as the plan's lora_* options, type-checked."""
+    """A [lora] table's keys (rank, alpha, targets, dropout; base_dtype) as the plan's lora_* options (base_dtype as
+    it is), type-checked."""
     lora = table.get("lora", {})
     unknown = set(lora) - set(LORA_KEYS)
     if unknown:
         raise ValueError(f"{path}: unknown [lora] keys {sorted(unknown)}; allowed: {', '.join(LORA_KEYS)}")
-    twice = [k for k in lora if f"lora_{k}" in table.get("plan", {})]
+    option = {k: k if k == "base_dtype" else f"lora_{k}" for k in lora}
+    twice = [k for k in lora if option[k] in table.get("plan", {})]
     if twice:
-        raise ValueError(f"{path}: [lora] {twice[0]} and [plan] lora_{twice[0]} both set it; give one")
-    kinds = {"rank": int, "alpha": float, "dropout": float}
+        raise ValueError(f"{path}: [lora] {twice[0]} and [plan] {option[twice[0]]} both set it; give one")
+    kinds = {"rank": int, "alpha": float, "dropout": float, "base_dtype": str}
     for key, value in lora.items():
         if key == "targets":
             _check_type(value, list if isinstance(value, list) else str, f"{path}: [lora] targets")
         else:
             _check_type(value, kinds[key], f"{path}: [lora] {key}")
-    return {f"lora_{k}": v for k, v in lora.items()}
+    return {option[k]: v for k, v in lora.items()}
 
 
 def _set_host_devices(count: int | None) -> None:

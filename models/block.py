@@ -13,6 +13,7 @@ from jaxpar.models import layer_pattern
 from jaxpar.models.config import ACTIVATIONS, LlamaConfig
 from jaxpar.models.rotary import rope_frequencies, rotary
 from jaxpar.parallel import attention as attention_lib
+from jaxpar.parallel import attention_chunks
 from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
 
@@ -36,12 +37,26 @@ RESIDUAL = ("batch", "seq_residual", "embed")
 Q_NAMES, KV_NAMES = ("batch", "seq", "heads", "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
 
 
-def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool = True, inv_freq=None):
+def l2_norm(x, eps):
+    """A weightless RMSNorm over the last axis in fp32 (Llama 4's q/k norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def query_temperature(q, positions, floor: float, scale):
+    """Llama 4's NoPE queries times log1p(floor((position + 1) / floor)) * scale + 1 (scale 0: q itself)."""
+    positions = positions if positions.ndim == 2 else positions[None, :]
+    factor = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / floor)) * scale + 1.0
+    return (q * factor[:, :, None, None]).astype(q.dtype)
+
+
+def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool = True, inv_freq=None, layer=None):
     """q, k, v of x: the projections, the family's biases and per-head norms, then the rotation at `positions`.
 
     `positions` None: training's, those of q's whole sequence in jaxpar.parallel.attention's order.
     `inv_freq` None: `cfg`'s rotary frequencies (a layer's config: `layer_pattern.layer_config`); the
-    inference scan passes each layer's as data (`layer_pattern.layer_frequencies`).
+    inference scan passes each layer's as data (`layer_pattern.layer_frequencies`), and Llama 4's q/k L2
+    norm and query temperature likewise in `layer` (`layer_pattern.layer_options`).
 
     The biases pass through `kv_heads_for_ranks` like their weights, so under
     tensor parallelism each rank adds the bias of the heads it computes.
@@ -59,7 +74,15 @@ def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool =
         q, k = (rms_norm(a, p[w], cfg.norm_eps, cfg.norm_plus_one) for a, w in ((q, "q_norm"), (k, "k_norm")))
     positions = attention_lib.positions(q.shape[1]) if positions is None else positions
     inv_freq = rope_frequencies(cfg, q.shape[-1]) if inv_freq is None else inv_freq
-    return rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq), v
+    q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
+    layer = {} if layer is None else layer
+    if "l2" in layer:
+        q, k = (jnp.where(layer["l2"], l2_norm(a, cfg.norm_eps), a) for a in (q, k))
+    elif cfg.qk_l2_norm:
+        q, k = l2_norm(q, cfg.norm_eps), l2_norm(k, cfg.norm_eps)
+    if cfg.temperature_floor is not None:
+        q = query_temperature(q, positions, cfg.temperature_floor, layer.get("temperature", cfg.temperature_scale))
+    return q, k, v
 
 
 def attention(p, x, cfg: LlamaConfig):
@@ -67,7 +90,12 @@ def attention(p, x, cfg: LlamaConfig):
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
     # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
     q, k, v = query_key_value(p, x, cfg, positions=None)
-    out = constrain(attention_lib.causal_attention(q, k, v, **layer_pattern.attention_options(cfg)), Q_NAMES)
+    options = layer_pattern.attention_options(cfg)
+    if cfg.attention_chunk is None:
+        out = attention_lib.causal_attention(q, k, v, **options)
+    else:
+        out = attention_chunks.chunked_causal_attention(q, k, v, chunk=cfg.attention_chunk, **options)
+    out = constrain(out, Q_NAMES)
     return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
 
 

@@ -1,4 +1,5 @@
-"""The Llama family's config: sizes, rotary scaling and the family options (Qwen, Gemma, Mistral), checked on creation.
+"""The Llama family's config: sizes, rotary scaling and the family options (Qwen, Gemma, Mistral, Llama 4), checked
+on creation.
 
 Its own module so that the block arithmetic (`models.block`), the inference forward (`models.inference`) and
 the model (`models.llama`) all read it without importing one another in a cycle.
@@ -13,7 +14,7 @@ import jax
 
 from jaxpar.models import layer_pattern
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "none")  # "none": no rotation (a NoPE layer of Llama 4)
 # the MLP's gate activation: SiLU (SwiGLU: Llama, Qwen, Mistral) or GELU's tanh approximation (GeGLU: Gemma)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
@@ -64,6 +65,15 @@ class LlamaConfig:
     # rope_local_theta: the local layers' own rotary base, unscaled, beside global layers that keep rope_theta and
     # its scaling (Gemma 3's rope_local_base_freq); None: every layer rotates alike.
     rope_local_theta: float | None = None
+    # Llama 4: attention_chunk C: a local layer's query sees the earlier keys of its own chunk of C positions;
+    # global_nope: the global layers rotate not (NoPE), and temperature_floor F scales their queries by
+    # log1p(floor((position + 1) / F)) * temperature_scale + 1; qk_l2_norm: a weightless RMSNorm on the q and k heads
+    # of the rotating layers, after the rotation.
+    attention_chunk: int | None = None
+    global_nope: bool = False
+    temperature_floor: float | None = None
+    temperature_scale: float = 0.1
+    qk_l2_norm: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:

@@ -60,7 +60,7 @@ def document_visible(q_slots, k_slots, window, q_seg, k_seg, q_pos, k_pos):
 
 
 def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index=None, window=None, documents=None,
-                     inv_freq=None):
+                     inv_freq=None, layer=None):
     """Causal GQA attention of x's tokens at `positions` ([batch, seq]); keys where `key_mask` is False are ignored.
 
     Without `kv` the keys are x's own tokens (key_mask [batch, seq]). With
@@ -72,9 +72,11 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
     (q_seg, k_seg, k_pos): segment ids of the queries and keys and the keys'
     positions; then only a query's own document is seen (`document_visible`) and
     key_mask is not read. cfg's soft cap and query scale apply; `inv_freq` (None: cfg's) are the layer's rotary
-    frequencies. Returns (output, (k, v)).
+    frequencies, `layer` its Llama 4 options (`layer_pattern.layer_options`: its chunk, of positions).
+    Returns (output, (k, v)).
     """
-    q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False, inv_freq=inv_freq)
+    layer = {} if layer is None else layer
+    q, k, v = query_key_value(p, x, cfg, positions, replicate_kv=False, inv_freq=inv_freq, layer=layer)
     b, s = q.shape[:2]  # the whole sequence: under sequence parallelism x may hold a shard of it
     query_slots = jnp.arange(s)
     if kv is not None:
@@ -89,6 +91,13 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
         if window is not None:
             allowed = allowed & (query_slots[:, None] - jnp.arange(k.shape[1])[None, :] < window)
         allowed = allowed[None] & key_mask[:, None, :]
+    if "chunk" in layer:  # chunks of positions: the keys' own, or in a plain cache (left-padded rows) each row's
+        # slots less its last query's offset
+        if documents is not None or kv is None:
+            k_at = positions if documents is None else documents[2]
+        else:
+            k_at = jnp.arange(k.shape[1])[None] - (query_slots[-1] - positions[:, -1:])
+        allowed = allowed & (positions[:, :, None] // layer["chunk"] == k_at[:, None, :] // layer["chunk"])
     kv_heads = k.shape[2]
     scoring = attention_math.Scoring(softcap=cfg.attn_softcap, scale=cfg.query_scale)
     scores = attention_math.raw_scores(q, k.astype(q.dtype), scoring)
@@ -114,16 +123,18 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
 
     window = layer_pattern.layer_windows(cfg)  # None: no layer has a window
     frequencies = layer_pattern.layer_frequencies(cfg, cfg.head_dim)  # None: every layer rotates by cfg's
+    options = layer_pattern.layer_options(cfg)  # Llama 4's per-layer chunks, q/k norms and query temperatures
 
     def body(h, layer):
-        p, kv, window, inv_freq = layer
+        p, kv, window, inv_freq, options = layer
         attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)), cfg,
-                                    positions, key_mask, kv, index, window, documents=documents, inv_freq=inv_freq)
+                                    positions, key_mask, kv, index, window, documents=documents, inv_freq=inv_freq,
+                                    layer=options)
         h = residual_add(p, h, attn, "post_attn_norm", cfg)
         out = feed_forward(p, tensor.enter_tensor_region(block_norm(h, p["mlp_norm"], cfg)), cfg)
         return residual_add(p, h, out, "post_mlp_norm", cfg), kv
 
-    return jax.lax.scan(body, x, (stacked, cache, window, frequencies))
+    return jax.lax.scan(body, x, (stacked, cache, window, frequencies, options))
 
 
 def padded_positions(mask):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models import llama
+from jaxpar.models import layer_pattern, llama
 from jaxpar.parallel import experts, tensor, zero
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
@@ -39,6 +39,10 @@ class MoeLlamaConfig(llama.LlamaConfig):
     group_size: int | None = None
     load_balance_coef: float = 1e-2
     router_z_coef: float = 0.0
+    # Llama 4: shared_expert, a dense SwiGLU MLP of expert_d_ff added to the routed output of every MoE layer;
+    # sigmoid_input_gate, its top-1 routing (see experts.MoEConfig)
+    shared_expert: bool = False
+    sigmoid_input_gate: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -52,6 +56,7 @@ class MoeLlamaConfig(llama.LlamaConfig):
             n_experts=self.n_experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
             dropless=self.dropless, group_size=self.group_size,
             load_balance_coef=self.load_balance_coef, router_z_coef=self.router_z_coef,
+            sigmoid_input_gate=self.sigmoid_input_gate,
         )
 
     @property
@@ -61,7 +66,8 @@ class MoeLlamaConfig(llama.LlamaConfig):
     def param_count(self) -> int:
         d, e, fe, n_moe = self.d_model, self.n_experts, self.expert_d_ff, self.n_moe_layers
         dense_mlp = 3 * d * self.d_ff
-        return super().param_count() - n_moe * dense_mlp + n_moe * (d * e + 3 * e * d * fe)
+        return (super().param_count() - n_moe * dense_mlp
+                + n_moe * (d * e + 3 * (e + self.shared_expert) * d * fe))
 
 
 CONFIGS: dict[str, MoeLlamaConfig] = {
@@ -76,6 +82,17 @@ CONFIGS: dict[str, MoeLlamaConfig] = {
     "qwen3-30b-a3b": MoeLlamaConfig(vocab=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
                                     d_ff=6144, expert_d_ff=768, n_experts=128, top_k=8, moe_every=1, dropless=True,
                                     seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+    # Llama 4 Scout's text model (meta-llama/Llama-4-Scout-17B-16E): top-1 of 16 experts plus a shared one in every
+    # block; 3 of 4 layers rotate (llama3-scaled), attend in 8192-token chunks and L2-norm q/k, every 4th is NoPE
+    # with query temperature
+    "llama4-scout": MoeLlamaConfig(vocab=202048, vocab_multiple=64, d_model=5120, n_layers=48, n_heads=40,
+                                   n_kv_heads=8, head_dim=128, d_ff=16384, expert_d_ff=8192, n_experts=16, top_k=1,
+                                   moe_every=1, dropless=True, load_balance_coef=0.0, shared_expert=True,
+                                   sigmoid_input_gate=True, seq_len=8192, rope_theta=5e5, rope_type="llama3",
+                                   rope_factor=16.0, rope_low_freq_factor=1.0, rope_high_freq_factor=1.0,
+                                   rope_original_max_position=8192, sliding_pattern=4, attention_chunk=8192,
+                                   global_nope=True, temperature_floor=8192.0, temperature_scale=0.1,
+                                   qk_l2_norm=True),
 }
 
 
@@ -92,6 +109,10 @@ class ExpertBlocks(llama.Blocks):
         self.expert_gate = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
         self.expert_up = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
         self.expert_down = llama._param(rngs, (n, e, fe, d), ("layers", "experts", "expert_mlp", "embed"), dt, s_out)
+        if cfg.shared_expert:
+            self.shared_gate = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
+            self.shared_up = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
+            self.shared_down = llama._param(rngs, (n, fe, d), ("layers", "mlp", "embed"), dt, s_out)
 
 
 class MoeBlocks(nnx.Module):
@@ -117,14 +138,22 @@ class MoeBlocks(nnx.Module):
         if self.dense is not None:
             raise ValueError("inference (logits, decode) of an MoE model needs an MoE feed-forward in every block "
                              "(moe_every=1, as Mixtral); this model mixes dense blocks in")
-        return self.moe.stacked(), lambda p, x, cfg: experts.moe_ffn(p, x, cfg.moe)[0]
+        return self.moe.stacked(), lambda p, x, cfg: with_shared_expert(p, x, cfg, experts.moe_ffn(p, x, cfg.moe)[0])
+
+
+def with_shared_expert(p, x, cfg: MoeLlamaConfig, routed):
+    """The experts' output `routed` plus, under `shared_expert`, the shared expert's SwiGLU MLP of x (Llama 4)."""
+    if not cfg.shared_expert:
+        return routed
+    return routed + llama.mlp({"w_gate": p["shared_gate"], "w_up": p["shared_up"], "w_down": p["shared_down"]}, x)
 
 
 def moe_block(p, x, cfg: MoeLlamaConfig, moe_layer: MoeLayer = experts.moe_ffn):
     """Attention, then the experts in place of the MLP: (residual stream, the layer's routing statistics)."""
     x = llama.attention_residual(p, x, cfg)
-    y, stats = moe_layer(p, tensor.enter_tensor_region(llama.block_norm(x, p["mlp_norm"], cfg)), cfg.moe)
-    return constrain(x + y, llama.RESIDUAL), stats
+    h = tensor.enter_tensor_region(llama.block_norm(x, p["mlp_norm"], cfg))
+    y, stats = moe_layer(p, h, cfg.moe)
+    return constrain(x + with_shared_expert(p, h, cfg, y), llama.RESIDUAL), stats
 
 
 def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
@@ -134,6 +163,12 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
     each MoE block's parameters gathered just before it runs.
     """
+    if cfg.sliding_pattern > 1:  # local and global layers (models.layer_pattern), each with its experts
+        if "dense" in stacked:
+            raise ValueError(f"sliding_pattern={cfg.sliding_pattern} with moe_every={cfg.moe_every}: local and "
+                             "global layers need an MoE feed-forward in every block (moe_every=1)")
+        return layer_pattern.run_groups(lambda p, h, c: moe_block(p, h, c, moe_layer), stacked["moe"], x, cfg, remat)
+
     def group(p, h):
         if "dense" in p:
             h = llama.run_layers(p["dense"], h, cfg, remat=lambda f: f)

@@ -1,7 +1,8 @@
 """Rotary position embeddings: the half-split rotation of Llama and Hugging Face, and its frequencies.
 
 Plain theta ** (-i / half) frequencies, divided by a factor (`rope_type="linear"`, Gemma 3's global layers), or
-Llama 3.1's wavelength-dependent scaling (`rope_type="llama3"` on a models.llama.LlamaConfig).
+Llama 3.1's wavelength-dependent scaling (`rope_type="llama3"` on a models.llama.LlamaConfig), or none at all
+(`rope_type="none"`: Llama 4's NoPE layers, zero frequencies).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def rope_frequencies(cfg, head_dim: int | None = None) -> np.ndarray:
     dim = cfg.head_dim if head_dim is None else head_dim
     inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
     inv = inv.astype(np.float32)
+    if cfg.rope_type == "none":  # every angle 0: the rotation is the identity
+        return np.zeros_like(inv)
     if cfg.rope_type == "default":
         return inv
     if cfg.rope_type == "linear":

@@ -14,9 +14,19 @@ import string
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import reference
+
+
+def with_random_b(state, seed: int = 0):
+    """`state` (on host) with every B drawn small and random: at B = 0, A would get no gradient at first."""
+    rng = np.random.default_rng(seed)
+    state.params = jax.tree_util.tree_map_with_path(
+        lambda path, x: (0.05 * rng.standard_normal(x.shape)).astype(x.dtype)
+        if str(path[-1]).endswith("_lora_b']") else x, state.params)
+    return state
 
 
 def split(params):

@@ -48,10 +48,16 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**GEMMA2, "attn_logit_softcapping": None,
                                                               "final_logit_softcapping": None,
                                                               "rope_parameters": GEMMA3_ROPE}),
+    # every 2nd layer NoPE, chunks of 4 positions, the query temperature, one routed expert beside the shared one
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", {
+        "intermediate_size": 24, "intermediate_size_mlp": 48, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "attention_chunk_size": 4, "no_rope_layer_interval": 2, "floor_scale": 2, "attn_scale": 1.0,
+        "router_aux_loss_coef": 0.02, "rope_parameters": LLAMA3_ROPE}),
 }
 # the round trips the default suite also checks elsewhere (test_hf_export.py's Mixtral, test_hf_new_families.py's
-# Qwen3-MoE and Gemma 3, each with its token ids and max_position_embeddings): here under the slow mark
-ELSEWHERE = ("mixtral", "qwen3_moe", "gemma3_text")
+# Qwen3-MoE and Gemma 3, test_hf_llama4.py's Llama 4, each with its token ids and max_position_embeddings): here
+# under the slow mark
+ELSEWHERE = ("mixtral", "qwen3_moe", "gemma3_text", "llama4_text")
 # what one step of training on SEQ_LEN-token rows changes in a family's config.json
 TRAINED = {"mistral": {"max_position_embeddings": SEQ_LEN}}
 # the files' dtype: the export's own

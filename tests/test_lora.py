@@ -42,12 +42,7 @@ def build(family: str, adapters: bool = True, targets=ALL):
 def initial(family: str, targets=ALL):
     """The model and its step-0 state, every B drawn small and random (B = 0 gives A no gradient at first)."""
     model, state = init_state(lambda: build(family, targets=targets), OPTIMIZER, single_device_plan(), trainable=lora.TRAINABLE)
-    rng = np.random.default_rng(0)
-    state = copy_state(state)
-    state.params = jax.tree_util.tree_map_with_path(
-        lambda path, x: (0.05 * rng.standard_normal(x.shape)).astype(x.dtype)
-        if str(path[-1]).endswith("_lora_b']") else x, state.params)
-    return model, state
+    return model, reference_lora.with_random_b(copy_state(state))
 
 
 @functools.cache

@@ -64,6 +64,7 @@ class Plan:
         host memory between steps (jaxpar.parallel.offload).
     lora_rank, lora_alpha, lora_targets, lora_dropout: LoRA adapters the run puts on the model's weights
         (jaxpar.parallel.lora); only they train.
+    base_dtype: with lora_rank, the frozen base held as int8 or NF4 codes (QLoRA, jaxpar.parallel.quantized_base).
     """
 
     mesh: Mesh
@@ -127,6 +128,11 @@ class Plan:
     )
     lora_dropout: float = dataclasses.field(
         default=0.0, metadata={"help": "dropout on the LoRA branch's input (not yet supported: 0 only)"}
+    )
+    base_dtype: str = dataclasses.field(
+        default="none", metadata={"help": "QLoRA, with lora_rank: hold the frozen layer-stack matrices as int8 or "
+                                          "nf4 codes with a scale per 64 values, dequantized one layer at a time "
+                                          "(none: in the parameter dtype)"}
     )
 
     def __post_init__(self):
@@ -197,6 +203,10 @@ class Plan:
                              "use 0")
         if self.lora_rank == 0 and (self.lora_alpha or targets != ("q", "k", "v", "o")):
             raise ValueError("lora_alpha / lora_targets are set but lora_rank is 0 (no adapters): set lora_rank")
+        options.check_choice("base_dtype", self.base_dtype)
+        if self.base_dtype != "none" and self.lora_rank == 0:
+            raise ValueError(f"base_dtype={self.base_dtype!r} (--base-dtype) quantizes the frozen base of a LoRA run, "
+                             "but lora_rank is 0 (every weight trains): set lora_rank (--lora-rank)")
 
     def _checked_zero_axes(self) -> tuple[str, ...]:
         """`zero_axes` as a tuple in mesh order, every entry a batch axis that ZeRO can shard over."""

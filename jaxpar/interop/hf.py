@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from jaxpar.interop import base_weights, export_shares, hf_mixtral
+from jaxpar.interop import base_weights, export_shares, hf_llama4, hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
@@ -39,7 +39,7 @@ from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, f
 from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
-from jaxpar.parallel import lora
+from jaxpar.parallel import lora, quantize, quantized_base
 
 SINGLE_FILE = "model.safetensors"
 MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most this many bytes
@@ -84,6 +84,15 @@ def _read_shard(reader: SafetensorsReader, name: str, layout: str, shape, index,
         hd = shape[1]
         cols = reader.read(name, slice(d0, d1), slice(h0 * hd, h1 * hd))
         return cols.reshape(d1 - d0, h1 - h0, hd)[:, :, k0:k1].transpose(1, 2, 0)
+    if layout == "in_heads_pairs":  # in_heads, each head's rows from Llama 4's rotary pairs into halves
+        (d0, d1), (h0, h1), (k0, k1) = bounds
+        hd = shape[2]
+        rows = reader.read(name, slice(h0 * hd, h1 * hd), slice(d0, d1)).reshape(h1 - h0, hd, d1 - d0)
+        return rows[:, hf_llama4.half_order(hd)[k0:k1], :].transpose(2, 0, 1)
+    if layout in ("plain", "gate_half", "up_half"):  # jaxpar [E, a, b] <- torch [E, a, b] (or [E, a, 2 b]: gate, up)
+        offset = shape[-1] if layout == "up_half" else 0
+        *lead, (f0, f1) = bounds
+        return reader.read(name, *(slice(a, b) for a, b in lead), slice(f0 + offset, f1 + offset))
     if layout in ("vocab_rows", "vocab_cols"):  # padded vocabulary rows are zero
         (v0, v1), (d0, d1) = bounds if layout == "vocab_rows" else bounds[::-1]
         out = np.zeros((v1 - v0, d1 - d0), np.float32)
@@ -186,6 +195,11 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
         return array.reshape(d, -1).T
     if layout == "out_heads":
         return array.reshape(-1, array.shape[-1]).T
+    if layout == "in_heads_pairs":
+        d, _, hd = array.shape
+        return array[:, :, np.argsort(hf_llama4.half_order(hd))].reshape(d, -1).T
+    if layout == "plain":
+        return array
     if layout == "vocab_rows":
         return array[:vocab]
     if layout == "vocab_cols":
@@ -193,16 +207,26 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
     raise AssertionError(layout)
 
 
-def _hf_tensors(cfg: LlamaConfig, path: str, array, wanted=None) -> Iterator[tuple[str, np.ndarray]]:
-    """The Hugging Face tensors (name, torch layout) of one jaxpar parameter (numpy or a SavedParameter, read a
-    layer, or a layer's expert, at a time): one per layer (and expert); with `wanted`, only those it names, the
-    others never read."""
+def _hf_tensors(cfg: LlamaConfig, path: str, read: Callable, wanted=None) -> Iterator[tuple[str, np.ndarray]]:
+    """The Hugging Face tensors (name, torch layout) of one jaxpar parameter (`read(path)`: numpy or a
+    SavedParameter, read a layer, or a layer's expert, at a time): one per layer (and expert); with `wanted`, only
+    those it names, the others never read. A fused tensor (Llama 4's experts' gate_up_proj) comes with its first
+    part, its second part read beside it a layer at a time."""
+    array = read(path)
     if path in TOP_PARAMS:
         name, layout = TOP_PARAMS[path]
         if wanted is None or name in wanted:
             yield name, _to_hf(np.asarray(array), layout, cfg.vocab)
         return
     suffix, layout = layer_params(cfg)[path.removeprefix(f"{blocks_path(cfg)}/")]
+    if layout == "up_half":
+        return
+    if layout == "gate_half":
+        up = read(path.removesuffix("expert_gate") + "expert_up")
+        for i in range(cfg.n_layers):
+            if wanted is None or f"model.layers.{i}.{suffix}" in wanted:
+                yield f"model.layers.{i}.{suffix}", np.concatenate([np.asarray(array[i]), np.asarray(up[i])], axis=-1)
+        return
     for i in range(cfg.n_layers):
         experts = range(cfg.n_experts) if "{expert}" in suffix else [None]
         for e in experts:
@@ -290,7 +314,7 @@ def write_hf_from(read: Callable[[str], np.ndarray], cfg: LlamaConfig, out, dtyp
                        for file, group in mine]
             where = {name: writer for writer in writers for name in writer.places}
             for path in jaxpar_shapes(cfg):
-                for name, tensor in _hf_tensors(cfg, path, read(path), where):
+                for name, tensor in _hf_tensors(cfg, path, read, where):
                     where[name].write(name, tensor)
     except BaseException:
         if processes == 1:
@@ -500,14 +524,17 @@ def export_hf(path, out, step: int | None = None, dtype: str = "float32", merge:
         if adapted and not merge:
             raise ValueError(f"{path} holds LoRA adapters (on {', '.join(adapted)}): give --merge to write the merged "
                              "weights W + (alpha / r) A B, or --format peft to write the adapter alone")
-        read = merged_reader(read, adapted) if merge else read
+        read = merged_reader(read, adapted, names) if merge else read
         return {**write_hf_from(read, cfg, out, dtype, source=saved_hf_config(path)), "step": saved_step}
 
 
-def merged_reader(read: Callable[[str], "SavedParameter"], adapted) -> Callable[[str], "SavedParameter"]:
-    """`read` with each adapted weight read as W + (alpha / r) A B, a block (a layer, an expert) at a time."""
+def merged_reader(read: Callable[[str], "SavedParameter"], adapted, names=()) -> Callable[[str], "SavedParameter"]:
+    """`read` with each adapted weight read as W + (alpha / r) A B, a block (a layer, an expert) at a time; a QLoRA
+    base weight (`names` holds its scales) is its codes dequantized first, the W its adapters were trained on."""
     def merged(name: str) -> SavedParameter:
         weight = read(name)
+        if name + quantized_base.SCALES in names:
+            weight = dequantized_parameter(weight, read(name + quantized_base.SCALES))
         if name not in adapted:
             return weight
         a, b, scale = (read(name + suffix) for suffix in (lora.A, lora.B, lora.SCALE))
@@ -522,6 +549,21 @@ def merged_reader(read: Callable[[str], "SavedParameter"], adapted) -> Callable[
         return SavedParameter(weight.shape, block)
 
     return merged
+
+
+def dequantized_parameter(codes: "SavedParameter", scales: "SavedParameter") -> "SavedParameter":
+    """A weight QLoRA saved as int8 or NF4 codes with per-block scales, read back as fp32 a block at a time: each
+    block's rows are read whole along the last (quantized) dimension, dequantized, then cut to the block asked for."""
+    kind = quantized_base.CODE_KINDS[np.dtype(codes.read(tuple(slice(0, 1) for _ in codes.shape)).dtype)]
+    per_byte = 2 if kind == "nf4" else 1
+    block = codes.shape[-1] * per_byte // scales.shape[-1]
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        rows = (*index[:-1], slice(None))
+        q = quantize.Quantized(codes.read(rows), scales.read(rows).astype(np.float32), kind, block)
+        return np.asarray(quantize.dequantize(q, np.float32))[(..., index[-1])]
+
+    return SavedParameter((*scales.shape[:-1], scales.shape[-1] * block), read)
 
 
 class SavedParameter:

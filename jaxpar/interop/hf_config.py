@@ -6,7 +6,8 @@ Llama with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards
 `qwen3_moe` (a Qwen3 with sparse MoE feed-forwards: `jaxpar.interop.hf_qwen3_moe`); `gemma` (GeGLU, (1 + w)
 RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit soft-capping and
 local/global layers); `gemma3_text` (Gemma 3's text model: gemma2's block with (1 + w) q/k norms, local layers
-rotating with their own base, global ones with theirs and its scaling).
+rotating with their own base, global ones with theirs and its scaling); `llama4_text` (Llama 4's text model: a
+Llama with top-1 experts beside a shared one, NoPE layers and chunked attention: `jaxpar.interop.hf_llama4`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxpar.interop import hf_mixtral, hf_qwen3_moe
+from jaxpar.interop import hf_llama4, hf_mixtral, hf_qwen3_moe
 from jaxpar.models.layer_pattern import layer_window
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
@@ -36,8 +37,10 @@ FAMILIES.update({"gemma": {**GEMMA, "post_norms": False}, "gemma2": {**GEMMA, "p
                  "gemma3_text": {**GEMMA, "post_norms": True, "qk_norm": True}})
 GEMMA3 = "gemma3_text"
 # the MoE families: model_type -> (the dense family whose blocks theirs are, the module of their experts)
-MOE = {hf_mixtral.MODEL_TYPE: ("llama", hf_mixtral), hf_qwen3_moe.MODEL_TYPE: ("qwen3", hf_qwen3_moe)}
+MOE = {hf_mixtral.MODEL_TYPE: ("llama", hf_mixtral), hf_qwen3_moe.MODEL_TYPE: ("qwen3", hf_qwen3_moe),
+       hf_llama4.MODEL_TYPE: ("llama", hf_llama4)}
 FAMILIES[hf_qwen3_moe.MODEL_TYPE] = FAMILIES["qwen3"]
+FAMILIES[hf_llama4.MODEL_TYPE] = FAMILIES["llama"]
 # the options a family's entry leaves out are off (a Llama's)
 LLAMA_OPTIONS = {"mlp_activation": "silu", "norm_plus_one": False, "embed_scale": False, "post_norms": False}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -54,10 +57,11 @@ GEMMA3_PATTERN = 6  # transformers' sliding_window_pattern, where config.json gi
 QWEN = ("qwen2", "qwen3")  # use_sliding_window: a window on the layers from max_window_layers on
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default, where config.json leaves it out
 FAMILY_FIELDS = {"final_softcap": ("gemma2", GEMMA3), "attn_softcap": ("gemma2", GEMMA3),
-                 "query_scale": ("gemma2", GEMMA3), "sliding_pattern": ("gemma2", GEMMA3, *QWEN),
+                 "query_scale": ("gemma2", GEMMA3), "sliding_pattern": ("gemma2", GEMMA3, *QWEN, hf_llama4.MODEL_TYPE),
                  "sliding_window": ("gemma2", GEMMA3, *QWEN, *WINDOWED, hf_qwen3_moe.MODEL_TYPE),
-                 "rope_local_theta": (GEMMA3,)}
-FIELD_OFF = {"sliding_pattern": 1}  # the others are off at None
+                 "rope_local_theta": (GEMMA3,), **{field: (hf_llama4.MODEL_TYPE,) for field in (
+                     "attention_chunk", "global_nope", "temperature_floor", "qk_l2_norm")}}
+FIELD_OFF = {"sliding_pattern": 1, "global_nope": False, "qk_l2_norm": False}  # the others are off at None
 
 
 def family_options(model_type: str) -> dict:
@@ -68,6 +72,9 @@ def family_options(model_type: str) -> dict:
 def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     """The LlamaConfig of a Hugging Face Llama `config.json`; ValueError naming any field the model cannot represent."""
     model_type = hf.get("model_type", "llama")
+    if model_type == "llama4":
+        raise ValueError("config.json: model_type='llama4' (Llama 4's multimodal model, vision included) is not "
+                         "supported; jaxpar takes its text model, model_type='llama4_text' (Llama4ForCausalLM)")
     if model_type == "gemma3":
         raise ValueError("config.json: model_type='gemma3' (Gemma 3's multimodal model) is not supported; jaxpar "
                          "takes its text model, model_type='gemma3_text' (Gemma3ForCausalLM)")
@@ -107,7 +114,7 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         **options, **extra,
     )
     if model_type in MOE:
-        return MoeLlamaConfig(**fields, **MOE[model_type][1].moe_fields_from_hf(hf))
+        return MoeLlamaConfig(**{**fields, **MOE[model_type][1].moe_fields_from_hf(hf)})
     return LlamaConfig(**fields)
 
 
@@ -195,7 +202,12 @@ def family_of(cfg: LlamaConfig) -> str:
         options = ", ".join(f"{option}={getattr(cfg, option)!r}" for option in family_options("gemma"))
         raise ValueError(f"no Hugging Face family has the block options {options}")
     family = matches[0]
-    if hf_mixtral.is_moe(cfg):
+    if hf_llama4.is_llama4(cfg):
+        family = hf_llama4.MODEL_TYPE
+    elif hf_mixtral.is_moe(cfg) and cfg.shared_expert:
+        raise ValueError("shared_expert=True: the Hugging Face family with a shared expert is Llama 4, whose routing "
+                         "is sigmoid_input_gate=True")
+    elif hf_mixtral.is_moe(cfg):
         moe = [name for name, (dense, _) in MOE.items() if dense == family]
         if not moe:
             raise ValueError(f"no Hugging Face family has experts on a {family} block (Mixtral's are Llama blocks, "

@@ -9,7 +9,7 @@ output, so its pre-MLP norm (jaxpar's `mlp_norm`) is `pre_feedforward_layernorm`
 
 from __future__ import annotations
 
-from jaxpar.interop import hf_mixtral, hf_qwen3_moe
+from jaxpar.interop import hf_llama4, hf_mixtral, hf_qwen3_moe
 from jaxpar.models.llama import LlamaConfig
 
 # jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
@@ -42,7 +42,10 @@ TOP_PARAMS = {
 
 
 def moe_family(cfg: LlamaConfig):
-    """The Hugging Face MoE family module of an MoE config: Qwen3-MoE's with q/k norms, Mixtral's without."""
+    """The Hugging Face MoE family module of an MoE config: Llama 4's with its routing, else Qwen3-MoE's with q/k
+    norms, Mixtral's without."""
+    if hf_llama4.is_llama4(cfg):
+        return hf_llama4
     return hf_qwen3_moe if cfg.qk_norm else hf_mixtral
 
 
@@ -78,6 +81,8 @@ def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if hf_mixtral.is_moe(cfg):  # the router and experts in place of the MLP, every block under blocks/moe
         shapes = {k: s for k, s in shapes.items() if k.split("/")[-1] not in hf_mixtral.DENSE_MLP}
         shapes |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
+        if cfg.shared_expert:
+            shapes |= {f"blocks/{k}": s for k, s in hf_llama4.shared_expert_shapes(cfg).items()}
         shapes = {k.replace("blocks/", f"{blocks_path(cfg)}/", 1): s for k, s in shapes.items()}
     if not cfg.tie_embeddings:
         shapes["head"] = (d, vp)

@@ -35,6 +35,8 @@ class MoEConfig:
     group_size: tokens over which capacity is counted; must divide the sequence (None: one sequence).
     load_balance_coef: alpha of Switch's loss alpha * E * sum_i f_i P_i.
     router_z_coef: weight of ST-MoE's router z-loss mean(logsumexp(logits)^2); 0 turns it off.
+    sigmoid_input_gate: Llama 4's routing (top-1): the sigmoid of the chosen logit scales the expert's input, and
+        its output joins unscaled.
     """
 
     n_experts: int
@@ -44,6 +46,7 @@ class MoEConfig:
     group_size: int | None = None
     load_balance_coef: float = 1e-2
     router_z_coef: float = 0.0
+    sigmoid_input_gate: bool = False
 
     def __post_init__(self):
         if self.n_experts < 1:
@@ -58,6 +61,9 @@ class MoEConfig:
             raise ValueError(
                 f"load_balance_coef={self.load_balance_coef} and router_z_coef={self.router_z_coef} must be >= 0"
             )
+        if self.sigmoid_input_gate and self.top_k != 1:
+            raise ValueError(f"sigmoid_input_gate scales a token's one expert input (Llama 4): top_k must be 1, "
+                             f"got {self.top_k}")
 
     def group(self, seq_len: int) -> int:
         """Tokens per routing group for sequences of `seq_len` tokens."""
@@ -97,6 +103,8 @@ def route(logits: jax.Array, cfg: MoEConfig, capacity: int) -> tuple[Routing, di
     probs = jax.nn.softmax(logits, axis=-1)
     top_probs, expert = jax.lax.top_k(probs, cfg.top_k)
     gate = top_probs if cfg.top_k == 1 else top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    if cfg.sigmoid_input_gate:
+        gate = jax.nn.sigmoid(jnp.take_along_axis(logits, expert, axis=-1))
     chosen = jax.nn.one_hot(expert.T.reshape(-1), n_experts, dtype=jnp.int32)  # [top_k * tokens, E]
     position = jnp.sum((jnp.cumsum(chosen, axis=0) - 1) * chosen, axis=-1).reshape(cfg.top_k, tokens).T
     kept = position < capacity
@@ -153,8 +161,11 @@ def route_and_dispatch(router: jax.Array, x: jax.Array, cfg: MoEConfig):
     groups = x.reshape(batch * seq // group, group, d)
     logits = weight_einsum("gtd,de->gte", groups.astype(jnp.float32), router.astype(jnp.float32))
     routing, stats = jax.vmap(lambda z: route(z, cfg, capacity))(logits)
+    gate = routing.gate
+    if cfg.sigmoid_input_gate:  # the one gate [groups, tokens, 1] scales the input, the output joins as it is
+        groups, gate = (groups * gate).astype(groups.dtype), jnp.ones_like(gate)
     slots = jax.vmap(lambda t, s: dispatch(t, s, cfg.n_experts, capacity))(groups, routing.slot)
-    return (routing.gate, slots, stats), routing.slot
+    return (gate, slots, stats), routing.slot
 
 
 def _to_experts(slots: jax.Array, axis) -> jax.Array:

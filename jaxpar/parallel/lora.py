@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core import zero_layout
+from jaxpar.parallel import constrain, quantized_base
 
 A, B, SCALE = "_lora_a", "_lora_b", "_lora_scale"
 TRAINABLE = nnx.LoRAParam  # the filter `apply` returns: only the adapters train
@@ -125,26 +126,66 @@ def trainable_for(plan):
 
 
 def for_plan(make_model, plan):
-    """(`make_model` with the plan's adapters put on, the trainable filter); as given, nnx.Param, without lora_rank."""
+    """(`make_model` with the plan's adapters put on, its base quantized under base_dtype, the trainable filter);
+    as given, nnx.Param, without lora_rank."""
     if not plan.lora_rank:
         return make_model, nnx.Param
 
     def adapted():
         model = make_model()
         apply(model, plan.lora_rank, plan.lora_alpha or None, plan.lora_targets)
+        if plan.base_dtype != "none":
+            quantized_base.store(model, plan.base_dtype)
         return model
 
     return adapted, TRAINABLE
 
 
 def delta(a, b, scale):
-    """(alpha / r) A B in the weight's shape: A [lead..., in..., r], B [lead..., r, out...], scale [lead...]."""
+    """(alpha / r) A B in the weight's shape: A [lead..., in..., r], B [lead..., r, out...], scale [lead...].
+
+    Its backward keeps A and B, never the product, and never forms it again: a
+    remat policy that keeps matmul outputs (`jaxpar.parallel.stack.remat_wrapper`)
+    would otherwise keep a weight-sized A B for every layer. The scale is a
+    constant (alpha / r): no gradient reaches it.
+    """
+    return _low_rank(a, b, jax.lax.stop_gradient(scale))
+
+
+@jax.custom_vjp
+def _low_rank(a, b, scale):
     lead, rank = scale.ndim, a.shape[-1]
     d_in, d_out = a.shape[lead:-1], b.shape[lead + 1:]
     ab = jnp.matmul(a.reshape(*a.shape[:lead], math.prod(d_in), rank),
                     b.reshape(*b.shape[:lead], rank, math.prod(d_out)))
     ab = ab * scale.reshape(*scale.shape, 1, 1).astype(ab.dtype)
     return ab.reshape(*a.shape[:lead], *d_in, *d_out)
+
+
+def _low_rank_forward(a, b, scale):
+    return _low_rank(a, b, scale), (a, b, scale)
+
+
+def _low_rank_backward(saved, cotangent):
+    """dA = s g B^T and dB = s A^T g, from the cotangent g of the product: A B is not formed again."""
+    a, b, scale = saved
+    lead, rank = scale.ndim, a.shape[-1]
+    a2, b2 = a.reshape(*a.shape[:lead], -1, rank), b.reshape(*b.shape[:lead], rank, -1)
+    g = cotangent.reshape(*a2.shape[:-1], b2.shape[-1]).astype(a.dtype)
+    s = scale.reshape(*scale.shape, 1, 1).astype(a.dtype)
+    d_a = jnp.matmul(g, jnp.swapaxes(b2, -1, -2)) * s
+    d_b = jnp.matmul(jnp.swapaxes(a2, -1, -2), g) * s
+    return _summed_like(d_a.reshape(a.shape), a), _summed_like(d_b.reshape(b.shape), b), jnp.zeros_like(scale)
+
+
+def _summed_like(cotangent, primal):
+    """`cotangent` summed over the manual axes it varies over and `primal` does not (inside a shard_map: an A
+    whole over tensor beside a B split over it), as autodiff sums where it broadcast the primal."""
+    extra = tuple(sorted(constrain.varying_axes(cotangent) - constrain.varying_axes(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
+_low_rank.defvjp(_low_rank_forward, _low_rank_backward)
 
 
 def _adapter_of(key, tree) -> str | None:
@@ -166,10 +207,14 @@ def fold(tree, unstacked_only: bool = False, keep: bool = False):
     `unstacked_only`: only the weights outside a layer stack (a scalar scale),
     leaving stacked ones for the layer scan to fold one layer at a time.
     `keep`: the adapters stay in the tree (to merge a module from it); else they
-    are dropped, so that a nested layer scan cannot fold them twice.
+    are dropped, so that a nested layer scan cannot fold them twice. A weight
+    held quantized (QLoRA, `jaxpar.parallel.quantized_base`: only stacked ones)
+    is dequantized first.
     """
     if not isinstance(tree, dict):
         return tree
+    if not unstacked_only:
+        tree = quantized_base.dequantized(tree, keep)
     out = {}
     for key, value in tree.items():
         base = _adapter_of(key, tree)

@@ -49,6 +49,9 @@ def remat_wrapper(plan) -> Callable[[Callable], Callable]:
     ZeRO-3 never keeps them: even `none` checkpoints the block, keeping every
     matmul output but nothing computed from the parameters alone (the gathered
     weights, their concatenations), so the backward pass gathers them again.
+    LoRA does the same with its folded weights, W + (alpha / r) A B from a
+    dequantized base (QLoRA): the backward pass folds each layer again rather
+    than keeping every layer's, so no whole copy of them exists.
     """
     if plan is None:
         return lambda f: f
@@ -57,7 +60,7 @@ def remat_wrapper(plan) -> Callable[[Callable], Callable]:
         policy = jax.checkpoint_policies.save_from_both_policies(
             policy, jax.checkpoint_policies.save_only_these_names(zero.GATHERED)
         )
-    if plan.zero_ranks > 1 and plan.zero == 3 and policy is None:
+    if policy is None and ((plan.zero_ranks > 1 and plan.zero == 3) or plan.lora_rank):
         policy = jax.checkpoint_policies.dots_saveable
     return (lambda f: f) if policy is None else functools.partial(jax.checkpoint, policy=policy)
 

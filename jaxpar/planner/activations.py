@@ -38,7 +38,7 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     d, hd, h, kv, f = model.d_model, model.head_dim, model.n_heads, model.n_kv_heads, model.d_ff
     d_split = t if layout.sequence_parallel else 1
     qkv = (h + 2 * kv) * hd / t
-    policy = remat_policy(layout)
+    policy = remat_policy(layout, model)
     split = t > 1 or (layout.zero >= 2 and layout.data > 1)
     if policy == "full":
         return d / d_split
@@ -83,11 +83,11 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
     """
     t, d_split = layout.tensor, layout.tensor if layout.sequence_parallel else 1
     h, kv, hd, f, d = model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.d_model
-    if layout.pipe > 1 and remat_policy(layout) == "none":
+    if layout.pipe > 1 and remat_policy(layout, model) == "none":
         keys = scores_kept(layout, seq)
         return (2 * h * keys + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
     values = activation_values_per_token(model, layout, seq)
-    if model.n_experts and remat_policy(layout) != "full":
+    if model.n_experts and remat_policy(layout, model) != "full":
         share = model.moe_layers / model.n_layers
         values += share * (moe_mlp_values_per_token(model, layout, seq) - 3 * f / t)
     return values

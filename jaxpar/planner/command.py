@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.planner.adapters import with_lora
 from jaxpar.planner.devices import Device, load_device
 from jaxpar.planner.estimate import Estimate, estimate
 from jaxpar.planner.layout import Layout, Workload
@@ -16,21 +17,23 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f}" if x < 1e13 else "inf"
 
 
-def run_command(model_name: str, est: Estimate, work: Workload) -> str:
-    """The `jaxpar train` command line that runs this layout."""
+def run_command(model_name: str, est: Estimate, work: Workload, trains: tuple = ()) -> str:
+    """The `jaxpar train` command line that runs this layout; `trains`: what the model trains as Plan options
+    (`Model.plan_options`: LoRA's)."""
     flags = [f"--model {model_name}", f"--mesh {est.layout.mesh}", f"--batch-size {work.batch_size}",
              f"--seq-len {work.seq_len}"]
-    for key, value in est.layout.options().items():
+    for key, value in {**est.layout.options(), **dict(trains)}.items():
         flag = "--" + key.replace("_", "-")
         flags.append((flag if value else "--no-" + flag[2:]) if isinstance(value, bool) else f"{flag} {value}")
     return "jaxpar train " + " ".join(flags)
 
 
-def config_toml(model_name: str, est: Estimate, work: Workload) -> str:
-    """A `jaxpar train --config FILE` file for this layout ([model], [train], [mesh], [plan] tables)."""
+def config_toml(model_name: str, est: Estimate, work: Workload, trains: tuple = ()) -> str:
+    """A `jaxpar train --config FILE` file for this layout ([model], [train], [mesh], [plan] tables); `trains` as
+    `run_command` takes it."""
     mesh = "\n".join(f"{a} = {n}" for a, n in est.layout.shape.items())
     plan_lines = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v if isinstance(v, int) else repr(v)}"
-                           .replace("'", '"') for k, v in est.layout.options().items())
+                           .replace("'", '"') for k, v in {**est.layout.options(), **dict(trains)}.items())
     return (f"# jaxpar plan: {est.layout}\n# predicted {est.step_time:.3g} s/step, MFU {est.mfu:.0%}, "
             f"{_gb(est.peak)} GB per device\n[model]\nname = \"{model_name}\"\n\n[train]\n"
             f"batch_size = {work.batch_size}\nseq_len = {work.seq_len}\n\n[mesh]\n{mesh}\n\n[plan]\n{plan_lines}\n")
@@ -92,6 +95,11 @@ def main(args) -> int:
                 raise ValueError(f"--devices {args.devices} do not divide over --hosts {args.hosts}")
             device = dataclasses.replace(device, devices_per_node=args.devices // args.hosts)
         model = Model.named(args.model, {"seq_len": args.seq_len} if args.seq_len else None)
+        if args.lora_rank:
+            model = with_lora(model, args.lora_rank, args.lora_targets, args.base_dtype)
+        elif args.base_dtype != "none" or args.lora_targets != "q,k,v,o":
+            raise ValueError("--base-dtype / --lora-targets are set but --lora-rank is 0 (every weight trains): "
+                             "set --lora-rank")
         seq = args.seq_len or model_seq(args.model)
         work = Workload(args.batch_size or default_batch(model, args.devices, seq), seq)
         if args.explain:
@@ -115,10 +123,10 @@ def main(args) -> int:
     for line in explain_choice(ranking):
         console.print(line, highlight=False, soft_wrap=True)
     if ranking.best is not None:
-        console.print("run it: " + run_command(args.model, ranking.best, work), highlight=False, soft_wrap=True)
+        console.print("run it: " + run_command(args.model, ranking.best, work, model.plan_options), highlight=False, soft_wrap=True)
         if args.write_config:
             with open(args.write_config, "w") as f:
-                f.write(config_toml(args.model, ranking.best, work))
+                f.write(config_toml(args.model, ranking.best, work, model.plan_options))
             console.print(f"wrote {args.write_config} (jaxpar train --config {args.write_config})")
     if args.png:
         for path in save_pictures(ranking, args.png):
@@ -126,7 +134,7 @@ def main(args) -> int:
     if args.json:
         out = ranking.to_dict(args.top)
         if ranking.best is not None:
-            out["command"] = run_command(args.model, ranking.best, work)
+            out["command"] = run_command(args.model, ranking.best, work, model.plan_options)
         json.dump(out, sys.stdout, default=float)
         print()
     return 0

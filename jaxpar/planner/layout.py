@@ -154,10 +154,11 @@ def local_seq(layout: Layout, work: Workload) -> int:
     return work.seq_len // layout.context
 
 
-def remat_policy(layout: Layout) -> str:
-    """The checkpoint policy a block really runs under (jaxpar.parallel.stack.remat_wrapper): ZeRO-3 turns `none`
-    into saving every matmul output (`dots`), so the gathered weights themselves are never kept."""
-    if layout.zero == 3 and layout.data > 1 and layout.remat == "none":
+def remat_policy(layout: Layout, model: Model | None = None) -> str:
+    """The checkpoint policy a block really runs under (jaxpar.parallel.stack.remat_wrapper): ZeRO-3, and LoRA on a
+    frozen base (`model`), turn `none` into saving every matmul output (`dots`), so the gathered or folded weights
+    themselves are never kept."""
+    if layout.remat == "none" and ((layout.zero == 3 and layout.data > 1) or (model is not None and model.frozen)):
         return "dots"
     return layout.remat
 

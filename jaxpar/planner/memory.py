@@ -71,11 +71,17 @@ class Inventory:
     dense_replicated_over_expert: float  # `local` parameters not split over expert (their gradients sum over it)
 
 
+PARTS = {"all": lambda leaf: True, "trained": lambda leaf: leaf.trained, "quantized": lambda leaf: leaf.held_bytes > 0,
+         "adapted": lambda leaf: leaf.adapted}
+
+
 @functools.lru_cache(maxsize=4096)
-def inventory(model: Model, data: int, tensor: int, pipe: int, expert: int) -> Inventory:
+def inventory(model: Model, data: int, tensor: int, pipe: int, expert: int, part: str = "all") -> Inventory:
+    """The parameters of `part`: all, those that train (not a LoRA base), those held quantized (QLoRA), or the
+    weights LoRA adapts."""
     shape = {"data": data, "tensor": tensor, "pipe": pipe, "expert": expert}
     local = sharded = st_local = st_sharded = rep_pipe = rep_expert = 0.0
-    for leaf in model.leaves:
+    for leaf in filter(PARTS[part], model.leaves):
         whole, split = leaf.size / _shard_ways(leaf, shape, False), leaf.size / _shard_ways(leaf, shape, True)
         local, sharded = local + whole, sharded + split
         if leaf.stacked:
@@ -94,7 +100,8 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     batch); `temp` what it allocates while running (gradients, activations,
     gathered parameters, the update's workspace). total = arguments + temp.
     """
-    inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
+    inv, tr, q = (inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, part)
+                  for part in ("all", "trained", "quantized"))
     P, G, K = state_bytes_per_param(layout.precision, layout.zero if layout.data > 1 else 0)
     if device.low_precision_in_fp32:
         G = 4  # the backend differentiates low-precision matmuls in fp32: gradients (and activations) are fp32
@@ -103,39 +110,52 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     # ZeRO-2 keeps parameters sharded between steps but gathers every layer's for the whole step (held, as in
     # the paper's P_os+g); ZeRO-3 holds its shard and gathers one layer at a time.
     C = compute_bytes(layout.precision)  # what ZeRO-2/3 gather: the compute-dtype casts
-    at_rest = P * (inv.sharded if z >= 2 else inv.local)
-    params = P * inv.sharded if z == 3 else C * inv.local if z == 2 else at_rest
-    optimizer = K * (inv.sharded if z >= 1 else inv.local)
+    qb = model.quantized_bytes  # a quantized base (QLoRA) is held, and under ZeRO gathered, in its codes' bytes
+    at_rest = _held(P, inv.sharded, q.sharded, qb) if z >= 2 else _held(P, inv.local, q.local, qb)
+    params = _held(P, inv.sharded, q.sharded, qb) if z == 3 else _held(C, inv.local, q.local, qb) if z == 2 else at_rest
+    # Gradients and optimizer state: of what trains (a LoRA run: the adapters alone)
+    optimizer = K * (tr.sharded if z >= 1 else tr.local)
     # ZeRO's gradient: the whole local gradient under ZeRO-0/1 (reduced once per step), the data shard under
     # ZeRO-2/3, which reduce-scatter each layer's gradient as soon as the backward pass produces it.
-    grads = G * (inv.sharded if z >= 2 else inv.local)
-    per_layer = inv.stacked_local / max(model.scan_depth / layout.pipe, 1)
-    outside = inv.local - inv.stacked_local  # gathered and differentiated whole under ZeRO-2/3
+    grads = G * (tr.sharded if z >= 2 else tr.local)
+    depth = max(model.scan_depth / layout.pipe, 1)
+    per_layer, trained_per_layer = inv.stacked_local / depth, tr.stacked_local / depth
+    outside, trained_outside = inv.local - inv.stacked_local, tr.local - tr.stacked_local  # gathered whole (ZeRO-2/3)
     if sharded_lookup(model, layout, work) and model.separate_head:
         outside -= model.vocab * model.d_model  # except a table looked up in its shards (its gradient stays one)
-    transient = G * (per_layer + outside) if z >= 2 else 0.0  # one layer's whole gradient
+        trained_outside = min(trained_outside, outside)
+    transient = G * (trained_per_layer + trained_outside) if z >= 2 else 0.0  # one layer's whole gradient
     if (layout.grad_accum > 1 or layout.pipe > 1) and G < 4:
-        transient += 4 * (inv.sharded if z >= 2 else inv.local)  # fp32 accumulators of low-precision gradients
+        transient += 4 * (tr.sharded if z >= 2 else tr.local)  # fp32 accumulators of low-precision gradients
     if device.widens_low_precision and G < 4 and z <= 1 and n > 1:
-        transient += (4 - G) * inv.local  # the fp32 copy of the whole gradient a widened reduction takes
+        transient += (4 - G) * tr.local  # the fp32 copy of the whole gradient a widened reduction takes
     act_bytes = 4 if layout.precision == "fp32" or device.low_precision_in_fp32 else 2
     b, s = microbatch_sequences(layout, work), work.seq_len
     activations = activation_bytes(model, layout, work, act_bytes, (C if z == 2 else P) * inv.stacked_local)
     gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
     if z == 3:
         gathered = C * (per_layer + outside - (inv.sharded - inv.stacked_sharded))
-    workspace = transient + layer_workspace(model, layout, work) + update_workspace(inv, layout, z, G)
+        gathered -= (C - qb) * q.stacked_local / depth  # a quantized base is gathered as its codes
+    # LoRA: each layer's backward forms its folded weights W + A B again (compute dtype) and their cotangent
+    adapted = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, "adapted").stacked_local
+    transient += (C + G) * adapted / depth
+    workspace = transient + layer_workspace(model, layout, work) + update_workspace(tr, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
     host = offloaded_bytes(layout, z, at_rest, optimizer)
     arguments = at_rest + optimizer + batch - host
     temp = (params - at_rest) + grads + activations + gathered + workspace
     if host:  # copied in for the update, into the space the activations held (dead by then)
-        temp = max(temp, (params - at_rest) + grads + gathered + transient + update_workspace(inv, layout, z, G) + host)
+        temp = max(temp, (params - at_rest) + grads + gathered + transient + update_workspace(tr, layout, z, G) + host)
     return {
         "params": params, "grads": grads, "optimizer": optimizer, "activations": activations,
         "temp": gathered + workspace, "batch": batch, "arguments": arguments, "temp_total": temp,
         "host": host, "total": arguments + temp,
     }
+
+
+def _held(per_value: float, count: float, quantized: float, quantized_bytes: float) -> float:
+    """Bytes of `count` parameters at `per_value` bytes, the `quantized` ones among them at `quantized_bytes`."""
+    return per_value * count - (per_value - quantized_bytes) * quantized
 
 
 def offloaded_bytes(layout: Layout, zero: int, params_at_rest: float, optimizer: float) -> float:
@@ -157,7 +177,7 @@ def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     columns = model.vocab // layout.tensor
     logits = 2 * 4 * b * s * columns / layout.pipe / loss_chunks.pick(int(b), int(s), columns)
-    recomputed = remat_policy(layout) in ("full", "selective") and layout.context == 1
+    recomputed = remat_policy(layout, model) in ("full", "selective") and layout.context == 1
     return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0)
 
 

@@ -18,6 +18,9 @@ class Leaf:
     path: str
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
+    trained: bool = True  # False: frozen (a LoRA base), no gradient, no optimizer state, no gradient sum
+    adapted: bool = False  # LoRA adapters sit beside it: its layer's backward forms W + A B and its cotangent
+    held_bytes: float = 0.0  # bytes a value is held in when quantized (QLoRA's base); 0: the precision's
 
     @property
     def size(self) -> int:
@@ -49,10 +52,21 @@ class Model:
     dropless: bool = False
     group_size: int | None = None
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
+    plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
 
     @functools.cached_property
     def params(self) -> int:
         return sum(leaf.size for leaf in self.leaves)
+
+    @functools.cached_property
+    def frozen(self) -> bool:
+        """Whether part of the model is frozen (LoRA: all but the adapters)."""
+        return not all(leaf.trained for leaf in self.leaves)
+
+    @functools.cached_property
+    def quantized_bytes(self) -> float:
+        """Bytes a quantized base value is held in (0: none is quantized)."""
+        return max((leaf.held_bytes for leaf in self.leaves), default=0.0)
 
     @property
     def moe_layers(self) -> int:
@@ -103,7 +117,7 @@ class Model:
             moe = dict(n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every,
                        expert_d_ff=config.expert_d_ff, capacity_factor=config.capacity_factor,
                        dropless=config.dropless, group_size=config.group_size)
-        pattern = getattr(config, "sliding_pattern", 1) if getattr(config, "sliding_window", None) else 1
+        pattern = getattr(config, "sliding_pattern", 1)
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
                    config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern)
 
@@ -147,6 +161,10 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
                    Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
                    Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
                    Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
+        if getattr(c, "shared_expert", False):  # Llama 4
+            leaves += [Leaf("blocks.moe.shared_gate", (groups, d, fe), ("layers", "embed", "mlp")),
+                       Leaf("blocks.moe.shared_up", (groups, d, fe), ("layers", "embed", "mlp")),
+                       Leaf("blocks.moe.shared_down", (groups, fe, d), ("layers", "mlp", "embed"))]
     else:
         leaves += blocks("blocks.", c.n_layers)
     leaves.append(Leaf("final_norm", (d,), ("norm",)))

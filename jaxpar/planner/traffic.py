@@ -69,36 +69,41 @@ def widths(layout: Layout, device: Device) -> Widths:
 
 def collectives(model: Model, layout: Layout, work: Workload, device: Device) -> list[Collective]:
     """Every collective of one step, per device: what the compiled step runs, by jaxpar's own layers."""
-    inv = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert)
+    # every parameter is gathered (a quantized base in its codes), only those that train have gradients to sum
+    inv, tr, q = (inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, part)
+                  for part in ("all", "trained", "quantized"))
     w = widths(layout, device)
     out: list[Collective] = []
     if layout.data > 1:
-        out += data_collectives(model, layout, work, inv, w)
+        out += data_collectives(model, layout, work, (inv, tr, q), w)
     if layout.tensor > 1:
         out += tensor_collectives(model, layout, work, device, w)
     if layout.pipe > 1:
-        out += pipe_collectives(model, layout, work, inv, w)
+        out += pipe_collectives(model, layout, work, tr, w)
     if layout.replica > 1:
         # HSDP: each gradient leaves the ZeRO group reduced to its data shard, then one all-reduce over replica
-        out.append(Collective("replica", "all-reduce", inv.sharded * w.grads, 1,
+        out.append(Collective("replica", "all-reduce", tr.sharded * w.grads, 1,
                               "gradient shards summed over replicas"))
     if layout.context > 1:
-        out += context_collectives(model, layout, work, inv.local * w.grads, w.values, w.summed)
+        out += context_collectives(model, layout, work, tr.local * w.grads, w.values, w.summed)
     if layout.expert > 1 and model.n_experts:
-        out += expert_collectives(model, layout, work, inv, w)
+        out += expert_collectives(model, layout, work, tr, w)
     return out
 
 
-def data_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
-    """The gradients summed over data, or under ZeRO reduce-scattered into shards and the parameters gathered."""
-    n = layout.data
+def data_collectives(model: Model, layout: Layout, work: Workload, parts: tuple[Inventory, Inventory, Inventory],
+                     w: Widths) -> list[Collective]:
+    """The gradients summed over data, or under ZeRO reduce-scattered into shards and the parameters gathered.
+
+    `parts`: the inventories of all parameters, of those that train and of those held quantized (`inventory`).
+    """
+    inv, tr, _ = parts
     if layout.zero == 0:
-        return [Collective("data", "all-reduce", inv.local * w.grads, 1, "gradients summed over data")]
+        return [Collective("data", "all-reduce", tr.local * w.grads, 1, "gradients summed over data")]
     # local = split + whole and sharded = split / n + whole, where `whole` are the parameters ZeRO
     # cannot split over data (no dimension divides): their gradients keep an all-reduce
-    split = (inv.local - inv.sharded) * n / (n - 1)
-    unsharded = inv.local - split
-    out = zero_collectives(model, layout, work, inv, split, w)
+    unsharded = tr.local - _zero_split(tr, layout.data)
+    out = zero_collectives(model, layout, work, parts, w)
     if unsharded > 0.5:
         out.append(Collective("data", "all-reduce", unsharded * w.grads, 1, "gradients ZeRO leaves whole"))
     if sharded_lookup(model, layout, work):
@@ -106,24 +111,44 @@ def data_collectives(model: Model, layout: Layout, work: Workload, inv: Inventor
     return out
 
 
-def zero_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, split: float, w: Widths) -> list[Collective]:
+def _zero_split(inv: Inventory, n: int) -> float:
+    """Parameters per device that ZeRO splits over `n` data ranks (before the split)."""
+    return (inv.local - inv.sharded) * n / (n - 1)
+
+
+def _zero_parts(inv: Inventory, n: int) -> tuple[float, float]:
+    """(outside the layer stack, in it) of what ZeRO splits over `n` data ranks."""
+    split = _zero_split(inv, n)
+    stacked = inv.stacked_local * split / inv.local if inv.local else 0.0
+    return split - stacked, stacked
+
+
+def zero_collectives(model: Model, layout: Layout, work: Workload, parts: tuple[Inventory, Inventory, Inventory],
+                     w: Widths) -> list[Collective]:
     """ZeRO's reduce-scatter of the gradients and all-gather of the parameters over data.
 
     ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated
     parameters once per step. ZeRO-2/3 gather inside the loss: the layers once
     per stage program run (per microbatch, per pipeline tick) and again for the
     backward pass under ZeRO-3, the rest once (XLA hoists that gather out of the
-    accumulation loop); autodiff reduce-scatters each gather's gradient.
+    accumulation loop); autodiff reduce-scatters each gather's gradient. Only
+    what trains has gradients, and ZeRO-1 gathers only what the update changed;
+    ZeRO-2/3 gather a frozen base too (a quantized one in its codes' bytes).
     """
-    stacked_split = inv.stacked_local * split / inv.local if inv.local else 0.0
-    rest, layers = split - stacked_split, stacked_split
-    if sharded_lookup(model, layout, work) and model.separate_head:
-        rest -= model.vocab * model.d_model  # the table is used nowhere else: neither gathered nor reduce-scattered
-    scattered = rest + layers
-    if layout.zero >= 2:
-        layers *= layout.grad_accum * schedule_ticks(layout)
-        scattered = rest * layout.grad_accum + layers
-    gathered = rest + layers * (2 if layout.zero == 3 else 1)
+    inv, tr, q = parts
+    n, runs = layout.data, layout.grad_accum * schedule_ticks(layout)
+    table = model.vocab * model.d_model if sharded_lookup(model, layout, work) and model.separate_head else 0.0
+    # the table is used nowhere else: neither gathered nor reduce-scattered
+    rest, layers = _zero_parts(tr, n)
+    rest -= table if tr.local == inv.local else 0.0  # a LoRA run's table is frozen: it has no gradient
+    scattered = rest * layout.grad_accum + layers * runs if layout.zero >= 2 else rest + layers
+    if layout.zero == 1:
+        gathered = rest + layers
+    else:
+        layer_runs = runs * (2 if layout.zero == 3 else 1)
+        (rest, layers), (_, quantized) = _zero_parts(inv, n), _zero_parts(q, n)
+        gathered = rest - table + layers * layer_runs
+        gathered -= (1 - model.quantized_bytes / w.params) * quantized * layer_runs
     return [Collective("data", "reduce-scatter", scattered * w.grads, 1, "gradients into ZeRO shards"),
             Collective("data", "all-gather", gathered * w.params, 1,
                        "ZeRO parameters gathered" + (" per layer" if layout.zero >= 2 else " after the update"))]
@@ -246,7 +271,7 @@ def expert_collectives(model: Model, layout: Layout, work: Workload, inv: Invent
     buffer = slots * d * w.values / t
     # to the experts and back, forward and backward; a remat policy re-runs the forward pair (an
     # all-to-all is no matmul, so no policy saves its output)
-    calls = (4 + 2 * (remat_policy(layout) != "none")) * model.moe_layers / layout.pipe * layout.grad_accum
+    calls = (4 + 2 * (remat_policy(layout, model) != "none")) * model.moe_layers / layout.pipe * layout.grad_accum
     out = [Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back")]
     # Parameters every expert rank holds sum their gradients over expert, except the embedding table
     # when gathering its cotangents and token ids over expert is cheaper than summing the table.

@@ -112,7 +112,8 @@ class Optimizer:
 
     def cast(self, params):
         """The parameters in the dtype the train state holds them in."""
-        return jax.tree.map(lambda p: p.astype(self.param_dtype), params)
+        return jax.tree.map(lambda p: p.astype(self.param_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                            params)  # a quantized base's integer codes stay codes
 
     def init(self, params):
         """Optimizer state from the model's (fp32) initial parameters."""

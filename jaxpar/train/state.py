@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import LogicalArray, is_logical
-from jaxpar.parallel import offload
+from jaxpar.parallel import offload, quantized_base
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
 
@@ -201,6 +201,7 @@ def _streams(make_model: Callable[[], nnx.Module]) -> Streams:
 
 def state_specs(model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """PartitionSpecs of the whole train state under `plan` (checked for divisibility)."""
+    quantized_base.check_plan(model.logical, plan)  # a quantized base in whole blocks on each device
     return TrainState(
         params=plan.param_specs(model.logical),
         opt_state=plan.optimizer_specs(optimizer, model.trained(model.logical)),
@@ -252,12 +253,13 @@ def state_from_params(params, model: ModelDef, optimizer, plan: Plan) -> TrainSt
 def state_from_base(base_params, make_model: Callable[[], nnx.Module], model: ModelDef, optimizer,
                     plan: Plan) -> TrainState:
     """Step 0 from given weights (natural order) of a model that `make_model` adds parameters to (LoRA adapters):
-    the given ones as they are, the added ones as `make_model` initialises them (the rest of its init is unused,
-    so XLA drops it)."""
+    the given ones as they are (quantized where `make_model` holds codes: QLoRA), the added ones as `make_model`
+    initialises them (the rest of its init is unused, so XLA drops it)."""
     def build(base):
         with nnx.use_eager_sharding(False):
             _, params, _ = _split(make_model())
-        return _initial_state(_replace(params, base), {}, model, optimizer, plan)
+        return _initial_state(quantized_base.quantized_like(_replace(params, base), params), {}, model, optimizer,
+                              plan)
 
     return jax.jit(build, out_shardings=state_shardings(model, optimizer, plan))(base_params)
 
