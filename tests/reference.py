@@ -100,10 +100,11 @@ def self_attention(p, x, cfg, window=None, positions=None):
     return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
 
 
-def masked_attention(q, k, v, segments=None, window=None, softcap=None, scale=None):
+def masked_attention(q, k, v, segments=None, window=None, softcap=None, scale=None, sinks=None):
     """Plain masked softmax attention: q [b, s, heads, d], k and v [b, s, kv_heads, *] (K/V heads repeated),
     query i sees key j iff j <= i and i - j < window, in the same document (segment ids [b, s]); scores * scale,
-    then c * tanh(scores / c), then the mask. A query that sees no key (padding, segment 0) gives 0."""
+    then c * tanh(scores / c), then the mask. A query that sees no key (padding, segment 0) gives 0.
+    `sinks` [heads]: a logit per head appended to every row's softmax and dropped after it (gpt-oss)."""
     s, d = q.shape[1], q.shape[-1]
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
@@ -114,7 +115,12 @@ def masked_attention(q, k, v, segments=None, window=None, softcap=None, scale=No
     seen = jnp.asarray((j <= i) & ((i - j < window) if window is not None else True))[None, None]
     if segments is not None:
         seen = seen & (segments[:, None, :, None] == segments[:, None, None, :]) & (segments[:, None, :, None] != 0)
-    weights = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+    logits = jnp.where(seen, logits, -jnp.inf)
+    if sinks is None:
+        weights = jax.nn.softmax(logits, axis=-1)
+    else:
+        column = jnp.broadcast_to(sinks[None, :, None, None], logits.shape[:3] + (1,))
+        weights = jax.nn.softmax(jnp.concatenate([logits, column], axis=-1), axis=-1)[..., :-1]
     weights = jnp.where(seen, weights, 0.0)  # rows that see nothing: softmax of all -inf is NaN
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
