@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxpar.models import layer_pattern
 from jaxpar.models.config import ACTIVATIONS, LlamaConfig
-from jaxpar.models.rotary import rope_frequencies, rotary
+from jaxpar.models.rotary import attention_factor, rope_frequencies, rotary
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
@@ -59,7 +59,9 @@ def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool =
         q, k = (rms_norm(a, p[w], cfg.norm_eps, cfg.norm_plus_one) for a, w in ((q, "q_norm"), (k, "k_norm")))
     positions = attention_lib.positions(q.shape[1]) if positions is None else positions
     inv_freq = rope_frequencies(cfg, q.shape[-1]) if inv_freq is None else inv_freq
-    return rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq), v
+    scale = attention_factor(cfg)
+    return (rotary(q, positions, cfg.rope_theta, inv_freq, scale), rotary(k, positions, cfg.rope_theta, inv_freq, scale),
+            v)
 
 
 def attention(p, x, cfg: LlamaConfig):
@@ -67,8 +69,15 @@ def attention(p, x, cfg: LlamaConfig):
     # q holds the whole sequence (under sequence parallelism x may hold a shard of it), in the order
     # jaxpar.parallel.attention keeps it (load-balanced under context parallelism): positions say which is which.
     q, k, v = query_key_value(p, x, cfg, positions=None)
-    out = constrain(attention_lib.causal_attention(q, k, v, **layer_pattern.attention_options(cfg)), Q_NAMES)
-    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
+    out = attention_lib.causal_attention(q, k, v, sinks=p.get("sinks"), **layer_pattern.attention_options(cfg))
+    return output_projection(p, constrain(out, Q_NAMES))
+
+
+def output_projection(p, out):
+    """The attention's heads [batch, seq, heads, head_dim] projected back to the residual stream (plus the output
+    bias `bo` where the block has one: gpt-oss)."""
+    y = tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
+    return y if "bo" not in p else constrain(y + p["bo"].astype(y.dtype), RESIDUAL)
 
 
 def mlp(p, x, activation: str = "silu"):

@@ -39,6 +39,11 @@ class MoeLlamaConfig(llama.LlamaConfig):
     group_size: int | None = None
     load_balance_coef: float = 1e-2
     router_z_coef: float = 0.0
+    # gpt-oss: biases on the router and the experts' projections, and its clamped SwiGLU (experts.MoEConfig)
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         super().__post_init__()
@@ -52,6 +57,7 @@ class MoeLlamaConfig(llama.LlamaConfig):
             n_experts=self.n_experts, top_k=self.top_k, capacity_factor=self.capacity_factor,
             dropless=self.dropless, group_size=self.group_size,
             load_balance_coef=self.load_balance_coef, router_z_coef=self.router_z_coef,
+            activation=self.expert_activation, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
         )
 
     @property
@@ -61,7 +67,8 @@ class MoeLlamaConfig(llama.LlamaConfig):
     def param_count(self) -> int:
         d, e, fe, n_moe = self.d_model, self.n_experts, self.expert_d_ff, self.n_moe_layers
         dense_mlp = 3 * d * self.d_ff
-        return super().param_count() - n_moe * dense_mlp + n_moe * (d * e + 3 * e * d * fe)
+        biases = (e + 2 * e * fe + e * d) * self.expert_bias
+        return super().param_count() - n_moe * dense_mlp + n_moe * (d * e + 3 * e * d * fe + biases)
 
 
 CONFIGS: dict[str, MoeLlamaConfig] = {
@@ -92,6 +99,11 @@ class ExpertBlocks(llama.Blocks):
         self.expert_gate = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
         self.expert_up = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
         self.expert_down = llama._param(rngs, (n, e, fe, d), ("layers", "experts", "expert_mlp", "embed"), dt, s_out)
+        if cfg.expert_bias:  # zero-initialised in gpt-oss; small random here so that a test sees them
+            self.router_bias = llama._param(rngs, (n, e), ("layers", None), dt, s_in)
+            self.expert_gate_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
+            self.expert_up_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
+            self.expert_down_bias = llama._param(rngs, (n, e, d), ("layers", "experts", "embed"), dt, s_out)
 
 
 class MoeBlocks(nnx.Module):
