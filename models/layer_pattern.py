@@ -20,6 +20,7 @@ import numbers
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.core.trace import active_plan
@@ -102,6 +103,10 @@ def layer_frequencies(cfg, head_dim: int) -> np.ndarray | None:
 def run_groups(block: Callable, stacked, x, cfg, remat: Callable | None = None):
     """`block(p, x, layer_cfg)` over the leading layer axis of `stacked`, in scanned groups of one pattern.
 
+    A block that returns (x, statistics) (an MoE block's routing) makes this return (x, statistics stacked along
+    a leading axis whose sum is their sum over the layers: one entry per pattern, summed over its blocks, then
+    one per layer left over).
+
     `stacked` is all layers (whose local layers past the last whole pattern run after the groups) or a
     pipeline chunk (contiguous layers from a multiple of its size: see jaxpar.pipeline.layer_order); a
     chunk that does not start a pattern is refused, naming the sizes.
@@ -118,15 +123,26 @@ def run_groups(block: Callable, stacked, x, cfg, remat: Callable | None = None):
                          f"(pipe x virtual_stages) divides by {pattern}")
 
     def group(p, h):  # one pattern's blocks, each with its own static window
+        sums = None
         for i in range(pattern):
-            h = block(jax.tree.map(lambda a: a[i], p), h, layer_config(cfg, i))
-        return h
+            h, aux = _split(block(jax.tree.map(lambda a: a[i], p), h, layer_config(cfg, i)))
+            sums = aux if sums is None else jax.tree.map(jnp.add, sums, aux)
+        return h if sums is None else (h, sums)
 
-    whole = layers - tail
+    whole, parts = layers - tail, []
     if whole:
-        x = scan_layers(group, zero.regroup(jax.tree.map(lambda a: a[:whole], stacked), whole // pattern), x,
-                        remat=remat)
+        x, aux = _split(scan_layers(group, zero.regroup(jax.tree.map(lambda a: a[:whole], stacked), whole // pattern),
+                                    x, remat=remat))
+        parts.append(aux)
     if tail:  # layers whole..n-1 are pattern positions 0..tail-1 < pattern - 1: all local, alike
-        x = scan_layers(lambda p, h: block(p, h, layer_config(cfg, 0)), jax.tree.map(lambda a: a[whole:], stacked),
-                        x, remat=remat)
-    return x
+        x, aux = _split(scan_layers(lambda p, h: block(p, h, layer_config(cfg, 0)),
+                                    jax.tree.map(lambda a: a[whole:], stacked), x, remat=remat))
+        parts.append(aux)
+    if parts[0] is None:
+        return x
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *parts)  # per pattern (summed) and per tail layer
+
+
+def _split(out):
+    """A block's (or a scan's) result as (x, statistics or None): blocks may return x or (x, statistics)."""
+    return out if isinstance(out, tuple) else (out, None)

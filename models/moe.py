@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models import llama
+from jaxpar.models import layer_pattern, llama
 from jaxpar.parallel import experts, tensor, zero
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
@@ -83,6 +83,14 @@ CONFIGS: dict[str, MoeLlamaConfig] = {
     "qwen3-30b-a3b": MoeLlamaConfig(vocab=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
                                     d_ff=6144, expert_d_ff=768, n_experts=128, top_k=8, moe_every=1, dropless=True,
                                     seq_len=4096, rope_theta=1e6, norm_eps=1e-6, qk_norm=True),
+    # gpt-oss-20b's (openai/gpt-oss-20b): biased attention with sinks, 128-token windows on alternate layers, YaRN;
+    # dropless top-4 of 32 biased experts with the clamped SwiGLU in every block
+    "gpt-oss-20b": MoeLlamaConfig(vocab=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
+                                  d_ff=2880, expert_d_ff=2880, n_experts=32, top_k=4, moe_every=1, dropless=True,
+                                  seq_len=4096, rope_theta=150000.0, rope_type="yarn", rope_factor=32.0,
+                                  rope_original_max_position=4096, rope_truncate=False, sliding_window=128,
+                                  sliding_pattern=2, qkv_bias=True, attn_out_bias=True, attn_sinks=True,
+                                  expert_bias=True, expert_activation="clamped"),
 }
 
 
@@ -146,6 +154,12 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
     each MoE block's parameters gathered just before it runs.
     """
+    if cfg.sliding_pattern > 1:  # local and global layers (gpt-oss): each block's window static
+        if "dense" in stacked:
+            raise ValueError(f"sliding_pattern={cfg.sliding_pattern} with moe_every={cfg.moe_every}: local and global "
+                             "layers run with an MoE feed-forward in every block only (moe_every=1)")
+        return layer_pattern.run_groups(lambda p, h, c: moe_block(p["moe"], h, c, moe_layer), stacked, x, cfg, remat)
+
     def group(p, h):
         if "dense" in p:
             h = llama.run_layers(p["dense"], h, cfg, remat=lambda f: f)

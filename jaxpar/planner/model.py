@@ -131,6 +131,10 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
         if getattr(c, "post_norms", False):  # Gemma 2
             out += [Leaf(prefix + "post_attn_norm", (n, d), ("layers", "norm")),
                     Leaf(prefix + "post_mlp_norm", (n, d), ("layers", "norm"))]
+        if getattr(c, "attn_sinks", False):  # gpt-oss
+            out += [Leaf(prefix + "sinks", (n, h), ("layers", "heads"))]
+        if getattr(c, "attn_out_bias", False):
+            out += [Leaf(prefix + "bo", (n, d), ("layers", "embed"))]
         if dense_ffn:
             out += [Leaf(prefix + "w_gate", (n, d, f), ("layers", "embed", "mlp")),
                     Leaf(prefix + "w_up", (n, d, f), ("layers", "embed", "mlp")),
@@ -147,6 +151,11 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
                    Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
                    Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
                    Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
+        if getattr(c, "expert_bias", False):  # gpt-oss
+            leaves += [Leaf("blocks.moe.router_bias", (groups, e), ("layers", None)),
+                       Leaf("blocks.moe.expert_gate_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                       Leaf("blocks.moe.expert_up_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                       Leaf("blocks.moe.expert_down_bias", (groups, e, d), ("layers", "experts", "embed"))]
     else:
         leaves += blocks("blocks.", c.n_layers)
     leaves.append(Leaf("final_norm", (d,), ("norm",)))
