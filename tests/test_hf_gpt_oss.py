@@ -236,6 +236,27 @@ def test_yarn_frequencies_match_transformers():
         assert attention_factor(cfg) == pytest.approx(factor, rel=1e-7), changes
 
 
+@needs_torch
+def test_yarn_on_a_llama_matches_transformers_both_ways(tmp_path):
+    """YaRN is every family's rotation in transformers (Qwen2.5's long context): a Llama with it imports with
+    transformers' logits, and exports a config that transformers reads back to the same rotation."""
+    from test_hf import hf_model
+    from test_hf import jaxpar_model as llama_model
+
+    yarn = {**YARN, "rope_theta": 10000.0, "truncate": True}
+    reference = hf_model(rope_parameters=yarn)
+    reference.save_pretrained(tmp_path / "hf")
+    cfg, params = hf.load_hf_params(tmp_path / "hf")
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_truncate) == ("yarn", 8.0, True)
+    theirs = torch_logits(reference, TOKENS)
+    assert relative(np.asarray(llama_model(cfg, params).logits(jnp.asarray(TOKENS))), theirs) <= 1e-5
+    plain = llama_model(dataclasses.replace(cfg, rope_type="default"), params)
+    assert relative(np.asarray(plain.logits(jnp.asarray(TOKENS))), theirs) > 1e-3
+    hf.write_hf(params, cfg, tmp_path / "out")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    assert relative(torch_logits(back, TOKENS), theirs) <= 1e-6
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"num_experts_per_tok": 1}, "num_experts_per_tok=1 is not supported"),
     ({"output_router_logits": True}, "output_router_logits=true"),

@@ -222,8 +222,6 @@ def family_of(cfg: LlamaConfig) -> str:
 
 def _checked_fields(cfg: LlamaConfig, family: str) -> str:
     """`family`, once every field `cfg` sets beyond the block options is one its Hugging Face config expresses."""
-    if cfg.rope_type == "yarn" and family != GPT_OSS:
-        raise ValueError(f"rope_type='yarn': jaxpar writes YaRN only for gpt-oss, not for a {family} config")
     for field, families in FAMILY_FIELDS.items():
         if getattr(cfg, field) != FIELD_OFF.get(field) and family not in families:
             raise ValueError(f"{field}={getattr(cfg, field)}: a {family} Hugging Face config cannot express it "
