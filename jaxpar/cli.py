@@ -35,6 +35,8 @@ TRAIN_FLAGS = {
     "keep": (int, "keep the newest K checkpoints"),
     "on_nonfinite": (str, "a step with a NaN/Inf loss or gradient: skip its update, or stop the run"),
     "init_from": (str, "start from these weights: `jaxpar import-hf` output, an export, or a Hugging Face directory"),
+    "adapter": (str, "with --init-from BASE: continue training this PEFT LoRA adapter folder on BASE (its r, "
+                     "lora_alpha and target_modules set --lora-rank, --lora-alpha and --lora-targets)"),
     "eval_every": (int, "every N steps, loss and perplexity on a held-out 5%% tail of the data (then not trained on)"),
     "tokenizer": (str, "tokenize text --data with this Hugging Face tokenizer.json or SentencePiece .model "
                        "(default: UTF-8 bytes); with a .npy from `jaxpar tokenize`, check that it was made with it"),
@@ -97,9 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--checkpoint-dir", required=True, help="a directory `jaxpar train --checkpoint-dir` wrote")
     export.add_argument("--out", required=True, help="a .npz file, or a directory for an Orbax checkpoint")
     export.add_argument("--step", type=int, default=None, help="the step to export (default: the newest)")
-    export.add_argument("--format", choices=("jaxpar", "hf"), default="jaxpar",
-                        help="jaxpar (.npz or Orbax, default) or hf: a Hugging Face Llama directory (safetensors)")
-    export.add_argument("--dtype", default="float32", help="--format hf: float32, bfloat16 or float16")
+    export.add_argument("--format", choices=("jaxpar", "hf", "peft"), default="jaxpar",
+                        help="jaxpar (.npz or Orbax, default), hf: a Hugging Face directory (safetensors), or peft: a "
+                             "LoRA checkpoint's adapters as a PEFT adapter folder")
+    export.add_argument("--merge", action="store_true",
+                        help="--format hf of a LoRA checkpoint: write each adapted weight merged, W + (alpha / r) A B")
+    export.add_argument("--dtype", default="float32", help="--format hf or peft: float32, bfloat16 or float16")
     _add_hf_commands(sub)
     launch = sub.add_parser("launch", help="run a jaxpar command, or any command (`-- python my_train.py ...`), as "
                                            "several cooperating processes on this machine",
@@ -224,6 +229,12 @@ def resolve(args: argparse.Namespace):
             _check_type(value, kind, f"{args.config}: [plan] {field.name}")
         if getattr(args, field.name) is not None:
             options[field.name] = getattr(args, field.name)
+    if config.adapter:  # the adapter's own rank, alpha and targets
+        from jaxpar.interop.peft import adapter_options
+
+        if not config.init_from:
+            raise ValueError(f"--adapter {config.adapter} needs --init-from BASE: the base model the adapter is on")
+        options = {**options, **adapter_options(config.adapter, options)}
     return config, options, mesh
 
 
@@ -257,6 +268,8 @@ def _export(args: argparse.Namespace) -> int:
     from jaxpar.interop.export import export
 
     try:
+        if args.merge:
+            raise ValueError("--merge writes merged full weights: give it with --format hf")
         summary = export(args.checkpoint_dir, args.out, args.step)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -324,10 +337,17 @@ def _hf_command(args: argparse.Namespace) -> int:
             from jaxpar.interop.hf import import_hf
 
             result = import_hf(args.source, args.out)
+        elif args.command == "export" and args.format == "peft":
+            from jaxpar.interop.peft import export_peft
+
+            if args.merge:
+                raise ValueError("--merge writes merged full weights: give it with --format hf (--format peft writes "
+                                 "the adapter alone)")
+            result = export_peft(args.checkpoint_dir, args.out, args.step, args.dtype)
         elif args.command == "export":
             from jaxpar.interop.hf import export_hf
 
-            result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype)
+            result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype, args.merge)
         elif args.command == "eval":
             from jaxpar.run.evaluate import evaluate_checkpoint
             from jaxpar.run.generate import generation_plan
@@ -409,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxpar.planner.command import main as plan_main
 
         return plan_main(args)
-    if args.command in HF_COMMANDS or (args.command == "export" and args.format == "hf"):
+    if args.command in HF_COMMANDS or (args.command == "export" and args.format != "jaxpar"):
         _set_host_devices(getattr(args, "devices", None))
         return _hf_command(args)
     if args.command == "export":

@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jaxpar.interop import base_weights
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.train.checksums import listing, mismatches
 
@@ -42,6 +43,7 @@ def export(checkpoint_dir, out, step: int | None = None) -> dict:
         raise ValueError(f"export target {str(out)!r} already exists; choose another --out or remove it")
     with Checkpoints(checkpoint_dir, read_only=True) as checkpoints:
         meta = checkpoints.metadata(step)
+        base_weights.check(meta["config"], f"checkpoint step {meta['step']} in {checkpoints.directory}")
         params = checkpoints.read_params(meta["step"])
     leaves = jax.tree.leaves(params)
     config = {

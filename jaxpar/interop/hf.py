@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from jaxpar.interop import hf_gpt_oss, hf_mixtral
+from jaxpar.interop import base_weights, hf_gpt_oss, hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
@@ -484,6 +484,7 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
             return checkpointer.restore(path / PARAMS_DIR, target)
     with Checkpoints(path, read_only=True) as checkpoints:
         step = checkpoints._step(step)
+        base_weights.check(checkpoints.metadata(step)["config"], f"checkpoint step {step} in {checkpoints.directory}")
         saved = checkpoints._array_metadata(step, "params")
         # a LoRA run's adapters, read whole (they are small) and folded into their weights: W + (alpha / r) A B
         adapted = lora.with_saved_adapters(saved, target, jax.sharding.NamedSharding(plan.mesh, jax.P()))
@@ -496,14 +497,43 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
         return jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), params, target)
 
 
-def export_hf(path, out, step: int | None = None, dtype: str = "float32") -> dict:
+def export_hf(path, out, step: int | None = None, dtype: str = "float32", merge: bool = False) -> dict:
     """`jaxpar export --format hf`: a training checkpoint, export or Hugging Face directory as a Hugging Face
-    directory, read and written one parameter at a time (`write_hf_from`), with its source config's fields."""
+    directory, read and written one parameter at a time (`write_hf_from`), with its source config's fields.
+
+    A LoRA checkpoint's adapters are refused unless `merge`: then each adapted weight is written merged."""
     path = Path(path)
     _numpy_dtype(dtype)
     _, cfg = saved_model_config(path)
-    with _parameter_reader(path, cfg, step) as (read, saved_step):
+    with _parameter_reader(path, cfg, step) as (read, saved_step, names):
+        adapted = lora.adapted_names(names)
+        if merge and not adapted:
+            raise ValueError(f"--merge: {path} holds no LoRA adapters to merge")
+        if adapted and not merge:
+            raise ValueError(f"{path} holds LoRA adapters (on {', '.join(adapted)}): give --merge to write the merged "
+                             "weights W + (alpha / r) A B, or --format peft to write the adapter alone")
+        read = merged_reader(read, adapted) if merge else read
         return {**write_hf_from(read, cfg, out, dtype, source=saved_hf_config(path)), "step": saved_step}
+
+
+def merged_reader(read: Callable[[str], "SavedParameter"], adapted) -> Callable[[str], "SavedParameter"]:
+    """`read` with each adapted weight read as W + (alpha / r) A B, a block (a layer, an expert) at a time."""
+    def merged(name: str) -> SavedParameter:
+        weight = read(name)
+        if name not in adapted:
+            return weight
+        a, b, scale = (read(name + suffix) for suffix in (lora.A, lora.B, lora.SCALE))
+        lead = len(scale.shape)
+
+        def block(index: tuple[slice, ...]) -> np.ndarray:
+            stacked = index[:lead]
+            delta = lora.delta(*(p.read((*stacked, *(slice(None),) * (len(p.shape) - lead))) for p in (a, b, scale)))
+            base = weight.read(index).astype(np.float32)  # a LoRA run's frozen weight may be held 2-byte
+            return base + np.asarray(delta, np.float32)[(slice(None),) * lead + index[lead:]]
+
+        return SavedParameter(weight.shape, block)
+
+    return merged
 
 
 class SavedParameter:
@@ -523,9 +553,11 @@ class SavedParameter:
 
 
 @contextlib.contextmanager
-def _parameter_reader(path: Path, cfg: LlamaConfig, step: int | None) -> Iterator[tuple[Callable, int | None]]:
-    """(read, step): `read('blocks/wq')` is that parameter as a SavedParameter, from a Hugging Face directory, an
-    export directory or a training checkpoint (its fp32 master under bf16/fp16, as `Checkpoints.read_params`).
+def _parameter_reader(path: Path, cfg: LlamaConfig, step: int | None) -> Iterator[tuple[Callable, int | None, set]]:
+    """(read, step, names): `read('blocks/wq')` is that parameter as a SavedParameter, from a Hugging Face
+    directory, an export directory or a training checkpoint (its fp32 master under bf16/fp16, as
+    `Checkpoints.read_params`; a LoRA run's frozen weights, which have no master, as held); `names` are the paths
+    of every parameter saved (a LoRA run's adapters among them).
 
     Orbax's arrays are read by TensorStore a block at a time; a training checkpoint's blocks are checked against
     the checksums saved with it once every block of a parameter has been read (`_Checksums`).
@@ -538,7 +570,8 @@ def _parameter_reader(path: Path, cfg: LlamaConfig, step: int | None) -> Iterato
         try:
             check_tensors(reader, cfg)
             sources, shapes = _param_sources(cfg, reader), jaxpar_shapes(cfg)
-            yield lambda name: SavedParameter(shapes[name], functools.partial(sources[name], shapes[name])), None
+            yield (lambda name: SavedParameter(shapes[name], functools.partial(sources[name], shapes[name])), None,
+                   set(shapes))
         finally:
             reader.close()
     elif (path / CONFIG_FILE).is_file():
@@ -547,24 +580,24 @@ def _parameter_reader(path: Path, cfg: LlamaConfig, step: int | None) -> Iterato
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
             saved = checkpointer.metadata(path.absolute() / PARAMS_DIR)
         tree = getattr(saved, "item_metadata", saved).tree
-        yield lambda name: _tensorstore_parameter(_leaf(tree, name.split("/"))), \
-            json.loads((path / CONFIG_FILE).read_text()).get("step")
+        yield (lambda name: _tensorstore_parameter(_leaf(tree, name.split("/"))),
+               json.loads((path / CONFIG_FILE).read_text()).get("step"), set(_flat_paths(tree)))
     else:
         with Checkpoints(path, read_only=True) as checkpoints:
             step = checkpoints._step(step)
             meta = checkpoints.metadata(step)
             optimizer = checkpoints._array_metadata(step, "opt_state")
-            if isinstance(optimizer, dict) and MASTER in optimizer:
-                item, root, tree = "opt_state", [MASTER], optimizer
-            else:
-                item, root, tree = "params", [], checkpoints._array_metadata(step, "params")
+            params = checkpoints._array_metadata(step, "params")
+        base_weights.check(meta.get("config"), f"checkpoint step {step} in {checkpoints.directory}")
+        masters = set(_flat_paths(optimizer[MASTER])) if isinstance(optimizer, dict) and MASTER in optimizer else set()
         sums = _Checksums(meta.get(CHECKSUMS) or {}, f"checkpoint step {step} in {checkpoints.directory}")
 
         def read(name: str) -> SavedParameter:
-            keys = [*root, *name.split("/")]
+            item, tree, keys = ("opt_state", optimizer, [MASTER, *name.split("/")]) if name in masters else \
+                ("params", params, name.split("/"))
             return sums.checked("/".join([item, *keys]), _tensorstore_parameter(_leaf(tree, keys)))
 
-        yield read, step
+        yield read, step, set(_flat_paths(params))
 
 
 def _leaf(tree: dict, keys: list[str]):

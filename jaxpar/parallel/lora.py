@@ -155,6 +155,11 @@ def _adapter_of(key, tree) -> str | None:
     return None
 
 
+def adapted_names(paths) -> list[str]:
+    """The weights ('blocks/wq') that carry adapters among saved parameter paths ('blocks/wq_lora_scale', ...)."""
+    return sorted(path.removesuffix(SCALE) for path in paths if path.endswith(SCALE))
+
+
 def fold(tree, unstacked_only: bool = False, keep: bool = False):
     """`tree` (nested dicts of arrays) with each adapted weight W replaced by W + (alpha / r) A B.
 

@@ -20,6 +20,7 @@ import optax
 
 from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
+from jaxpar.interop import base_weights
 from jaxpar.models import layer_pattern, model_config, model_factory
 from jaxpar.parallel import lora, offload
 from jaxpar.pipeline.layer_order import to_natural_order
@@ -59,6 +60,7 @@ class TrainConfig:
     keep: int = 3
     on_nonfinite: str = "skip"
     init_from: str | None = None  # initial parameters: import-hf output, an export or a Hugging Face directory
+    adapter: str | None = None  # a PEFT LoRA adapter folder on init_from to continue training (jaxpar.interop.peft)
     eval_every: int = 0  # held-out loss every N steps (0: never); the held-out split is then not trained on
     tokenizer: str | None = None  # a tokenizer.json or SentencePiece .model for text data (default: UTF-8 bytes)
     text_field: str = "text"  # the field of a .jsonl / .parquet / datasets record that holds its text
@@ -108,6 +110,8 @@ class Run:
     step_fn: Step
     mfu: mfu_lib.Mfu
     hf_config: dict | None = None  # the Hugging Face config.json --init-from's weights came from, for export
+    base: dict | None = None  # a LoRA run's --init-from path and fingerprint (jaxpar.interop.base_weights)
+    adapter: dict | None = None  # --adapter's A and B in the parameter tree's layout, to start from
 
     @property
     def batches(self):
@@ -132,8 +136,8 @@ class Run:
             from jaxpar.interop.hf import load_params
 
             base = describe(model_factory(self.config.model, self.model_config, self.config.seed))
-            return state_from_base(load_params(self.config.init_from, base, self.plan), self.make_model, self.model,
-                                   self.optimizer, self.plan)
+            params = _joined(load_params(self.config.init_from, base, self.plan), self.adapter or {})
+            return state_from_base(params, self.make_model, self.model, self.optimizer, self.plan)
         if self.config.init_from:
             from jaxpar.interop.hf import initial_state
 
@@ -142,6 +146,12 @@ class Run:
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         return self.data.batch(step)
+
+
+def _joined(params: dict, adapters: dict) -> dict:
+    """The base parameters with the adapters' entries added beside their weights."""
+    out = {k: _joined(v, adapters[k]) if isinstance(v, dict) and k in adapters else v for k, v in params.items()}
+    return {**out, **{k: v for k, v in adapters.items() if k not in params}}
 
 
 def data_spec(config: TrainConfig) -> DataSpec:
@@ -197,6 +207,14 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
                              "the weights decide the model: drop --model")
         config = dataclasses.replace(config, model=name)  # what the run config saved with each checkpoint names
     mcfg = model_config(name, {**saved, "seq_len": config.seq_len, **config.model_overrides})
+    if config.adapter and not (config.init_from and plan.lora_rank):
+        raise ValueError(f"--adapter {config.adapter} needs --init-from BASE and the adapter's LoRA options (the "
+                         "command line sets them from its adapter_config.json)")
+    adapter = None
+    if config.adapter:  # read (it is small) and checked against the base before anything compiles
+        from jaxpar.interop.peft import read_adapter
+
+        adapter = read_adapter(config.adapter, mcfg, config.init_from)
     plan.check_batch(config.batch_size)
     make_model, trainable = lora.for_plan(model_factory(name, mcfg, config.seed), plan)  # --lora-rank's adapters
     model = describe(make_model, trainable)
@@ -214,7 +232,8 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
-    return Run(config, plan, mcfg, model, optimizer, data, make_model, step_fn, mfu, hf_config)
+    base = base_weights.record(config.init_from) if plan.lora_rank else None
+    return Run(config, plan, mcfg, model, optimizer, data, make_model, step_fn, mfu, hf_config, base, adapter)
 
 
 def scalar_metrics(metrics: dict) -> dict[str, Any]:
@@ -242,7 +261,8 @@ def open_checkpoints(run: Run) -> Checkpoints | None:
     if not config.checkpoint_dir:
         return None
     return Checkpoints(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
-                       config=run_config(config, run.model_config, run.plan, run.hf_config))
+                       config={**run_config(config, run.model_config, run.plan, run.hf_config),
+                               **({base_weights.KEY: run.base} if run.base else {})})
 
 
 def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]:
@@ -261,6 +281,7 @@ def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]
     for step in reversed(checkpoints.steps()):
         try:
             meta = checkpoints.metadata(step)
+            base_weights.check(meta.get("config"), f"checkpoint step {step} in {checkpoints.directory}")
             run.data.set_state({"position": meta.get("step", step), **meta.get("data", {})},
                                _origin(meta, checkpoints.directory))
             restored = checkpoints.restore(run.model, run.optimizer, run.plan, step)

@@ -402,20 +402,21 @@ class Checkpoints:
 
     def read_params(self, step: int | None = None) -> dict:
         """The parameters saved at `step` as whole host numpy arrays, for export: the exact fp32 weights
-        under bf16/fp16 (the master of an older checkpoint), else the parameters as held."""
+        under bf16/fp16 (the master of an older checkpoint), else the parameters as held. A LoRA run's frozen
+        weights have no master: they come as held."""
         step = self._step(step)
         optimizer = self._array_metadata(step, "opt_state")
+        trees = {"params": self._array_metadata(step, "params")}
         if isinstance(optimizer, dict) and MASTER in optimizer:
-            item, tree = "opt_state", {MASTER: optimizer[MASTER]}
-        else:
-            item, tree = "params", self._array_metadata(step, "params")
-        if not tree:
+            trees = {"params": _without(trees["params"], optimizer[MASTER]), "opt_state": {MASTER: optimizer[MASTER]}}
+        if not any(jax.tree.leaves(tree) for tree in trees.values()):
             raise ValueError(f"checkpoint step {step} in {self.directory} is unreadable: it holds no parameters")
-        restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-        read = ocp.args.PyTreeRestore(tree, restore_args=restore_args, partial_restore=True)
-        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **{item: read}))
-        self._verify(step, restored.meta, {item: restored[item]})
-        return restored[item][MASTER] if item == "opt_state" else restored[item]
+        reads = {item: ocp.args.PyTreeRestore(tree, partial_restore=True, restore_args=jax.tree.map(
+            lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)) for item, tree in trees.items() if tree}
+        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **reads))
+        self._verify(step, restored.meta, {item: restored[item] for item in reads})
+        params = restored["params"] if "params" in reads else {}
+        return _with(params, restored["opt_state"][MASTER]) if "opt_state" in reads else params
 
     def wait(self) -> None:
         """Block until every save in flight is committed."""
@@ -429,3 +430,18 @@ class Checkpoints:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _without(tree, other):
+    """`tree` (nested dicts) without the leaves `other` holds; None where nothing is left."""
+    if not isinstance(tree, dict):
+        return None if other is not None else tree
+    out = {k: _without(v, other.get(k) if isinstance(other, dict) else None) for k, v in tree.items()}
+    return {k: v for k, v in out.items() if v is not None} or None
+
+
+def _with(tree, other):
+    """`tree` (nested dicts) with `other`'s leaves added or put in place of its own."""
+    if not isinstance(tree, dict) or not isinstance(other, dict):
+        return other if other is not None else tree
+    return {**tree, **{k: _with(tree.get(k), v) for k, v in other.items()}}
