@@ -167,6 +167,11 @@ def test_greedy_generation_equals_transformers_generate(saved):
     assert_greedy_generation_equals_generate(MoeLlama, reference, directory)
 
 
+MXFP4_CONFIG = {"quant_method": "mxfp4",  # the published checkpoints' (their experts only quantized)
+                "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                           "lm_head"]}
+
+
 def mxfp4(shape, rng):
     """Random MXFP4 blocks and scales of a dequantized [E, in, out] tensor (scales 2**-9 .. 2**-6: values of the size
     of the model's own, up to 6 * 2**-6)."""
@@ -197,10 +202,14 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(saved, tmp_path):
     quantized = tmp_path / "mxfp4"
     quantized.mkdir()
     save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
-    (quantized / "config.json").write_text((directory / "config.json").read_text())
+    source = {**json.loads((directory / "config.json").read_text()), "quantization_config": MXFP4_CONFIG}
+    (quantized / "config.json").write_text(json.dumps(source))
     cfg, params = hf.load_hf_params(quantized)
     error = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), torch_logits(model, TOKENS))
     assert error <= 1e-5, error
+    hf.write_hf(params, cfg, tmp_path / "out", source=source)  # written unquantized, and said so
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert relative(torch_logits(reload(tmp_path / "out"), TOKENS), torch_logits(model, TOKENS)) <= 1e-5
 
 
 @pytest.mark.parametrize("blocks, scales", [
@@ -264,6 +273,7 @@ def test_yarn_on_a_llama_matches_transformers_both_ways(tmp_path):
     ({"rope_parameters": {**YARN, "mscale": 1.0}}, r"rope_parameters.mscale=1.0 is not supported"),
     ({"rope_parameters": {**YARN, "partial_rotary_factor": 0.5}}, "partial_rotary_factor=0.5"),
     ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "layer_types .* are not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.quant_method='fp8' is not supported"),
 ])
 def test_gpt_oss_refuses_what_it_cannot_represent(fields, message):
     config = {k: v for k, v in {**FIELDS, **fields}.items() if v is not None}
@@ -284,9 +294,10 @@ def test_gpt_oss_config_maps_both_ways():
         hf_config.config_to_hf(dataclasses.replace(cfg, attn_sinks=False))
 
 
-def test_gpt_oss_20b_has_the_published_parameter_counts():
+def test_gpt_oss_20b_has_the_published_parameter_counts(capsys):
     """gpt-oss-20b: 20.9B parameters (20,914,757,184, counted from transformers' model of its config.json on the
-    meta device), 3.6B active per token (4 of 32 experts; the embedding table looked up, not multiplied)."""
+    meta device), 3.6B active per token (4 of 32 experts; the embedding table looked up, not multiplied); `plan`
+    rules out context parallelism for its sinks."""
     from jaxpar.models import model_config
     from jaxpar.planner.model import llama_leaves
 
@@ -295,6 +306,8 @@ def test_gpt_oss_20b_has_the_published_parameter_counts():
     expert = 3 * cfg.d_model * cfg.expert_d_ff + 2 * cfg.expert_d_ff + cfg.d_model
     idle = (cfg.n_experts - cfg.top_k) * expert * cfg.n_layers
     assert cfg.param_count() - idle - cfg.vocab * cfg.d_model == 3_608_307_264
+    main(["plan", "--model", "gpt-oss-20b", "--devices", "16", "--device", "h100", "--explain", "data=8,context=2"])
+    assert "cannot run: attention sinks do not run context-parallel (context=2)" in capsys.readouterr().out
     hf_fields = hf_config.config_to_hf(cfg)
     assert (hf_fields["model_type"], hf_fields["num_local_experts"], hf_fields["rope_parameters"]["rope_type"],
             hf_fields["layer_types"][:2]) == ("gpt_oss", 32, "yarn", ["sliding_attention", "full_attention"])

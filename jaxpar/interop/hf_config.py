@@ -76,6 +76,10 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
                          "takes its text model, model_type='gemma3_text' (Gemma3ForCausalLM)")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type={model_type!r} is not supported; only {sorted(FAMILIES)} are")
+    quantization = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantization and (model_type, quantization) != (GPT_OSS, "mxfp4"):
+        raise ValueError(f"config.json: quantization_config.quant_method={quantization!r} is not supported: jaxpar reads "
+                         "unquantized weights, and gpt-oss's MXFP4 experts")
     for field in ("attention_bias", "mlp_bias") if model_type != GPT_OSS else ("mlp_bias",):
         if hf.get(field):
             raise ValueError(f"config.json: {field}=true is not supported: jaxpar's {model_type} has no such bias terms")

@@ -49,6 +49,7 @@ class Model:
     dropless: bool = False
     group_size: int | None = None
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
+    attention_sinks: bool = False  # gpt-oss's: no context parallelism (jaxpar.parallel.attention refuses it)
 
     @functools.cached_property
     def params(self) -> int:
@@ -105,7 +106,8 @@ class Model:
                        dropless=config.dropless, group_size=config.group_size)
         pattern = getattr(config, "sliding_pattern", 1) if getattr(config, "sliding_window", None) else 1
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
-                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern)
+                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern,
+                   attention_sinks=getattr(config, "attn_sinks", False))
 
 
 def llama_leaves(c) -> tuple[Leaf, ...]:
