@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxpar.models import layer_pattern
 from jaxpar.models.config import ACTIVATIONS, LlamaConfig
-from jaxpar.models.rotary import rope_frequencies, rotary
+from jaxpar.models.rotary import attention_factor, rope_frequencies, rotary
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import attention_chunks
 from jaxpar.parallel import tensor
@@ -74,7 +74,9 @@ def query_key_value(p, x, cfg: LlamaConfig, positions=None, replicate_kv: bool =
         q, k = (rms_norm(a, p[w], cfg.norm_eps, cfg.norm_plus_one) for a, w in ((q, "q_norm"), (k, "k_norm")))
     positions = attention_lib.positions(q.shape[1]) if positions is None else positions
     inv_freq = rope_frequencies(cfg, q.shape[-1]) if inv_freq is None else inv_freq
-    q, k = rotary(q, positions, cfg.rope_theta, inv_freq), rotary(k, positions, cfg.rope_theta, inv_freq)
+    scale = attention_factor(cfg)
+    q, k = (rotary(q, positions, cfg.rope_theta, inv_freq, scale),
+            rotary(k, positions, cfg.rope_theta, inv_freq, scale))
     layer = {} if layer is None else layer
     if "l2" in layer:
         q, k = (jnp.where(layer["l2"], l2_norm(a, cfg.norm_eps), a) for a in (q, k))
@@ -92,11 +94,17 @@ def attention(p, x, cfg: LlamaConfig):
     q, k, v = query_key_value(p, x, cfg, positions=None)
     options = layer_pattern.attention_options(cfg)
     if cfg.attention_chunk is None:
-        out = attention_lib.causal_attention(q, k, v, **options)
+        out = attention_lib.causal_attention(q, k, v, sinks=p.get("sinks"), **options)
     else:
         out = attention_chunks.chunked_causal_attention(q, k, v, chunk=cfg.attention_chunk, **options)
-    out = constrain(out, Q_NAMES)
-    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
+    return output_projection(p, constrain(out, Q_NAMES))
+
+
+def output_projection(p, out):
+    """The attention's heads [batch, seq, heads, head_dim] projected back to the residual stream (plus the output
+    bias `bo` where the block has one: gpt-oss)."""
+    y = tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES)
+    return y if "bo" not in p else constrain(y + p["bo"].astype(y.dtype), RESIDUAL)
 
 
 def mlp(p, x, activation: str = "silu"):

@@ -14,7 +14,7 @@ import jax
 
 from jaxpar.models import layer_pattern
 
-ROPE_TYPES = ("default", "linear", "llama3", "none")  # "none": no rotation (a NoPE layer of Llama 4)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "none")  # "none": no rotation (a NoPE layer of Llama 4)
 # the MLP's gate activation: SiLU (SwiGLU: Llama, Qwen, Mistral) or GELU's tanh approximation (GeGLU: Gemma)
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
@@ -41,6 +41,12 @@ class LlamaConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # YaRN (rope_type="yarn", gpt-oss): the ramp's ends in rotations, whether they are rounded outwards, and the
+    # factor on cos and sin (None: 0.1 ln(rope_factor) + 1); rope_factor and rope_original_max_position as above.
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
+    rope_attention_factor: float | None = None
     # Family options (default off: a Llama). qkv_bias: biases on the q/k/v projections (Qwen2);
     # qk_norm: an RMSNorm over head_dim on each query and key head before the rotation (Qwen3).
     qkv_bias: bool = False
@@ -74,6 +80,10 @@ class LlamaConfig:
     temperature_floor: float | None = None
     temperature_scale: float = 0.1
     qk_l2_norm: bool = False
+    # gpt-oss: attn_sinks, a learned logit per query head in each softmax's denominator
+    # (jaxpar.parallel.attention_math.sink_weight); attn_out_bias, a bias on the output projection.
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
@@ -102,6 +112,7 @@ class LlamaConfig:
                                  self.d_ff, self.padded_vocab, self.n_layers)
         block = 2 * d + d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f
         block += hd * (h + 2 * kv) * self.qkv_bias + 2 * hd * self.qk_norm + 2 * d * self.post_norms
+        block += h * self.attn_sinks + d * self.attn_out_bias
         return n * block + v * d * (1 if self.tie_embeddings else 2) + d
 
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.models import layer_pattern
-from jaxpar.models.block import KV_NAMES, Q_NAMES, block_norm, dense_feed_forward, query_key_value, residual_add
+from jaxpar.models.block import (KV_NAMES, Q_NAMES, block_norm, dense_feed_forward, output_projection, query_key_value,
+                                 residual_add)
 from jaxpar.models.config import LlamaConfig
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import attention_math
@@ -103,13 +104,17 @@ def cached_attention(p, x, cfg: LlamaConfig, positions, key_mask, kv=None, index
     scores = attention_math.raw_scores(q, k.astype(q.dtype), scoring)
     q = q.reshape(b, s, kv_heads, q.shape[2] // kv_heads, q.shape[3])
     scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1)
+    if "sinks" in p:  # gpt-oss: each head's sink logit joins the softmax and weighs no value
+        sinks = attention_math.grouped_sinks(p["sinks"], kv_heads, q.shape[3])[None, :, :, None, None]
+        weights = jax.nn.softmax(jnp.concatenate([scores, jnp.broadcast_to(sinks, scores.shape[:4] + (1,))], -1),
+                                 axis=-1)[..., :-1]
+    else:
+        weights = jax.nn.softmax(scores, axis=-1)
     if documents is not None:  # a padding query sees nothing: its softmax is uniform, its weights must be 0
         weights = jnp.where(allowed[:, None, None], weights, 0.0)
     weights = weights.astype(v.dtype)
     out = jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(b, s, -1, q.shape[-1]).astype(x.dtype)
-    out = constrain(out, Q_NAMES)
-    return tensor.row_parallel(out, p["wo"], "bshk,hkd->bsd", Q_NAMES), (k, v)
+    return output_projection(p, constrain(out, Q_NAMES)), (k, v)
 
 
 def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=None, index=None, feed_forward=None,

@@ -142,6 +142,10 @@ def run_groups(block: Callable, stacked, x, cfg, remat: Callable | None = None):
     """`block(p, x, layer_cfg)` over the leading layer axis of `stacked`, in scanned groups of one pattern; a
     block returning (x, aux) gets (x, aux stacked per layer) back, as from `scan_layers`.
 
+    A block that returns (x, statistics) (an MoE block's routing) makes this return (x, statistics stacked along
+    a leading axis whose sum is their sum over the layers: one entry per pattern, summed over its blocks, then
+    one per layer left over).
+
     `stacked` is all layers (whose local layers past the last whole pattern run after the groups) or a
     pipeline chunk (contiguous layers from a multiple of its size: see jaxpar.pipeline.layer_order); a
     chunk that does not start a pattern is refused, naming the sizes.

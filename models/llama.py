@@ -66,6 +66,10 @@ class Blocks(nnx.Module):
             self.bq = _param(rngs, (n, h, hd), ("layers", "heads", "head_dim"), dt, s_in)
             self.bk = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
             self.bv = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
+        if cfg.attn_sinks:
+            self.sinks = _param(rngs, (n, h), ("layers", "heads"), dt, 1.0)
+        if cfg.attn_out_bias:
+            self.bo = _param(rngs, (n, d), ("layers", "embed"), dt, s_in)
         if cfg.qk_norm:
             self.q_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt, zeros=cfg.norm_plus_one)
             self.k_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt, zeros=cfg.norm_plus_one)

@@ -43,6 +43,11 @@ class MoeLlamaConfig(llama.LlamaConfig):
     # sigmoid_input_gate, its top-1 routing (see experts.MoEConfig)
     shared_expert: bool = False
     sigmoid_input_gate: bool = False
+    # gpt-oss: biases on the router and the experts' projections, and its clamped SwiGLU (experts.MoEConfig)
+    expert_bias: bool = False
+    expert_activation: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         super().__post_init__()
@@ -57,6 +62,7 @@ class MoeLlamaConfig(llama.LlamaConfig):
             dropless=self.dropless, group_size=self.group_size,
             load_balance_coef=self.load_balance_coef, router_z_coef=self.router_z_coef,
             sigmoid_input_gate=self.sigmoid_input_gate,
+            activation=self.expert_activation, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
         )
 
     @property
@@ -66,8 +72,9 @@ class MoeLlamaConfig(llama.LlamaConfig):
     def param_count(self) -> int:
         d, e, fe, n_moe = self.d_model, self.n_experts, self.expert_d_ff, self.n_moe_layers
         dense_mlp = 3 * d * self.d_ff
+        biases = (e + 2 * e * fe + e * d) * self.expert_bias
         return (super().param_count() - n_moe * dense_mlp
-                + n_moe * (d * e + 3 * (e + self.shared_expert) * d * fe))
+                + n_moe * (d * e + 3 * (e + self.shared_expert) * d * fe + biases))
 
 
 CONFIGS: dict[str, MoeLlamaConfig] = {
@@ -93,6 +100,14 @@ CONFIGS: dict[str, MoeLlamaConfig] = {
                                    rope_original_max_position=8192, sliding_pattern=4, attention_chunk=8192,
                                    global_nope=True, temperature_floor=8192.0, temperature_scale=0.1,
                                    qk_l2_norm=True),
+    # gpt-oss-20b's (openai/gpt-oss-20b): biased attention with sinks, 128-token windows on alternate layers, YaRN;
+    # dropless top-4 of 32 biased experts with the clamped SwiGLU in every block
+    "gpt-oss-20b": MoeLlamaConfig(vocab=201088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
+                                  d_ff=2880, expert_d_ff=2880, n_experts=32, top_k=4, moe_every=1, dropless=True,
+                                  seq_len=4096, rope_theta=150000.0, rope_type="yarn", rope_factor=32.0,
+                                  rope_original_max_position=4096, rope_truncate=False, sliding_window=128,
+                                  sliding_pattern=2, qkv_bias=True, attn_out_bias=True, attn_sinks=True,
+                                  expert_bias=True, expert_activation="clamped"),
 }
 
 
@@ -113,6 +128,11 @@ class ExpertBlocks(llama.Blocks):
             self.shared_gate = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
             self.shared_up = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
             self.shared_down = llama._param(rngs, (n, fe, d), ("layers", "mlp", "embed"), dt, s_out)
+        if cfg.expert_bias:  # zero-initialised in gpt-oss; small random here so that a test sees them
+            self.router_bias = llama._param(rngs, (n, e), ("layers", None), dt, s_in)
+            self.expert_gate_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
+            self.expert_up_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
+            self.expert_down_bias = llama._param(rngs, (n, e, d), ("layers", "experts", "embed"), dt, s_out)
 
 
 class MoeBlocks(nnx.Module):

@@ -51,15 +51,37 @@ def norm(x, w, eps):
     return (h * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, theta, positions=None, factor=1.0):
+def yarn(cfg, hd):
+    """YaRN (Peng et al. 2023) as gpt-oss configures it: (inverse frequencies [hd / 2], the cos/sin multiplier).
+
+    Dimension pair i turns r_i = L / wavelength_i times over the original context L; pairs turning more than
+    beta_fast times keep theta's frequency, fewer than beta_slow take it / factor, and between the two the blend
+    moves linearly in i between the pairs where r = beta_fast and r = beta_slow (rounded outwards when truncating)."""
+    half = hd // 2
+    base = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float32) / half))
+    # pair index where a pair turns r times: L * base_i / (2 pi) = r  <=>  i = half * log(L / (2 pi r)) / log(theta)
+    index = [half * np.log(cfg.rope_original_max_position / (2 * np.pi * r)) / np.log(cfg.rope_theta)
+             for r in (cfg.rope_beta_fast, cfg.rope_beta_slow)]
+    lo, hi = (np.floor(index[0]), np.ceil(index[1])) if cfg.rope_truncate else index
+    lo, hi = max(lo, 0), min(hi, hd - 1)
+    interpolated = np.clip((np.arange(half) - lo) / max(hi - lo, 1e-3), 0, 1).astype(np.float32)
+    inv = base / np.float32(cfg.rope_factor) * interpolated + base * (1 - interpolated)
+    scale = cfg.rope_attention_factor or (0.1 * np.log(cfg.rope_factor) + 1.0 if cfg.rope_factor > 1 else 1.0)
+    return inv.astype(np.float32), np.float32(scale)
+
+
+def rope(x, theta, positions=None, factor=1.0, yarn_cfg=None):
     """Rotary embedding of [b, s, heads, hd] at `positions` ([s] or [b, s]; default 0, 1, ...): halves of hd rotate
-    as pairs (fp32); frequencies divided by `factor` (linear scaling)."""
+    as pairs (fp32); frequencies divided by `factor` (linear scaling), or YaRN's of `yarn_cfg`."""
     s, hd = x.shape[1], x.shape[-1]
     half = hd // 2
     inv = 1.0 / (theta ** (np.arange(half, dtype=np.float32) / half)) / np.float32(factor)
+    scale = np.float32(1.0)
+    if yarn_cfg is not None:
+        inv, scale = yarn(yarn_cfg, hd)
     positions = jnp.arange(s) if positions is None else jnp.asarray(positions)
     ang = positions.reshape(-1, s).astype(jnp.float32)[..., None] * inv
-    cos, sin = jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
+    cos, sin = scale * jnp.cos(ang)[:, :, None, :], scale * jnp.sin(ang)[:, :, None, :]
     a, b = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
 
@@ -82,7 +104,8 @@ def self_attention(p, x, cfg, window=None, positions=None):
     local = window is not None and getattr(cfg, "rope_local_theta", None) is not None
     theta = cfg.rope_local_theta if local else cfg.rope_theta
     factor = cfg.rope_factor if not local and getattr(cfg, "rope_type", "default") == "linear" else 1.0
-    q, k = rope(q, theta, positions, factor), rope(k, theta, positions, factor)
+    yarn_cfg = cfg if getattr(cfg, "rope_type", "default") == "yarn" else None
+    q, k = rope(q, theta, positions, factor, yarn_cfg), rope(k, theta, positions, factor, yarn_cfg)
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     s = x.shape[1]
@@ -95,15 +118,20 @@ def self_attention(p, x, cfg, window=None, positions=None):
     if window is not None:
         seen &= np.subtract.outer(np.arange(s), np.arange(s)) < window
     logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-    return jnp.einsum("bqhk,hkd->bqd", out, p["wo"])
+    if getattr(cfg, "attn_sinks", False):  # gpt-oss: one more logit per head in the softmax, weighing no value
+        sinks = jnp.broadcast_to(p["sinks"].astype(jnp.float32)[None, :, None, None], logits.shape[:3] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bqhk,hkd->bqd", jnp.einsum("bhqs,bshk->bqhk", probs, v), p["wo"])
+    return out + p["bo"] if getattr(cfg, "attn_out_bias", False) else out
 
 
-def masked_attention(q, k, v, segments=None, window=None, softcap=None, scale=None):
+def masked_attention(q, k, v, segments=None, window=None, softcap=None, scale=None, sinks=None):
     """Plain masked softmax attention: q [b, s, heads, d], k and v [b, s, kv_heads, *] (K/V heads repeated),
     query i sees key j iff j <= i and i - j < window, in the same document (segment ids [b, s]); scores * scale,
-    then c * tanh(scores / c), then the mask. A query that sees no key (padding, segment 0) gives 0."""
+    then c * tanh(scores / c), then the mask. A query that sees no key (padding, segment 0) gives 0.
+    `sinks` [heads]: a logit per head appended to every row's softmax and dropped after it (gpt-oss)."""
     s, d = q.shape[1], q.shape[-1]
     repeat = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
@@ -114,7 +142,12 @@ def masked_attention(q, k, v, segments=None, window=None, softcap=None, scale=No
     seen = jnp.asarray((j <= i) & ((i - j < window) if window is not None else True))[None, None]
     if segments is not None:
         seen = seen & (segments[:, None, :, None] == segments[:, None, None, :]) & (segments[:, None, :, None] != 0)
-    weights = jax.nn.softmax(jnp.where(seen, logits, -jnp.inf), axis=-1)
+    logits = jnp.where(seen, logits, -jnp.inf)
+    if sinks is None:
+        weights = jax.nn.softmax(logits, axis=-1)
+    else:
+        column = jnp.broadcast_to(sinks[None, :, None, None], logits.shape[:3] + (1,))
+        weights = jax.nn.softmax(jnp.concatenate([logits, column], axis=-1), axis=-1)[..., :-1]
     weights = jnp.where(seen, weights, 0.0)  # rows that see nothing: softmax of all -inf is NaN
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
@@ -237,6 +270,8 @@ def experts_ffn(p, x, cfg):
         capacity = max(1, min(group, int(np.ceil(k * group * cfg.capacity_factor / e - 1e-9))))
     tokens = x.reshape(-1, group, d)
     logits = tokens.astype(jnp.float32) @ p["router"].astype(jnp.float32)  # [g, t, e]
+    if getattr(cfg, "expert_bias", False):
+        logits = logits + p["router_bias"]
     probs = jax.nn.softmax(logits, axis=-1)
     top, choice = jax.lax.top_k(probs, k)  # [g, t, k]
     gates = top if k == 1 else top / jnp.sum(top, axis=-1, keepdims=True)
@@ -247,12 +282,23 @@ def experts_ffn(p, x, cfg):
     weight = jnp.sum(jnp.where(kept, gates[..., None], 0.0), axis=2)  # [g, t, e]
     y = jnp.zeros(tokens.shape, jnp.float32)
     for j in range(e):
-        out = swiglu(tokens, p["expert_gate"][j], p["expert_up"][j], p["expert_down"][j])
+        if getattr(cfg, "expert_bias", False):  # gpt-oss: biased projections around the clamped SwiGLU
+            out = clamped_swiglu(tokens @ p["expert_gate"][j] + p["expert_gate_bias"][j],
+                                 tokens @ p["expert_up"][j] + p["expert_up_bias"][j], cfg)
+            out = out @ p["expert_down"][j] + p["expert_down_bias"][j]
+        else:
+            out = swiglu(tokens, p["expert_gate"][j], p["expert_up"][j], p["expert_down"][j])
         y = y + weight[..., j, None] * out.astype(jnp.float32)
     share = jnp.mean(onehot, axis=(1, 2))  # [g, e]: each expert's share of the group's assignments
     balance = jnp.mean(e * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1))
     z = jnp.mean(jax.scipy.special.logsumexp(logits, axis=-1) ** 2)
     return y.astype(x.dtype).reshape(b, s, d), balance, z
+
+
+def clamped_swiglu(gate, up, cfg):
+    """gpt-oss's gate: gate capped at +limit, up clipped to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = jnp.minimum(gate, cfg.swiglu_limit), jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    return (up + 1) * gate / (1 + jnp.exp(-cfg.swiglu_alpha * gate))
 
 
 def moe_loss(params, batch, cfg):
@@ -276,8 +322,9 @@ def moe_loss(params, batch, cfg):
 
 def loss_fn(cfg) -> Callable:
     """The reference loss for a model config (MoE when it has experts); plain rotary frequencies only."""
-    if getattr(cfg, "rope_type", "default") not in ("default", "linear"):
-        raise ValueError(f"the reference implements rope_type 'default' and 'linear' only, got {cfg.rope_type!r}")
+    if getattr(cfg, "rope_type", "default") not in ("default", "linear", "yarn"):
+        raise ValueError(f"the reference implements rope_type 'default', 'linear' and 'yarn' only, got "
+                         f"{cfg.rope_type!r}")
     fn = moe_loss if hasattr(cfg, "n_experts") else llama_loss
     return lambda params, batch: fn(params, batch, cfg)
 

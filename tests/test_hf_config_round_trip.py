@@ -53,11 +53,17 @@ FAMILIES = {
         "intermediate_size": 24, "intermediate_size_mlp": 48, "num_local_experts": 4, "num_experts_per_tok": 1,
         "attention_chunk_size": 4, "no_rope_layer_interval": 2, "floor_scale": 2, "attn_scale": 1.0,
         "router_aux_loss_coef": 0.02, "rope_parameters": LLAMA3_ROPE}),
+    # sinks, attention biases, YaRN, the alternating window, a router with bias and the clamped SwiGLU
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+        "swiglu_limit": 0.2, "router_aux_loss_coef": 0.02, "layer_types": ALTERNATING,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 8.0, "beta_fast": 8.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}}),
 }
 # the round trips the default suite also checks elsewhere (test_hf_export.py's Mixtral, test_hf_new_families.py's
-# Qwen3-MoE and Gemma 3, test_hf_llama4.py's Llama 4, each with its token ids and max_position_embeddings): here
-# under the slow mark
-ELSEWHERE = ("mixtral", "qwen3_moe", "gemma3_text", "llama4_text")
+# Qwen3-MoE and Gemma 3, test_hf_llama4.py's Llama 4, test_hf_gpt_oss.py's gpt-oss, each with its token ids and
+# max_position_embeddings): here under the slow mark
+ELSEWHERE = ("mixtral", "qwen3_moe", "gemma3_text", "llama4_text", "gpt_oss")
 # what one step of training on SEQ_LEN-token rows changes in a family's config.json
 TRAINED = {"mistral": {"max_position_embeddings": SEQ_LEN}}
 # the files' dtype: the export's own

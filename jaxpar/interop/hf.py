@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from jaxpar.interop import base_weights, export_shares, hf_llama4, hf_mixtral
+from jaxpar.interop import base_weights, export_shares, hf_gpt_oss, hf_llama4, hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
@@ -93,6 +93,12 @@ def _read_shard(reader: SafetensorsReader, name: str, layout: str, shape, index,
         offset = shape[-1] if layout == "up_half" else 0
         *lead, (f0, f1) = bounds
         return reader.read(name, *(slice(a, b) for a, b in lead), slice(f0 + offset, f1 + offset))
+    if layout == "as_is":  # the same layout (gpt-oss's stacked experts)
+        return _read_maybe_quantized(reader, name, *(slice(a, b) for a, b in bounds))
+    if layout in PAIRED:  # jaxpar [..., f] <- the even (or odd) columns of torch [..., 2f] (gpt-oss's gate_up_proj)
+        *rest, (c0, c1) = bounds
+        part = _read_maybe_quantized(reader, name, *(slice(a, b) for a, b in rest), slice(2 * c0, 2 * c1))
+        return part[..., PAIRED[layout]::2]
     if layout in ("vocab_rows", "vocab_cols"):  # padded vocabulary rows are zero
         (v0, v1), (d0, d1) = bounds if layout == "vocab_rows" else bounds[::-1]
         out = np.zeros((v1 - v0, d1 - d0), np.float32)
@@ -100,6 +106,19 @@ def _read_shard(reader: SafetensorsReader, name: str, layout: str, shape, index,
             out[: min(v1, vocab) - v0] = reader.read(name, slice(v0, min(v1, vocab)), slice(d0, d1))
         return out if layout == "vocab_rows" else out.T
     raise AssertionError(layout)
+
+
+PAIRED = {"even_cols": 0, "odd_cols": 1}  # layouts of two jaxpar parameters interleaved in one tensor
+
+
+def _read_maybe_quantized(reader: SafetensorsReader, name: str, *index: slice) -> np.ndarray:
+    """`reader.read(name, *index)`, or, where the files hold `name` in MXFP4 (`{name}_blocks` and `_scales`: gpt-oss's
+    experts), the experts `index[0]` names dequantized (`hf_gpt_oss.dequantize_mxfp4`) and cut to the rest."""
+    if name in reader or f"{name}_blocks" not in reader:
+        return reader.read(name, *index)
+    experts = index[0]
+    full = hf_gpt_oss.dequantize_mxfp4(reader.read(f"{name}_blocks", experts), reader.read(f"{name}_scales", experts))
+    return full[(slice(None), *index[1:])]
 
 
 def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Callable]:
@@ -131,6 +150,9 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
 def check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
     """ValueError listing every tensor that is missing, unexpected or of the wrong shape for `cfg`."""
     expected = expected_hf_shapes(cfg)
+    for name in [n for n in expected if n not in reader and f"{n}_blocks" in reader]:  # MXFP4 (gpt-oss's experts)
+        shape = expected.pop(name)
+        expected.update({f"{name}{part}": s for part, s in hf_gpt_oss.quantized_shapes(shape).items()})
     problems = [f"{name}: missing (expected {list(shape)})" for name, shape in expected.items() if name not in reader]
     problems += [f"{name}: shape {list(reader.shape(name))}, expected {list(shape)}"
                  for name, shape in expected.items() if name in reader and reader.shape(name) != shape]
@@ -198,7 +220,7 @@ def _to_hf(array: np.ndarray, layout: str, vocab: int) -> np.ndarray:
     if layout == "in_heads_pairs":
         d, _, hd = array.shape
         return array[:, :, np.argsort(hf_llama4.half_order(hd))].reshape(d, -1).T
-    if layout == "plain":
+    if layout in ("plain", "as_is"):
         return array
     if layout == "vocab_rows":
         return array[:vocab]
@@ -211,22 +233,31 @@ def _hf_tensors(cfg: LlamaConfig, path: str, read: Callable, wanted=None) -> Ite
     """The Hugging Face tensors (name, torch layout) of one jaxpar parameter (`read(path)`: numpy or a
     SavedParameter, read a layer, or a layer's expert, at a time): one per layer (and expert); with `wanted`, only
     those it names, the others never read. A fused tensor (Llama 4's experts' gate_up_proj) comes with its first
-    part, its second part read beside it a layer at a time."""
-    array = read(path)
+    part, its second part read beside it a layer at a time; two parameters interleaved in one tensor (`PAIRED`,
+    gpt-oss's) are written together, with the even one's path."""
     if path in TOP_PARAMS:
         name, layout = TOP_PARAMS[path]
         if wanted is None or name in wanted:
-            yield name, _to_hf(np.asarray(array), layout, cfg.vocab)
+            yield name, _to_hf(np.asarray(read(path)), layout, cfg.vocab)
         return
-    suffix, layout = layer_params(cfg)[path.removeprefix(f"{blocks_path(cfg)}/")]
-    if layout == "up_half":
+    params = layer_params(cfg)
+    suffix, layout = params[path.removeprefix(f"{blocks_path(cfg)}/")]
+    if layout in ("up_half", "odd_cols"):  # written beside their gate_half / even_cols partner
         return
     if layout == "gate_half":
-        up = read(path.removesuffix("expert_gate") + "expert_up")
+        gate, up = read(path), read(path.removesuffix("expert_gate") + "expert_up")
         for i in range(cfg.n_layers):
             if wanted is None or f"model.layers.{i}.{suffix}" in wanted:
-                yield f"model.layers.{i}.{suffix}", np.concatenate([np.asarray(array[i]), np.asarray(up[i])], axis=-1)
+                yield f"model.layers.{i}.{suffix}", np.concatenate([np.asarray(gate[i]), np.asarray(up[i])], axis=-1)
         return
+    if layout in PAIRED:
+        odd = next(k for k, (name, kind) in params.items() if name == suffix and kind == "odd_cols")
+        even, odd = read(path), read(f"{blocks_path(cfg)}/{odd}")
+        for i in range(cfg.n_layers):
+            if wanted is None or f"model.layers.{i}.{suffix}" in wanted:
+                yield f"model.layers.{i}.{suffix}", np.stack([even[i], odd[i]], axis=-1).reshape(*even.shape[1:-1], -1)
+        return
+    array = read(path)
     for i in range(cfg.n_layers):
         experts = range(cfg.n_experts) if "{expert}" in suffix else [None]
         for e in experts:

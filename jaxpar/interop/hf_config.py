@@ -7,7 +7,9 @@ Llama with a sliding window); `mixtral` (a Mistral with sparse MoE feed-forwards
 RMSNorm, embeddings times sqrt(d), tied head); `gemma2` (gemma's, plus post-norms, logit soft-capping and
 local/global layers); `gemma3_text` (Gemma 3's text model: gemma2's block with (1 + w) q/k norms, local layers
 rotating with their own base, global ones with theirs and its scaling); `llama4_text` (Llama 4's text model: a
-Llama with top-1 experts beside a shared one, NoPE layers and chunked attention: `jaxpar.interop.hf_llama4`).
+Llama with top-1 experts beside a shared one, NoPE layers and chunked attention: `jaxpar.interop.hf_llama4`);
+`gpt_oss` (biased attention with sinks, alternating windows, YaRN rotation, biased clamped-SwiGLU experts:
+`jaxpar.interop.hf_gpt_oss`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxpar.interop import hf_llama4, hf_mixtral, hf_qwen3_moe
+from jaxpar.interop import hf_gpt_oss, hf_llama4, hf_mixtral, hf_qwen3_moe
 from jaxpar.models.layer_pattern import layer_window
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
@@ -41,11 +43,13 @@ MOE = {hf_mixtral.MODEL_TYPE: ("llama", hf_mixtral), hf_qwen3_moe.MODEL_TYPE: ("
        hf_llama4.MODEL_TYPE: ("llama", hf_llama4)}
 FAMILIES[hf_qwen3_moe.MODEL_TYPE] = FAMILIES["qwen3"]
 FAMILIES[hf_llama4.MODEL_TYPE] = FAMILIES["llama"]
+GPT_OSS = hf_gpt_oss.MODEL_TYPE  # told apart by its attention sinks (`family_of`); its fields: hf_gpt_oss
+FAMILIES[GPT_OSS] = {"qkv_bias": True, "qk_norm": False}
 # the options a family's entry leaves out are off (a Llama's)
 LLAMA_OPTIONS = {"mlp_activation": "silu", "norm_plus_one": False, "embed_scale": False, "post_norms": False}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", GEMMA3: "Gemma3ForCausalLM",
-                 "mistral": "MistralForCausalLM",
+                 "mistral": "MistralForCausalLM", GPT_OSS: hf_gpt_oss.ARCHITECTURE,
                  **{name: module.ARCHITECTURE for name, (_, module) in MOE.items()}}
 # Hugging Face activation names -> LlamaConfig.mlp_activation (Gemma's config field, and its legacy "gelu", as
 # transformers reads them: GemmaConfig turns hidden_act="gelu" into the tanh approximation)
@@ -57,8 +61,9 @@ GEMMA3_PATTERN = 6  # transformers' sliding_window_pattern, where config.json gi
 QWEN = ("qwen2", "qwen3")  # use_sliding_window: a window on the layers from max_window_layers on
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default, where config.json leaves it out
 FAMILY_FIELDS = {"final_softcap": ("gemma2", GEMMA3), "attn_softcap": ("gemma2", GEMMA3),
-                 "query_scale": ("gemma2", GEMMA3), "sliding_pattern": ("gemma2", GEMMA3, *QWEN, hf_llama4.MODEL_TYPE),
-                 "sliding_window": ("gemma2", GEMMA3, *QWEN, *WINDOWED, hf_qwen3_moe.MODEL_TYPE),
+                 "query_scale": ("gemma2", GEMMA3),
+                 "sliding_pattern": ("gemma2", GEMMA3, *QWEN, hf_llama4.MODEL_TYPE, GPT_OSS),
+                 "sliding_window": ("gemma2", GEMMA3, *QWEN, *WINDOWED, hf_qwen3_moe.MODEL_TYPE, GPT_OSS),
                  "rope_local_theta": (GEMMA3,), **{field: (hf_llama4.MODEL_TYPE,) for field in (
                      "attention_chunk", "global_nope", "temperature_floor", "qk_l2_norm")}}
 FIELD_OFF = {"sliding_pattern": 1, "global_nope": False, "qk_l2_norm": False}  # the others are off at None
@@ -80,13 +85,17 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
                          "takes its text model, model_type='gemma3_text' (Gemma3ForCausalLM)")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type={model_type!r} is not supported; only {sorted(FAMILIES)} are")
-    for field in ("attention_bias", "mlp_bias"):
+    quantization = (hf.get("quantization_config") or {}).get("quant_method")
+    if quantization and (model_type, quantization) != (GPT_OSS, "mxfp4"):
+        raise ValueError(f"config.json: quantization_config.quant_method={quantization!r} is not supported: jaxpar reads "
+                         "unquantized weights, and gpt-oss's MXFP4 experts")
+    for field in ("attention_bias", "mlp_bias") if model_type != GPT_OSS else ("mlp_bias",):
         if hf.get(field):
             raise ValueError(f"config.json: {field}=true is not supported: jaxpar's {model_type} has no such bias terms")
     options = family_options(model_type)
     act_field, activations = GEMMA_ACTIVATIONS.get(model_type, ("hidden_act", {"silu": "silu"}))
     act = hf.get(act_field, "gelu_pytorch_tanh" if model_type in GEMMA_ACTIVATIONS else "silu")
-    if activations.get(act) != options["mlp_activation"]:
+    if model_type != GPT_OSS and activations.get(act) != options["mlp_activation"]:  # gpt-oss's experts: their own
         raise ValueError(f"config.json: {act_field}={act!r} is not supported: jaxpar's {model_type} MLP uses "
                          f"{[name for name, ours in activations.items() if ours == options['mlp_activation']]}")
     if model_type in GEMMA_ACTIVATIONS:
@@ -95,6 +104,8 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         extra = _qwen_window(hf)
     elif model_type == hf_qwen3_moe.MODEL_TYPE:  # transformers' window, when on, is on every layer
         extra = _window_from_hf(hf, model_type) if hf.get("use_sliding_window") else {}
+    elif model_type == GPT_OSS:  # alternating, sliding first, as transformers defaults layer_types
+        extra = _sliding_pattern({"sliding_window": 128, **hf})
     else:
         extra = _window_from_hf(hf, model_type)
     if hf.get("pretraining_tp", 1) not in (None, 1):
@@ -113,6 +124,8 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)), param_dtype="float32", vocab_multiple=vocab_multiple, **rope,
         **options, **extra,
     )
+    if model_type == GPT_OSS:
+        return MoeLlamaConfig(**{**fields, **hf_gpt_oss.fields_from_hf(hf)})
     if model_type in MOE:
         return MoeLlamaConfig(**{**fields, **MOE[model_type][1].moe_fields_from_hf(hf)})
     return LlamaConfig(**fields)
@@ -195,7 +208,14 @@ def _sliding_pattern(hf: dict) -> dict:
 
 def family_of(cfg: LlamaConfig) -> str:
     """The Hugging Face model_type whose block `cfg`'s options describe (a Llama block with a window on every layer:
-    Mistral's; with experts: Mixtral's, a Qwen3 block with experts: Qwen3-MoE's)."""
+    Mistral's; with experts: Mixtral's, a Qwen3 block with experts: Qwen3-MoE's; with attention sinks: gpt-oss's)."""
+    if hf_gpt_oss.is_gpt_oss(cfg):
+        hf_gpt_oss.fields_to_hf(cfg)  # refuses what gpt-oss cannot express
+        return _checked_fields(cfg, GPT_OSS)
+    if cfg.attn_out_bias or getattr(cfg, "expert_bias", False) or getattr(cfg, "expert_activation", "silu") != "silu":
+        raise ValueError(f"attn_out_bias={cfg.attn_out_bias}, expert_bias={getattr(cfg, 'expert_bias', False)}, "
+                         f"expert_activation={getattr(cfg, 'expert_activation', 'silu')!r}: only gpt-oss (attn_sinks="
+                         "True) has an output bias, biased experts and the clamped SwiGLU")
     matches = [name for name in FAMILIES if name not in WINDOWED and name not in MOE
                and all(getattr(cfg, option) == value for option, value in family_options(name).items())]
     if not matches:
@@ -215,6 +235,11 @@ def family_of(cfg: LlamaConfig) -> str:
         family = moe[0]
     elif family == "llama" and cfg.sliding_window is not None and cfg.sliding_pattern == 1:
         family = "mistral"  # a windowless Mistral is a Llama
+    return _checked_fields(cfg, family)
+
+
+def _checked_fields(cfg: LlamaConfig, family: str) -> str:
+    """`family`, once every field `cfg` sets beyond the block options is one its Hugging Face config expresses."""
     for field, families in FAMILY_FIELDS.items():
         if getattr(cfg, field) != FIELD_OFF.get(field) and family not in families:
             raise ValueError(f"{field}={getattr(cfg, field)}: a {family} Hugging Face config cannot express it "
@@ -235,15 +260,36 @@ def _rope_from_hf(hf: dict) -> dict:
         return {"rope_theta": float(theta)}
     if kind == "linear":
         return {"rope_theta": float(theta), "rope_type": "linear", "rope_factor": float(merged["factor"])}
+    if kind == "yarn":
+        return _yarn_from_hf(merged, field, float(theta))
     if kind != "llama3":
-        raise ValueError(f"config.json: {field}.rope_type={kind!r} is not supported; only 'default', 'linear' and "
-                         "'llama3' are")
+        raise ValueError(f"config.json: {field}.rope_type={kind!r} is not supported; only 'default', 'linear', "
+                         "'llama3' and 'yarn' are")
     return {
         "rope_theta": float(theta), "rope_type": "llama3", "rope_factor": float(merged["factor"]),
         "rope_low_freq_factor": float(merged["low_freq_factor"]),
         "rope_high_freq_factor": float(merged["high_freq_factor"]),
         "rope_original_max_position": int(merged["original_max_position_embeddings"]),
     }
+
+
+def _yarn_from_hf(table: dict, field: str, theta: float) -> dict:
+    """YaRN's fields (gpt-oss's rotation); DeepSeek's mscale pair and a partial rotation are refused by name."""
+    for name in ("mscale", "mscale_all_dim"):
+        if table.get(name):
+            raise ValueError(f"config.json: {field}.{name}={table[name]} is not supported with rope_type='yarn'")
+    if table.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"config.json: {field}.partial_rotary_factor={table['partial_rotary_factor']} is not "
+                         "supported: jaxpar rotates the whole head")
+    for name in ("factor", "original_max_position_embeddings"):
+        if table.get(name) is None:
+            raise ValueError(f"config.json: {field}.{name} is missing (rope_type='yarn')")
+    factor = table.get("attention_factor")
+    return {"rope_theta": theta, "rope_type": "yarn", "rope_factor": float(table["factor"]),
+            "rope_original_max_position": int(table["original_max_position_embeddings"]),
+            "rope_beta_fast": float(table.get("beta_fast") or 32.0), "rope_beta_slow": float(table.get("beta_slow") or 1.0),
+            "rope_truncate": bool(table.get("truncate", True)),
+            "rope_attention_factor": None if factor is None else float(factor)}
 
 
 def _gemma3_rope(hf: dict, attention: dict) -> dict:
@@ -285,7 +331,8 @@ def config_to_hf(cfg: LlamaConfig, dtype: str = "float32", source: dict | None =
         return fields
     imported = _config_to_hf(dataclasses.replace(config_from_hf(source), seq_len=cfg.seq_len), dtype)
     changed = {k: v for k, v in fields.items() if k not in imported or imported[k] != v}
-    merged = {**source, **changed, "torch_dtype": dtype, "dtype": dtype}
+    merged = {k: v for k, v in {**source, **changed, "torch_dtype": dtype, "dtype": dtype}.items()
+              if k != "quantization_config"}  # the weights are written unquantized (gpt-oss's MXFP4 experts)
     if cfg.seq_len > source.get("max_position_embeddings", cfg.seq_len):
         merged["max_position_embeddings"] = cfg.seq_len
     return merged
@@ -308,6 +355,7 @@ def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
         **(_qwen_window_to_hf(cfg) if family in QWEN else {}),
         **({"sliding_window": cfg.sliding_window} if family in WINDOWED else {}),
         **(MOE[family][1].moe_fields_to_hf(cfg) if family in MOE else {}),
+        **(_gpt_oss_to_hf(cfg) if family == GPT_OSS else {}),
         **(_qwen3_moe_window_to_hf(cfg) if family == hf_qwen3_moe.MODEL_TYPE else {}),
         **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }
@@ -318,11 +366,21 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_type == "linear":
         rope.update(rope_type="linear", factor=cfg.rope_factor)
+    if cfg.rope_type == "yarn":
+        rope.update(rope_type="yarn", factor=cfg.rope_factor, beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                    truncate=cfg.rope_truncate, original_max_position_embeddings=cfg.rope_original_max_position,
+                    **({} if cfg.rope_attention_factor is None else {"attention_factor": cfg.rope_attention_factor}))
     if cfg.rope_type == "llama3":
         rope.update(rope_type="llama3", factor=cfg.rope_factor, low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_position)
     return rope
+
+
+def _gpt_oss_to_hf(cfg: LlamaConfig) -> dict:
+    """gpt-oss's own fields: biases, experts and their SwiGLU (hf_gpt_oss), and each layer's type."""
+    types = ["full_attention" if layer_window(cfg, i) is None else "sliding_attention" for i in range(cfg.n_layers)]
+    return {**hf_gpt_oss.fields_to_hf(cfg), "sliding_window": cfg.sliding_window or cfg.seq_len, "layer_types": types}
 
 
 def _qwen_window_to_hf(cfg: LlamaConfig) -> dict:

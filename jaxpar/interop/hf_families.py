@@ -9,7 +9,7 @@ output, so its pre-MLP norm (jaxpar's `mlp_norm`) is `pre_feedforward_layernorm`
 
 from __future__ import annotations
 
-from jaxpar.interop import hf_llama4, hf_mixtral, hf_qwen3_moe
+from jaxpar.interop import hf_gpt_oss, hf_llama4, hf_mixtral, hf_qwen3_moe
 from jaxpar.models.llama import LlamaConfig
 
 # jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
@@ -54,6 +54,8 @@ def layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
     its MLP)."""
     extra = [params for option, params in FAMILY_PARAMS.items() if getattr(cfg, option)]
     params = {**LAYER_PARAMS, **{k: v for params in extra for k, v in params.items()}}
+    if hf_gpt_oss.is_gpt_oss(cfg):
+        return {k: v for k, v in params.items() if k not in hf_mixtral.DENSE_MLP} | hf_gpt_oss.layer_params(cfg)
     if hf_mixtral.is_moe(cfg):
         params = {k: v for k, v in params.items() if k not in hf_mixtral.DENSE_MLP} | moe_family(cfg).LAYER_PARAMS
     return params
@@ -78,6 +80,10 @@ def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({"blocks/q_norm": (n, hd), "blocks/k_norm": (n, hd)})
     if cfg.post_norms:
         shapes.update({"blocks/post_attn_norm": (n, d), "blocks/post_mlp_norm": (n, d)})
+    if cfg.attn_sinks:
+        shapes["blocks/sinks"] = (n, h)
+    if cfg.attn_out_bias:
+        shapes["blocks/bo"] = (n, d)
     if hf_mixtral.is_moe(cfg):  # the router and experts in place of the MLP, every block under blocks/moe
         shapes = {k: s for k, s in shapes.items() if k.split("/")[-1] not in hf_mixtral.DENSE_MLP}
         shapes |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
@@ -103,7 +109,9 @@ def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     if cfg.post_norms:
         layer.update({"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)})
-    if hf_mixtral.is_moe(cfg):
+    if hf_gpt_oss.is_gpt_oss(cfg):
+        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | hf_gpt_oss.expected_layer_shapes(cfg)
+    elif hf_mixtral.is_moe(cfg):
         layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | moe_family(cfg).expected_layer_shapes(cfg)
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:

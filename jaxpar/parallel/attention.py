@@ -45,7 +45,7 @@ from jaxpar.core.trace import active_plan
 from jaxpar.parallel import attention_kernels as kernels
 from jaxpar.parallel import attention_ring, bits, documents
 from jaxpar.parallel.attention_flash import Blocks, flash_attention
-from jaxpar.parallel.attention_math import Scoring, attend
+from jaxpar.parallel.attention_math import Scoring, attend, sink_weight
 from jaxpar.parallel.constrain import rule_axes, varying_axes
 
 AXIS = "context"
@@ -136,7 +136,8 @@ def _check_rows(name: str, field: jax.Array, seq: int, batch: int | None = None)
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None = None,
-                     softcap: float | None = None, scale: float | None = None) -> jax.Array:
+                     softcap: float | None = None, scale: float | None = None, sinks: jax.Array | None = None
+                     ) -> jax.Array:
     """Causal grouped-query attention: q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim],
     v [batch, seq, kv_heads, value_dim] (value_dim may differ from head_dim).
 
@@ -145,7 +146,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     `softcap` c: scores -> c * tanh(scores / c) after scaling, before masking (Gemma 2); `scale`:
     the multiplier of q . k (None: head_dim ** -0.5). When the rows are packed documents
     (`jaxpar.parallel.documents` segment ids) a query sees only keys of its own document, and a
-    padding query (segment 0) none: its output is 0.
+    padding query (segment 0) none: its output is 0. `sinks` [heads] (gpt-oss): each query head's learned
+    logit in its softmax's denominator (`jaxpar.parallel.attention_math.sink_weight`); no fused kernel takes it.
 
     The plan's `attention` picks the implementation (`jaxpar.parallel.attention_kernels`: flash
     attention unless a fused kernel applies). The sequence is in the order `positions` gives; under
@@ -156,7 +158,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     if segments is not None:
         _check_rows("segment_ids", segments, q.shape[1], q.shape[0])
     ways = context_ways()
-    call = kernels.Call(q.dtype, q.shape[-1], v.shape[-1], segments is not None, scoring, ways)
+    if sinks is not None:
+        _check_sinks(sinks, q.shape[2], ways)
+    call = kernels.Call(q.dtype, q.shape[-1], v.shape[-1], segments is not None, scoring, ways, sinks is not None)
     implementation = kernels.chosen(call)
     blocks = kernels.blocks() if implementation == "flash" else Blocks(q.shape[1], q.shape[1])
     if ways == 1:
@@ -166,8 +170,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
             return _fused(implementation, q, k, v, scoring, segments)
         pos = np.arange(q.shape[1])
         if implementation == "xla":
-            return attend(q, k, v, jnp.asarray(pos), jnp.asarray(pos), scoring, segments, segments)
-        return flash_attention(q, k, v, pos, pos, scoring, segments, segments, blocks)[0]
+            return attend(q, k, v, jnp.asarray(pos), jnp.asarray(pos), scoring, segments, segments, sinks)
+        if sinks is None:
+            return flash_attention(q, k, v, pos, pos, scoring, segments, segments, blocks)[0]
+        out, lse = flash_attention(q, k, v, pos, pos, scoring, segments, segments, blocks, out_dtype=jnp.float32)
+        return (out * sink_weight(lse, sinks)).astype(v.dtype)
     usage.mark(usage.CONTEXT_ATTENTION)
     check_sequence(q.shape[1], ways)
     if active_plan().context_form == "ring":
@@ -177,6 +184,16 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
                                   blocks=None if implementation == "xla" else blocks)
     segments = None if segments is None else _in_context_order(segments)
     return _context_parallel(local, q, k, v, _head_axes(q, k), segments)
+
+
+def _check_sinks(sinks: jax.Array, heads: int, ways: int) -> None:
+    """Raise ValueError for sink logits that are not one per query head, or under context parallelism."""
+    if sinks.shape != (heads,):
+        raise ValueError(f"attention sinks have shape {tuple(sinks.shape)}: expected one logit per query head, "
+                         f"({heads},)")
+    if ways > 1:
+        raise ValueError(f"attention sinks with context={ways} are not supported: the context forms merge key "
+                         "blocks without the sink logit; use context=1 (sequence parallelism splits the rest)")
 
 
 def _fused(name: str, q, k, v, scoring: Scoring, segments):

@@ -20,7 +20,7 @@ on any backend: forced `pallas` or `splash` on a CPU is refused outside it
 cuDNN is never given what it cannot honour: packed documents' segment ids (a
 fused path that dropped them trained on the wrong loss in MaxText #4476), a
 logit soft cap, fp32, a value head dimension unlike the query's, or the
-reordered sequence of context parallelism. Each call's choice is marked in the
+reordered sequence of context parallelism; no fused kernel is given attention sinks (gpt-oss). Each call's choice is marked in the
 trace (`jaxpar.core.usage`) so that `jaxpar inspect` and the run's header say
 what the attention got.
 """
@@ -44,6 +44,7 @@ IMPLEMENTATIONS = ("auto", "xla", "flash", "cudnn", "pallas", "splash")
 options.register_choices("attention", IMPLEMENTATIONS)
 MARK = "attention: "  # the prefix of the usage marks that record each call's choice
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+SINKS_REFUSAL = "attention sinks: the fused kernels' softmax has no sink logit in its denominator"
 CUDNN_MAX_HEAD_DIM = 128  # the head dimensions jax.nn.dot_product_attention's cuDNN path takes: <= 128, multiple of 8
 
 
@@ -57,6 +58,7 @@ class Call:
     segments: bool
     scoring: Scoring
     context_ways: int
+    sinks: bool = False
 
 
 def cudnn_refusal(call: Call, device_kind: str | None = None) -> str | None:
@@ -110,6 +112,11 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
         return "xla", "asked for (attention=xla): plain masked softmax, [seq, seq] scores kept for the backward"
     if asked == "flash":
         return "flash", "asked for (attention=flash)"
+    if call.sinks:  # no fused kernel adds a logit to its softmax's denominator
+        if asked != "auto":
+            raise ValueError(f"attention={asked!r} cannot run this attention: {SINKS_REFUSAL}. Use attention='auto' "
+                             f"or 'flash'")
+        return "flash", f"auto: no fused kernel applies ({SINKS_REFUSAL})"
     device_kind = device_kind or jax.devices()[0].device_kind
     if asked in KERNELS:
         refusal = KERNELS[asked](call, device_kind, plan_blocks(), interpreting())

@@ -7,6 +7,11 @@ document segment ids are arrays beside it. `attend` is the textbook form
 is held to). Masked entries carry fp32's minimum as their score and, wherever
 a query row may see no key at all (padding of packed documents), an exact zero
 weight: exp(min - peak) is 1, not 0, when the row's peak is that minimum too.
+
+Attention sinks (gpt-oss) are a learned logit per query head that joins each row's softmax denominator
+and weighs no value: `attend` takes them as one more column of scores; the blockwise forms attend
+without them and scale each row afterwards by `sink_weight`, from the row's log-sum-exp, which is the
+same function (and whose derivative in the sink is -sum_q p_sink(q) * rowsum(dO * O), by the chain rule).
 """
 
 from __future__ import annotations
@@ -85,11 +90,19 @@ def on_scores(mask):
     return mask if mask.ndim == 2 else mask[:, None, None]
 
 
-def attend(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=None):
-    """Plain masked softmax attention of queries at `q_pos` to keys at `k_pos`; a query seeing no key gives 0."""
+def attend(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=None, sinks=None):
+    """Plain masked softmax attention of queries at `q_pos` to keys at `k_pos`; a query seeing no key gives 0.
+
+    `sinks` [heads] (or None): each query head's sink logit, one more entry of its softmax that weighs no value.
+    """
     mask = on_scores(visible(q_pos, k_pos, scoring.window, q_seg, k_seg))
     scores = jnp.where(mask, raw_scores(q, k, scoring), MASKED)
-    weights = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        weights = jax.nn.softmax(scores, axis=-1)
+    else:
+        b, n, g, sq, _ = scores.shape
+        column = jnp.broadcast_to(grouped_sinks(sinks, n, g)[..., None, None], (b, n, g, sq, 1))
+        weights = jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
     if q_seg is not None:  # padding rows see nothing: their softmax is uniform, their weights must be 0
         weights = jnp.where(mask, weights, 0.0)
     return weighted(weights.astype(v.dtype), v, q.shape)
@@ -98,3 +111,16 @@ def attend(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=None):
 def weighted(weights, v, q_shape):
     """Weights [b, kv_heads, group, q, s] times values [b, s, kv_heads, head_dim], as [b, q, heads, head_dim]."""
     return jnp.einsum("bngqs,bsnk->bqngk", weights, v).reshape(q_shape[:3] + v.shape[-1:])
+
+
+def grouped_sinks(sinks, kv_heads: int, group: int):
+    """Sink logits [heads] in fp32 as [kv_heads, group], the grouped layout of the scores (head h = n * group + g)."""
+    return sinks.astype(jnp.float32).reshape(kv_heads, group)
+
+
+def sink_weight(lse, sinks):
+    """The share of each row's softmax its keys keep beside the sink, exp(lse) / (exp(lse) + exp(sink)), as
+    [b, q, heads, 1] against the output; lse [b, kv_heads, group, q] (MASKED for a row that sees no key: 0)."""
+    b, n, g, s = lse.shape
+    share = jax.nn.sigmoid(lse - grouped_sinks(sinks, n, g)[None, :, :, None])
+    return jnp.transpose(share, (0, 3, 1, 2)).reshape(b, s, n * g, 1)

@@ -25,6 +25,9 @@ from jaxpar.parallel.constrain import constrain, rule_axes
 from jaxpar.parallel.matmul import weight_einsum
 
 
+ACTIVATIONS = ("silu", "clamped")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Routing of one MoE layer.
@@ -37,6 +40,9 @@ class MoEConfig:
     router_z_coef: weight of ST-MoE's router z-loss mean(logsumexp(logits)^2); 0 turns it off.
     sigmoid_input_gate: Llama 4's routing (top-1): the sigmoid of the chosen logit scales the expert's input, and
         its output joins unscaled.
+    activation: the experts' gate, "silu" (SwiGLU: silu(gate) * up) or "clamped" (gpt-oss: gate clamped above
+        and up on both sides at swiglu_limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+    The router's and the experts' biases (gpt-oss) act where the layer's parameters hold them (`BIAS_PARAMS`).
     """
 
     n_experts: int
@@ -47,8 +53,15 @@ class MoEConfig:
     load_balance_coef: float = 1e-2
     router_z_coef: float = 0.0
     sigmoid_input_gate: bool = False
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"the experts' activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not self.swiglu_limit > 0 or not self.swiglu_alpha > 0:
+            raise ValueError(f"swiglu_limit={self.swiglu_limit} and swiglu_alpha={self.swiglu_alpha} must be > 0")
         if self.n_experts < 1:
             raise ValueError(f"n_experts must be >= 1, got {self.n_experts}")
         if not 1 <= self.top_k <= self.n_experts:
@@ -137,29 +150,51 @@ def combine(expert_out: jax.Array, gate: jax.Array, slot: jax.Array) -> jax.Arra
 
 
 EXPERT_PARAMS = ("router", "expert_gate", "expert_up", "expert_down")
+# optional biases (gpt-oss): router_bias [E]; expert_gate_bias, expert_up_bias [E, f]; expert_down_bias [E, d]
+BIAS_PARAMS = ("router_bias", "expert_gate_bias", "expert_up_bias", "expert_down_bias")
+ROUTER_PARAMS = ("router", "router_bias")
 _HIDDEN = (None, "experts", None, "expert_mlp")
+
+
+def _plus_bias(p: dict, name: str, out: jax.Array) -> jax.Array:
+    """out [groups, experts, capacity, width] plus each expert's bias p[name] [experts, width], where p has it."""
+    return out if name not in p else out + p[name][None, :, None, :].astype(out.dtype)
 
 
 def expert_in(p: dict, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Gate and up projections of each expert's slots [groups, experts, capacity, d], split over `expert_mlp`."""
-    gate = constrain(weight_einsum("gecd,edf->gecf", slots, p["expert_gate"]), _HIDDEN)
-    up = constrain(weight_einsum("gecd,edf->gecf", slots, p["expert_up"]), _HIDDEN)
+    gate = constrain(_plus_bias(p, "expert_gate_bias", weight_einsum("gecd,edf->gecf", slots, p["expert_gate"])),
+                     _HIDDEN)
+    up = constrain(_plus_bias(p, "expert_up_bias", weight_einsum("gecd,edf->gecf", slots, p["expert_up"])), _HIDDEN)
     return gate, up
 
 
-def expert_out(p: dict, gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SwiGLU and the row-parallel down projection: [groups, experts, capacity, d]."""
-    out = weight_einsum("gecf,efd->gecd", jax.nn.silu(gate) * up, p["expert_down"])
+def gated(gate: jax.Array, up: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """The experts' hidden activation: SwiGLU, or gpt-oss's clamped form (`MoEConfig.activation`)."""
+    if cfg.activation == "silu":
+        return jax.nn.silu(gate) * up
+    limit = jnp.asarray(cfg.swiglu_limit, gate.dtype)
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * jnp.asarray(cfg.swiglu_alpha, gate.dtype)))
+
+
+def expert_out(p: dict, gate: jax.Array, up: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """The gated activation and the row-parallel down projection: [groups, experts, capacity, d]."""
+    out = _plus_bias(p, "expert_down_bias", weight_einsum("gecf,efd->gecd", gated(gate, up, cfg), p["expert_down"]))
     return constrain(out, (None, "experts", None, "embed"))
 
 
-def route_and_dispatch(router: jax.Array, x: jax.Array, cfg: MoEConfig):
-    """Route one device's tokens [batch, seq, d] in groups: ((gates, slots [groups, E, C, d], stats), slot indices)."""
+def route_and_dispatch(router: dict, x: jax.Array, cfg: MoEConfig):
+    """Route one device's tokens [batch, seq, d] in groups: ((gates, slots [groups, E, C, d], stats), slot indices).
+
+    `router`: the layer's router [d, E] and, where it has one, its bias [E] (`ROUTER_PARAMS`)."""
     batch, seq, d = x.shape
     group = cfg.group(seq)
     capacity = cfg.capacity(group)
     groups = x.reshape(batch * seq // group, group, d)
-    logits = weight_einsum("gtd,de->gte", groups.astype(jnp.float32), router.astype(jnp.float32))
+    logits = weight_einsum("gtd,de->gte", groups.astype(jnp.float32), router["router"].astype(jnp.float32))
+    if "router_bias" in router:
+        logits = logits + router["router_bias"].astype(jnp.float32)
     routing, stats = jax.vmap(lambda z: route(z, cfg, capacity))(logits)
     gate = routing.gate
     if cfg.sigmoid_input_gate:  # the one gate [groups, tokens, 1] scales the input, the output joins as it is
@@ -180,10 +215,10 @@ def _from_experts(out: jax.Array, axis) -> jax.Array:
 
 def _forward(p: dict, x: jax.Array, cfg: MoEConfig, axis):
     """One device's layer: (y, per-group stats, what the backward pass keeps)."""
-    (gate, slots, stats), slot = route_and_dispatch(p["router"], x, cfg)
+    (gate, slots, stats), slot = route_and_dispatch(_router(p), x, cfg)
     received = _to_experts(slots, axis)
     hidden_gate, hidden_up = expert_in(p, received)
-    returned = _from_experts(expert_out(p, hidden_gate, hidden_up), axis)
+    returned = _from_experts(expert_out(p, hidden_gate, hidden_up, cfg), axis)
     y = jax.vmap(combine)(returned, gate, slot).reshape(x.shape)
     return y, stats, (received, hidden_gate, hidden_up, returned)
 
@@ -197,31 +232,36 @@ def _backward(p: dict, x: jax.Array, saved, ct_y, ct_stats, cfg: MoEConfig, axis
     """
     received, hidden_gate, hidden_up, returned = saved
     (gate, _, _), route_vjp, slot = jax.vjp(
-        lambda r, t: route_and_dispatch(r, t, cfg), p["router"], x, has_aux=True
+        lambda r, t: route_and_dispatch(r, t, cfg), _router(p), x, has_aux=True
     )
     _, combine_vjp = jax.vjp(lambda out, g: jax.vmap(combine)(out, g, slot), returned, gate)
     ct_returned, ct_gate = combine_vjp(ct_y.reshape(*gate.shape[:2], -1))
-    _, out_vjp = jax.vjp(expert_out, p, hidden_gate, hidden_up)
+    _, out_vjp = jax.vjp(lambda p, g, u: expert_out(p, g, u, cfg), p, hidden_gate, hidden_up)
     ct_p_out, ct_gate_hidden, ct_up_hidden = out_vjp(_to_experts(ct_returned, axis))
     _, in_vjp = jax.vjp(expert_in, p, received)
     ct_p_in, ct_received = in_vjp((ct_gate_hidden, ct_up_hidden))
     ct_router, ct_x = route_vjp((ct_gate, _from_experts(ct_received, axis), ct_stats))
     ct_p = jax.tree.map(jnp.add, ct_p_in, ct_p_out)
-    ct_p["router"] = ct_p["router"] + ct_router
+    for name, ct in ct_router.items():
+        ct_p[name] = ct_p[name] + ct
     return ct_p, ct_x
+
+
+def _router(p: dict) -> dict:
+    return {k: p[k] for k in ROUTER_PARAMS if k in p}
 
 
 def moe_ffn(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward layer on x [batch, seq, d_model] -> (y, this layer's losses and metrics).
 
-    p: router [d, E]; expert_gate, expert_up [E, d, f]; expert_down [E, f, d].
+    p: router [d, E]; expert_gate, expert_up [E, d, f]; expert_down [E, f, d]; the biases of BIAS_PARAMS if any.
     Under a plan the forward and the backward pass each run in one
     `jax.shard_map`, manual over the batch axes (those a caller's shard_map has
     not made manual already), so routing is local to each device's groups and
     the only token traffic is two all-to-alls over the experts' axes each way.
     Other axes (tensor) stay automatic.
     """
-    p = {k: p[k] for k in EXPERT_PARAMS}
+    p = {k: p[k] for k in EXPERT_PARAMS + BIAS_PARAMS if k in p}
     mesh = jax.sharding.get_abstract_mesh()
     outer = tuple(a for a in mesh.manual_axes if mesh.shape[a] > 1)  # a caller's shard_map (the step's)
     manual_width = [a for a in rule_axes("expert_mlp") if a in outer]
@@ -243,7 +283,7 @@ def moe_ffn(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict[str,
     if batch_axes:
         tokens = P(batch_axes)
         experts = P(tuple(a for a in expert_axes if a not in outer) or None)
-        specs = {"router": P(), "expert_gate": experts, "expert_up": experts, "expert_down": experts}
+        specs = {k: P() if k in ROUTER_PARAMS else experts for k in p}
         forward = _untracked_shard_map(forward, (specs, tokens), (tokens, tokens, tokens), batch_axes, outer)
         backward = jax.shard_map(backward, in_specs=(specs, tokens, tokens, tokens, tokens),
                                  out_specs=(specs, tokens), axis_names=set(batch_axes))

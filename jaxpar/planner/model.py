@@ -53,6 +53,7 @@ class Model:
     group_size: int | None = None
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
     plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
+    attention_sinks: bool = False  # gpt-oss's: no context parallelism (jaxpar.parallel.attention refuses it)
 
     @functools.cached_property
     def params(self) -> int:
@@ -119,7 +120,8 @@ class Model:
                        dropless=config.dropless, group_size=config.group_size)
         pattern = getattr(config, "sliding_pattern", 1)
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
-                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern)
+                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern,
+                   attention_sinks=getattr(config, "attn_sinks", False))
 
 
 def llama_leaves(c) -> tuple[Leaf, ...]:
@@ -145,6 +147,10 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
         if getattr(c, "post_norms", False):  # Gemma 2
             out += [Leaf(prefix + "post_attn_norm", (n, d), ("layers", "norm")),
                     Leaf(prefix + "post_mlp_norm", (n, d), ("layers", "norm"))]
+        if getattr(c, "attn_sinks", False):  # gpt-oss
+            out += [Leaf(prefix + "sinks", (n, h), ("layers", "heads"))]
+        if getattr(c, "attn_out_bias", False):
+            out += [Leaf(prefix + "bo", (n, d), ("layers", "embed"))]
         if dense_ffn:
             out += [Leaf(prefix + "w_gate", (n, d, f), ("layers", "embed", "mlp")),
                     Leaf(prefix + "w_up", (n, d, f), ("layers", "embed", "mlp")),
@@ -165,6 +171,11 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
             leaves += [Leaf("blocks.moe.shared_gate", (groups, d, fe), ("layers", "embed", "mlp")),
                        Leaf("blocks.moe.shared_up", (groups, d, fe), ("layers", "embed", "mlp")),
                        Leaf("blocks.moe.shared_down", (groups, fe, d), ("layers", "mlp", "embed"))]
+        if getattr(c, "expert_bias", False):  # gpt-oss
+            leaves += [Leaf("blocks.moe.router_bias", (groups, e), ("layers", None)),
+                       Leaf("blocks.moe.expert_gate_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                       Leaf("blocks.moe.expert_up_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                       Leaf("blocks.moe.expert_down_bias", (groups, e, d), ("layers", "experts", "embed"))]
     else:
         leaves += blocks("blocks.", c.n_layers)
     leaves.append(Leaf("final_norm", (d,), ("norm",)))
