@@ -199,7 +199,9 @@ def test_bfloat16_safetensors_read_and_written(tmp_path):
         ("mlp_bias", True, "mlp_bias=true"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
         ("pretraining_tp", 2, "pretraining_tp=2"),
-        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type='yarn'"),
+        ("rope_scaling", {"rope_type": "longrope", "factor": 4.0}, "rope_scaling.rope_type='longrope'"),
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0},  # YaRN reads (gpt-oss), but not without its length
+         "rope_scaling.original_max_position_embeddings is missing (rope_type='yarn')"),
         ("model_type", "phi3", "model_type='phi3'"),  # mistral is a family now (tests/test_hf_mixtral.py)
     ],
 )

@@ -24,6 +24,18 @@ def run_json(argv, capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+def assert_generate_and_eval_equal_the_exports(run, out, capsys) -> None:
+    """`generate` and `eval` on the training checkpoint `run` equal theirs on its Hugging Face export (to `out`)."""
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(out), "--format", "hf"]) == 0
+    ask = ["--prompt", "The cat", "--max-new-tokens", "6"]
+    generated = run_json(["generate", "--checkpoint-dir", str(run), *ask], capsys)
+    assert generated["completions"] == run_json(["generate", "--checkpoint-dir", str(out), *ask], capsys)["completions"]
+    evaluated = run_json(["eval", "--checkpoint-dir", str(run), "--seq-len", "16"], capsys)
+    exported = run_json(["eval", "--checkpoint-dir", str(out), "--seq-len", "16"], capsys)
+    assert evaluated["eval_tokens"] == exported["eval_tokens"] > 0
+    assert abs(evaluated["eval_loss"] / exported["eval_loss"] - 1) <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def trained_mixtral(tmp_path_factory):
     """(save_pretrained directory, import-hf directory, checkpoint directory of 1 step trained from --init-from)."""

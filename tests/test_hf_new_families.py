@@ -25,7 +25,7 @@ from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
                      torch_logits, transformers)
-from test_hf_export import run_json, unchanged
+from test_hf_export import assert_generate_and_eval_equal_the_exports, unchanged
 
 slow = pytest.mark.slow
 VOCAB = 300
@@ -174,15 +174,7 @@ def test_import_train_export_round_trip(trained, tmp_path):
 def test_generate_and_eval_read_the_checkpoint_as_its_export(trained, tmp_path, capsys):
     """`generate` and `eval` on the trained checkpoint equal theirs on its Hugging Face export."""
     _, _, _, run, _ = trained
-    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
-    ask = ["--prompt", "The cat", "--max-new-tokens", "6"]
-    generated = run_json(["generate", "--checkpoint-dir", str(run), *ask], capsys)
-    assert generated["completions"] == run_json(["generate", "--checkpoint-dir", str(tmp_path / "hf"), *ask],
-                                                 capsys)["completions"]
-    evaluated = run_json(["eval", "--checkpoint-dir", str(run), "--seq-len", "16"], capsys)
-    exported = run_json(["eval", "--checkpoint-dir", str(tmp_path / "hf"), "--seq-len", "16"], capsys)
-    assert evaluated["eval_tokens"] == exported["eval_tokens"] > 0
-    assert abs(evaluated["eval_loss"] / exported["eval_loss"] - 1) <= 1e-5
+    assert_generate_and_eval_equal_the_exports(run, tmp_path / "hf", capsys)
 
 
 @needs_torch

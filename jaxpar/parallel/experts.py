@@ -184,17 +184,19 @@ def expert_out(p: dict, gate: jax.Array, up: jax.Array, cfg: MoEConfig) -> jax.A
     return constrain(out, (None, "experts", None, "embed"))
 
 
-def route_and_dispatch(router: dict, x: jax.Array, cfg: MoEConfig):
+def route_and_dispatch(router: jax.Array | dict, x: jax.Array, cfg: MoEConfig):
     """Route one device's tokens [batch, seq, d] in groups: ((gates, slots [groups, E, C, d], stats), slot indices).
 
-    `router`: the layer's router [d, E] and, where it has one, its bias [E] (`ROUTER_PARAMS`)."""
+    `router`: the layer's router weight [d, E], or a dict of it and, where the layer has one, its bias [E]
+    (`ROUTER_PARAMS`: gpt-oss)."""
+    weight, bias = (router["router"], router.get("router_bias")) if isinstance(router, dict) else (router, None)
     batch, seq, d = x.shape
     group = cfg.group(seq)
     capacity = cfg.capacity(group)
     groups = x.reshape(batch * seq // group, group, d)
-    logits = weight_einsum("gtd,de->gte", groups.astype(jnp.float32), router["router"].astype(jnp.float32))
-    if "router_bias" in router:
-        logits = logits + router["router_bias"].astype(jnp.float32)
+    logits = weight_einsum("gtd,de->gte", groups.astype(jnp.float32), weight.astype(jnp.float32))
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
     routing, stats = jax.vmap(lambda z: route(z, cfg, capacity))(logits)
     gate = routing.gate
     if cfg.sigmoid_input_gate:  # the one gate [groups, tokens, 1] scales the input, the output joins as it is
