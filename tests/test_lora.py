@@ -190,7 +190,7 @@ def test_cli_trains_only_the_adapters_from_a_lora_table(tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (["--lora-rank", "4", "--lora-targets", "q,wqkv"], "--lora-targets 'wqkv' names no weight of the model"),
     (["--lora-rank", "65"], "--lora-rank 65 is larger than blocks/wq's input dimension (64)"),
-    (["--lora-rank", "4", "--lora-dropout", "0.1"], "dropout on the LoRA branch is not yet supported"),
+    (["--lora-rank", "4", "--lora-dropout", "1.5"], "lora_dropout must be in [0, 1), got 1.5"),
     (["--lora-targets", "q"], "lora_targets are set but lora_rank is 0"),
 ])
 def test_cli_refuses_bad_lora_options_before_compiling(flags, message, capsys):
@@ -373,3 +373,75 @@ def test_bf16_holds_the_frozen_base_in_bf16_and_computes_what_an_fp32_base_gave(
     assert next(iter(jax.tree.leaves(held_state.params["blocks"]["wq"]))).dtype == jax.numpy.bfloat16
     assert float(loss32) == float(loss16)
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), g32, g16))
+
+
+DROPOUT = 0.1
+DROPOUT_MESHES = [
+    ("data=8", {}),
+    ("data=2,tensor=4", {}),
+    pytest.param("data=8", {"zero": 3}, marks=pytest.mark.slow),
+    pytest.param("data=2,tensor=2,pipe=2", {"schedule": "1f1b", "microbatches": 2}, marks=pytest.mark.slow),
+]
+
+
+@functools.cache
+def expected_with_dropout():
+    _, state = initial("llama", ALL, DROPOUT)
+    return reference_lora.train_with_dropout(TINY, state.params, [DATA[i] for i in range(STEPS)], OPTIMIZER,
+                                             ALPHA / RANK, DROPOUT)
+
+
+@pytest.mark.parametrize("mesh,options", DROPOUT_MESHES, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         ",".join(f"{k}={o}" for k, o in v.items()) or "-")
+def test_lora_dropout_trains_like_a_plain_jax_reference_drawing_the_documented_mask(mesh, options):
+    """PEFT's x W + (alpha / r) dropout(x) A B on every adapter's input, p = 0.1, the mask drawn from the step's
+    global per-token seeds and each layer's salt (jaxpar.parallel.lora_dropout): every plan equals one device."""
+    losses, final, _, _ = run("llama", mesh, lora_dropout=DROPOUT, **options)
+    ref = expected_with_dropout()
+    adapters, frozen = reference_lora.split(final.params)
+    assert np.max(np.abs(losses / ref.losses - 1)) <= 1e-5
+    assert max_relative_error(adapters, ref.params) <= 1e-5
+    assert abs(ref.losses[0] / expected("llama").losses[0] - 1) > 1e-3  # the mask acts: not the run without dropout
+
+
+def test_lora_dropout_is_off_outside_training():
+    """Evaluation, the logits (generate, export) and a forward outside the step fold the adapters: p = 0.1 gives
+    p = 0's figures exactly (the same adapters: the salts draw no key)."""
+    from jaxpar.run.evaluate import Evaluator
+
+    (model, state), (_, plain) = initial("llama", ALL, DROPOUT), initial("llama")
+    assert lora.has_salts(state.params) and not lora.has_salts(plain.params)
+    inputs, targets = np.asarray(DATA[0]["inputs"]), np.asarray(DATA[0]["targets"])
+    windows = {"inputs": inputs, "targets": targets, "weights": np.ones(inputs.shape, np.float32)}
+    plan = single_device_plan(lora_dropout=DROPOUT)
+    with_dropout = Evaluator(model, plan, windows, 8)(state.params)
+    without = Evaluator(initial("llama")[0], single_device_plan(), windows, 8)(plain.params)
+    assert with_dropout["eval_loss"] == without["eval_loss"]
+    logits = {}
+    for name, (m, s) in {"dropout": initial("llama", ALL, DROPOUT), "plain": initial("llama")}.items():
+        with plan.activate():
+            module = m.merge(jax.tree.map(jax.numpy.asarray, s.params))
+            logits[name] = (np.asarray(nnx.jit(lambda x, t: lora.merged(x).logits(t))(module, inputs)),
+                            float(nnx.jit(lambda x, b: x(b)[0])(module, DATA[0])))
+    assert np.array_equal(logits["dropout"][0], logits["plain"][0]) and logits["dropout"][1] == logits["plain"][1]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"lora_dropout": 1.0}, "lora_dropout must be in [0, 1), got 1.0"),
+    ({"lora_dropout": 0.1, "tensor_form": "explicit"}, "lora_dropout=0.1 runs its branch in the annotation form"),
+    ({"lora_dropout": 0.1, "_mesh": "data=2,context=4"}, "lora_dropout=0.1 is not supported with context parallelism"),
+])
+def test_lora_dropout_that_cannot_act_is_refused_in_one_line(options, message):
+    options = dict(options)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as error:
+        Plan.create(options.pop("_mesh", "data=2,tensor=4"), **options)
+    assert "\n" not in str(error.value)
+
+
+def test_lora_dropout_on_expert_weights_or_without_salts_is_refused_by_name():
+    with nnx.use_eager_sharding(False), pytest.raises(ValueError, match="--lora-dropout 0.1 acts on the weights of a "
+                                                                         "layer stack, not on .*expert_gate"):
+        lora.apply(MoeLlama(MIXTRAL, nnx.Rngs(0)), RANK, targets=("gate",), dropout=DROPOUT)
+    model, state = initial("llama")
+    with pytest.raises(ValueError, match="the plan sets lora_dropout=0.1 but the model's adapters have no dropout"):
+        make_train_step(model, lambda m, b: m(b), OPTIMIZER, Plan.create("data=8", lora_dropout=DROPOUT))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +81,7 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
         pairs = {p: (np.asarray(read(p + lora.A)), np.asarray(read(p + lora.B))) for p in adapted}
         ranks = {a.shape[-1] for a, _ in pairs.values()}
         scales = {float(v) for p in adapted for v in np.asarray(read(p + lora.SCALE)).reshape(-1)}
+    dropout = _run_plan(path).get("lora_dropout", 0.0)
     if len(ranks) != 1 or len(scales) != 1:
         raise ValueError(f"--format peft: the adapters have ranks {sorted(ranks)} and scales {sorted(scales)}; a "
                          "PEFT adapter_config holds one r and one lora_alpha")
@@ -101,7 +101,7 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
         for name, tensor in tensors.items():
             writer.write(name, tensor)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
-              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules.values() if m}), "lora_dropout": 0.0,
+              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules.values() if m}), "lora_dropout": dropout,
               "base_model_name_or_path": _base_name(path), "inference_mode": True,
               **PLAIN, **(peft_experts.config_fields(peft_experts.fused_targets(set(experts)), rank, scale * rank)
                           if experts else {})}
@@ -113,13 +113,23 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
 
 def _base_name(path: Path) -> str | None:
     """What the checkpoint was trained on: its --init-from, or the Hugging Face source an import-hf came from."""
+    init_from = _run_config(path).get("train", {}).get("init_from")
+    return _import_source(init_from) if init_from else None
+
+
+def _run_plan(path: Path) -> dict:
+    """The plan options of the run that wrote the checkpoint (its lora_dropout: PEFT's adapter_config keeps it)."""
+    return _run_config(path).get("plan") or {}
+
+
+def _run_config(path: Path) -> dict:
+    """The run config a training checkpoint keeps (empty for an export directory, which keeps none)."""
     from jaxpar.train.checkpoint import Checkpoints
 
-    if (path / CONFIG_FILE).is_file():  # an export directory keeps no run config
-        return None
+    if (path / CONFIG_FILE).is_file():
+        return {}
     with Checkpoints(path, read_only=True) as checkpoints:
-        init_from = ((checkpoints.metadata()["config"] or {}).get("train") or {}).get("init_from")
-    return _import_source(init_from) if init_from else None
+        return {k: v or {} for k, v in (checkpoints.metadata()["config"] or {}).items()}
 
 
 def _import_source(base: str) -> str:
@@ -175,10 +185,9 @@ def adapter_options(directory, given: dict) -> dict:
         if given.get(key) not in (None, value, *((",".join(value), list(value)) if key == "lora_targets" else ())):
             raise ValueError(f"--{key.replace('_', '-')} {given[key]} conflicts with --adapter {directory}, whose "
                              f"adapter_config.json says {value}; drop the flag (the adapter decides)")
-    if config.get("lora_dropout"):
-        print(f"warning: --adapter {directory}: lora_dropout={config['lora_dropout']} is not applied (jaxpar trains "
-              "LoRA without dropout)", file=sys.stderr)
-    return options
+    # dropout is how training goes on, not the adapter's shape: a --lora-dropout given says otherwise
+    dropout = given.get("lora_dropout")
+    return {**options, "lora_dropout": float(config.get("lora_dropout") or 0.0) if dropout is None else dropout}
 
 
 def read_adapter(directory, cfg: LlamaConfig, base: str) -> dict:

@@ -130,7 +130,7 @@ def _attach(module: nnx.Module, name: str, path: str, rank: int, alpha: float, r
                              f"names {names}): leave it out of --lora-targets or use --lora-dropout 0")
         salt = lambda key, shape, dtype: jnp.asarray(lora_dropout.salts(path, shape))  # noqa: E731
         setattr(module, name + SALT, nnx.Param(nnx.with_partitioning(salt, lead_names)(
-            rngs.params(), stack, jnp.int32)))
+            None, stack, jnp.int32)))  # no key drawn: the adapters are those of lora_dropout 0
 
 
 def trainable_for(plan):
