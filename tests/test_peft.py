@@ -133,17 +133,19 @@ def test_the_merged_export_gives_jaxpars_logits(trained, tmp_path):
 
 @needs_peft
 def test_an_adapter_made_by_peft_starts_training_at_peft_logits(trained, tmp_path):
-    """peft's own adapter (init_lora_weights=False: A and B random) read by `train --adapter`: step 0's weights."""
+    """peft's own adapter (init_lora_weights=False: A and B random) read by `train --adapter`: step 0's weights.
+    Its lora_dropout becomes the plan's (an expert's weights take none: jaxpar refuses dropout there)."""
     family, base, _, cfg, _ = trained
     torch.manual_seed(1)
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if family == "mixtral" else None
+    dropout = 0.0 if experts else 0.05
     made = peft.get_peft_model(base_model(base), peft.LoraConfig(
         r=RANK, lora_alpha=ALPHA, target_modules=[MODULES[t] for t in FAMILIES[family][3]], target_parameters=experts,
-        init_lora_weights=False))
+        init_lora_weights=False, lora_dropout=dropout))
     made.save_pretrained(tmp_path / "adapter")
     config, options, mesh = resolve(build_parser().parse_args(train_args(base, "--adapter", str(tmp_path / "adapter"))))
-    assert (options["lora_rank"], options["lora_alpha"], options["lora_targets"]) == (RANK, ALPHA, DENSE if experts
-                                                                                       else FAMILIES[family][3])
+    assert (options["lora_rank"], options["lora_alpha"], options["lora_targets"], options["lora_dropout"]) == (
+        RANK, ALPHA, DENSE if experts else FAMILIES[family][3], dropout)
     state = prepare(config, Plan.create(mesh, **options)).init()
     ours = jaxpar_logits(cfg, jax.device_get(state.params))
     error = relative(ours, torch_logits(made.eval()))
@@ -268,3 +270,19 @@ def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
     assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "experts"), "--format", "peft"]) == 0
     assert f"rank_pattern={{'gate_up_proj': {2 * RANK}}}" in refusal(  # gate and up's two A as one of rank 2r
         train_args(base, "--adapter", str(tmp_path / "experts")), capsys)
+
+
+def test_lora_dropout_goes_out_in_adapter_config_and_comes_back_without_a_warning(tmp_path, capsys):
+    """A run with --lora-dropout 0.1 exports it as PEFT's lora_dropout; `--adapter` reads it back as the plan's
+    lora_dropout, silently (a --lora-dropout given says otherwise: how training goes on is the user's choice)."""
+    from jaxpar.interop.peft import adapter_options
+
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    assert main(["train", "--mesh", "data=8", "--steps", "1", "--batch-size", "8", "--seq-len", "16", "--lora-rank",
+                 str(RANK), "--lora-targets", "q,down", "--lora-dropout", "0.1", "--checkpoint-dir", str(run)]) == 0
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(adapter), "--format", "peft"]) == 0
+    assert json.loads((adapter / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    capsys.readouterr()
+    assert adapter_options(adapter, {})["lora_dropout"] == 0.1
+    assert adapter_options(adapter, {"lora_dropout": 0.0})["lora_dropout"] == 0.0
+    assert capsys.readouterr().err == ""
