@@ -248,9 +248,9 @@ def test_a_bf16_lora_checkpoint_exports_its_frozen_weights_and_fp32_adapters(tmp
 @needs_peft
 @pytest.mark.parametrize("trained", ["mixtral"], indirect=True)
 def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
-    """A router adapter has no PEFT form; an adapter naming a Linear the Mixtral lacks, or one of two ranks (gate and
-    up's two A exported as one of rank 2r), is not read."""
-    from safetensors.numpy import save_file
+    """A router adapter has no PEFT form; an adapter naming a Linear the Mixtral lacks is not read, nor a rank-2r
+    gate_up_proj adapter whose B is not block-diagonal (no pair of gate's and up's)."""
+    from safetensors.numpy import load_file, save_file
 
     from jaxpar.interop.peft import peft_module
 
@@ -267,9 +267,34 @@ def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
               adapter / "adapter_model.safetensors")
     assert "target_modules gate_proj is no linear layer of" in refusal(train_args(base, "--adapter", str(adapter)),
                                                                         capsys)
-    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "experts"), "--format", "peft"]) == 0
-    assert f"rank_pattern={{'gate_up_proj': {2 * RANK}}}" in refusal(  # gate and up's two A as one of rank 2r
-        train_args(base, "--adapter", str(tmp_path / "experts")), capsys)
+    experts = tmp_path / "experts"
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(experts), "--format", "peft"]) == 0
+    tensors = load_file(experts / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"
+    tensors[name][:cfg.expert_d_ff, RANK * cfg.n_experts:] = 1.0  # up's rank block reaching gate's rows
+    save_file(tensors, experts / "adapter_model.safetensors")
+    assert f"{name} (rank {2 * RANK}) is not gate's and up's two rank-{RANK} adapters" in refusal(
+        train_args(base, "--adapter", str(experts)), capsys)
+
+
+@needs_peft
+@pytest.mark.parametrize("trained", ["mixtral"], indirect=True)
+def test_a_jaxpar_exported_expert_adapter_comes_back_with_the_checkpoints_adapters(trained, tmp_path):
+    """`--format peft` writes gate's and up's A as one of rank 2r (rank_pattern); `--adapter` reads it back as the
+    two rank-r adapters it was: the run's every adapter, exactly (fp32 export), and its logits."""
+    family, base, run, cfg, ours = trained
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    config, options, mesh = resolve(build_parser().parse_args(train_args(base, "--adapter", str(tmp_path / "adapter"))))
+    assert (options["lora_rank"], options["lora_alpha"]) == (RANK, ALPHA)
+    state = prepare(config, Plan.create(mesh, **options)).init()
+    with Checkpoints(run, read_only=True) as checkpoints:
+        saved = checkpoints.read_params(STEPS)
+    read = jax.device_get(state.params)
+    names = [k for k in saved["blocks"]["moe"] if k.endswith(("_lora_a", "_lora_b"))]
+    assert {"expert_gate_lora_a", "expert_up_lora_b", "expert_down_lora_a", "wq_lora_b"} <= set(names)
+    for key in names:
+        assert np.array_equal(np.asarray(read["blocks"]["moe"][key]), np.asarray(saved["blocks"]["moe"][key])), key
+    assert relative(jaxpar_logits(cfg, read), ours) <= 1e-6
 
 
 def test_lora_dropout_goes_out_in_adapter_config_and_comes_back_without_a_warning(tmp_path, capsys):

@@ -153,6 +153,11 @@ def _read_config(directory: Path) -> dict:
     if config.get("peft_type") != "LORA":
         raise ValueError(f"--adapter {directory}: peft_type {config.get('peft_type')!r}; jaxpar reads LORA adapters")
     other = {k: config[k] for k, v in PLAIN.items() if k in config and config[k] not in (v, None, [], {})}
+    doubled = peft_experts.config_fields(["gate_up_proj"], int(config.get("r", 0)),
+                                         float(config.get("lora_alpha", config.get("r", 0))))
+    patterns = {k: config.get(k) or {} for k in ("rank_pattern", "alpha_pattern")}
+    if patterns == {k: doubled[k] for k in patterns}:  # gate and up's A as one of rank 2r: jaxpar's own export
+        other = {k: v for k, v in other.items() if k not in patterns}
     if other:
         raise ValueError(f"--adapter {directory}: {', '.join(f'{k}={v!r}' for k, v in other.items())} is not a "
                          "plain LoRA jaxpar can train (W + (lora_alpha / r) B A on whole linear layers)")
@@ -227,8 +232,10 @@ def read_adapter(directory, cfg: LlamaConfig, base: str) -> dict:
         if fused:
             shapes = {name: (cfg.n_experts, cfg.expert_d_ff if name == "down_proj" else cfg.d_model,
                              cfg.d_model if name == "down_proj" else 2 * cfg.expert_d_ff) for name in fused}
+            doubled = bool(config.get("rank_pattern"))  # gate_up_proj's adapter of rank 2r (checked above)
             layers = [peft_experts.read_layer(lambda name, shape: _tensor(reader, name, shape, base),
-                                              f"{PREFIX}model.layers.{i}.", shapes, rank) for i in range(cfg.n_layers)]
+                                              f"{PREFIX}model.layers.{i}.", shapes, rank, doubled)
+                      for i in range(cfg.n_layers)]
             expected |= {name for layer in layers for name in layer.pop("names")}
             for name in layers[0]:
                 for what, j in ((lora.A, 0), (lora.B, 1)):
