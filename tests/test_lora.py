@@ -381,6 +381,8 @@ DROPOUT_MESHES = [
     ("data=2,tensor=4", {}),
     pytest.param("data=8", {"zero": 3}, marks=pytest.mark.slow),
     pytest.param("data=2,tensor=2,pipe=2", {"schedule": "1f1b", "microbatches": 2}, marks=pytest.mark.slow),
+    pytest.param("data=2,pipe=4", {"schedule": "gpipe", "microbatches": 4}, marks=pytest.mark.slow),  # int salts' float0
+    pytest.param("data=4,tensor=2", {"grad_accum": 2, "sequence_parallel": True}, marks=pytest.mark.slow),
 ]
 
 
