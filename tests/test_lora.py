@@ -383,6 +383,7 @@ DROPOUT_MESHES = [
     pytest.param("data=2,tensor=2,pipe=2", {"schedule": "1f1b", "microbatches": 2}, marks=pytest.mark.slow),
     pytest.param("data=2,pipe=4", {"schedule": "gpipe", "microbatches": 4}, marks=pytest.mark.slow),  # int salts' float0
     pytest.param("data=4,tensor=2", {"grad_accum": 2, "sequence_parallel": True}, marks=pytest.mark.slow),
+    pytest.param("tensor=8", {}, marks=pytest.mark.slow),  # 4 kv heads on 8 ranks: B's heads repeat like W's
 ]
 
 
