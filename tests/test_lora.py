@@ -30,25 +30,26 @@ MIXTRAL = MoeLlamaConfig(vocab=256, d_model=32, n_layers=2, moe_every=1, n_heads
 CONFIGS = {"llama": (Llama, TINY), "mixtral": (MoeLlama, MIXTRAL)}
 
 
-def build(family: str, adapters: bool = True, targets=ALL):
+def build(family: str, adapters: bool = True, targets=ALL, dropout: float = 0.0):
     make, cfg = CONFIGS[family]
     model = make(cfg, nnx.Rngs(0))
     if adapters:
-        lora.apply(model, RANK, ALPHA, targets=targets, rngs=nnx.Rngs(1))
+        lora.apply(model, RANK, ALPHA, targets=targets, rngs=nnx.Rngs(1), dropout=dropout)
     return model
 
 
 @functools.cache
-def initial(family: str, targets=ALL):
+def initial(family: str, targets=ALL, dropout: float = 0.0):
     """The model and its step-0 state, every B drawn small and random (B = 0 gives A no gradient at first)."""
-    model, state = init_state(lambda: build(family, targets=targets), OPTIMIZER, single_device_plan(), trainable=lora.TRAINABLE)
+    model, state = init_state(lambda: build(family, targets=targets, dropout=dropout), OPTIMIZER, single_device_plan(),
+                              trainable=lora.TRAINABLE)
     return model, reference_lora.with_random_b(copy_state(state))
 
 
 @functools.cache
 def run(family: str, mesh: str, targets=ALL, **options):
     """(losses, final parameters, compiled step, plan) of STEPS LoRA steps on `mesh`."""
-    model, state = initial(family, targets)
+    model, state = initial(family, targets, options.get("lora_dropout", 0.0))
     plan = Plan.create(mesh, **options)
     state = place_state(copy_state(state), model, OPTIMIZER, plan)
     compiled = make_train_step(model, lambda m, b: m(b), OPTIMIZER, plan).lower(state, DATA[0]).compile()
@@ -189,7 +190,7 @@ def test_cli_trains_only_the_adapters_from_a_lora_table(tmp_path):
 @pytest.mark.parametrize("flags,message", [
     (["--lora-rank", "4", "--lora-targets", "q,wqkv"], "--lora-targets 'wqkv' names no weight of the model"),
     (["--lora-rank", "65"], "--lora-rank 65 is larger than blocks/wq's input dimension (64)"),
-    (["--lora-rank", "4", "--lora-dropout", "0.1"], "dropout on the LoRA branch is not yet supported"),
+    (["--lora-rank", "4", "--lora-dropout", "1.5"], "lora_dropout must be in [0, 1), got 1.5"),
     (["--lora-targets", "q"], "lora_targets are set but lora_rank is 0"),
 ])
 def test_cli_refuses_bad_lora_options_before_compiling(flags, message, capsys):
@@ -340,3 +341,110 @@ def test_eval_and_generate_read_a_lora_checkpoint_with_its_adapters_folded(tmp_p
     from_checkpoint = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(from_checkpoint["eval_loss"] / in_run["eval_loss"] - 1) <= 1e-5, (from_checkpoint, in_run)
     assert main(["generate", "--checkpoint-dir", str(directory), "--prompt", "The ", "--max-new-tokens", "4"]) == 0
+
+
+def test_bf16_holds_the_frozen_base_in_bf16_and_computes_what_an_fp32_base_gave():
+    """--precision bf16: the frozen base is held in bf16 (the cast the step made at use anyway), the adapters and
+    their scales in fp32. The loss and the adapters' gradients equal those of the same state with an fp32 base
+    bitwise, and training tracks the fp32 reference within the bf16 tests' 5% (tests/test_precision.py)."""
+    from jaxpar.train.step import loss_and_grads
+
+    model, start = initial("llama")
+    losses, final, compiled, plan = run("llama", "data=8", precision="bf16")
+    adapters, frozen = reference_lora.split(final.params)
+    scales = {k for k in frozen["blocks"] if k.endswith("_lora_scale")}
+    assert {a.dtype for a in jax.tree.leaves(adapters)} == {np.dtype(np.float32)}
+    assert {frozen["blocks"][k].dtype for k in scales} == {np.dtype(np.float32)}
+    base = [a for k, a in frozen["blocks"].items() if k not in scales] + [frozen["embedding"], frozen["head"]]
+    assert {a.dtype for a in base} == {jax.numpy.dtype("bfloat16")}
+    fp32_base = sum(a.size for a in jax.tree.leaves(reference_lora.split(start.params)[1])) * 4
+    held = sum(a.nbytes for a in jax.tree.leaves(frozen))
+    arguments = compiled.memory_analysis().argument_size_in_bytes
+    print(f"bf16 LoRA: frozen base {held} bytes (fp32 {fp32_base}), compiled step arguments {arguments} per device")
+    assert held < 0.51 * fp32_base and arguments < held + 3 * adapter_bytes(final.params) + 4096
+    assert np.max(np.abs(losses / expected("llama").losses - 1)) <= 0.05
+    assert max_relative_error(frozen, reference_lora.split(start.params)[1]) <= 2 ** -8  # rounded once, never moved
+
+    one = single_device_plan(precision="bf16")
+    held_state = place_state(copy_state(start), model, OPTIMIZER, one)
+    with one.activate():
+        grads = jax.jit(lambda p: loss_and_grads(model, lambda m, b: m(b), p, DATA[0], one)[::2])
+        (loss32, g32), (loss16, g16) = grads(start.params), grads(held_state.params)
+    assert next(iter(jax.tree.leaves(held_state.params["blocks"]["wq"]))).dtype == jax.numpy.bfloat16
+    assert float(loss32) == float(loss16)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), g32, g16))
+
+
+DROPOUT = 0.1
+DROPOUT_MESHES = [
+    ("data=8", {}),
+    ("data=2,tensor=4", {}),
+    pytest.param("data=8", {"zero": 3}, marks=pytest.mark.slow),
+    pytest.param("data=2,tensor=2,pipe=2", {"schedule": "1f1b", "microbatches": 2}, marks=pytest.mark.slow),
+    pytest.param("data=2,pipe=4", {"schedule": "gpipe", "microbatches": 4}, marks=pytest.mark.slow),  # int salts' float0
+    pytest.param("data=4,tensor=2", {"grad_accum": 2, "sequence_parallel": True}, marks=pytest.mark.slow),
+    pytest.param("tensor=8", {}, marks=pytest.mark.slow),  # 4 kv heads on 8 ranks: B's heads repeat like W's
+]
+
+
+@functools.cache
+def expected_with_dropout():
+    _, state = initial("llama", ALL, DROPOUT)
+    return reference_lora.train_with_dropout(TINY, state.params, [DATA[i] for i in range(STEPS)], OPTIMIZER,
+                                             ALPHA / RANK, DROPOUT)
+
+
+@pytest.mark.parametrize("mesh,options", DROPOUT_MESHES, ids=lambda v: str(v) if not isinstance(v, dict) else
+                         ",".join(f"{k}={o}" for k, o in v.items()) or "-")
+def test_lora_dropout_trains_like_a_plain_jax_reference_drawing_the_documented_mask(mesh, options):
+    """PEFT's x W + (alpha / r) dropout(x) A B on every adapter's input, p = 0.1, the mask drawn from the step's
+    global per-token seeds and each layer's salt (jaxpar.parallel.lora_dropout): every plan equals one device."""
+    losses, final, _, _ = run("llama", mesh, lora_dropout=DROPOUT, **options)
+    ref = expected_with_dropout()
+    adapters, frozen = reference_lora.split(final.params)
+    assert np.max(np.abs(losses / ref.losses - 1)) <= 1e-5
+    assert max_relative_error(adapters, ref.params) <= 1e-5
+    assert abs(ref.losses[0] / expected("llama").losses[0] - 1) > 1e-3  # the mask acts: not the run without dropout
+
+
+def test_lora_dropout_is_off_outside_training():
+    """Evaluation, the logits (generate, export) and a forward outside the step fold the adapters: p = 0.1 gives
+    p = 0's figures exactly (the same adapters: the salts draw no key)."""
+    from jaxpar.run.evaluate import Evaluator
+
+    (model, state), (_, plain) = initial("llama", ALL, DROPOUT), initial("llama")
+    assert lora.has_salts(state.params) and not lora.has_salts(plain.params)
+    inputs, targets = np.asarray(DATA[0]["inputs"]), np.asarray(DATA[0]["targets"])
+    windows = {"inputs": inputs, "targets": targets, "weights": np.ones(inputs.shape, np.float32)}
+    plan = single_device_plan(lora_dropout=DROPOUT)
+    with_dropout = Evaluator(model, plan, windows, 8)(state.params)
+    without = Evaluator(initial("llama")[0], single_device_plan(), windows, 8)(plain.params)
+    assert with_dropout["eval_loss"] == without["eval_loss"]
+    logits = {}
+    for name, (m, s) in {"dropout": initial("llama", ALL, DROPOUT), "plain": initial("llama")}.items():
+        with plan.activate():
+            module = m.merge(jax.tree.map(jax.numpy.asarray, s.params))
+            logits[name] = (np.asarray(nnx.jit(lambda x, t: lora.merged(x).logits(t))(module, inputs)),
+                            float(nnx.jit(lambda x, b: x(b)[0])(module, DATA[0])))
+    assert np.array_equal(logits["dropout"][0], logits["plain"][0]) and logits["dropout"][1] == logits["plain"][1]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"lora_dropout": 1.0}, "lora_dropout must be in [0, 1), got 1.0"),
+    ({"lora_dropout": 0.1, "tensor_form": "explicit"}, "lora_dropout=0.1 runs its branch in the annotation form"),
+    ({"lora_dropout": 0.1, "_mesh": "data=2,context=4"}, "lora_dropout=0.1 is not supported with context parallelism"),
+])
+def test_lora_dropout_that_cannot_act_is_refused_in_one_line(options, message):
+    options = dict(options)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as error:
+        Plan.create(options.pop("_mesh", "data=2,tensor=4"), **options)
+    assert "\n" not in str(error.value)
+
+
+def test_lora_dropout_on_expert_weights_or_without_salts_is_refused_by_name():
+    with nnx.use_eager_sharding(False), pytest.raises(ValueError, match="--lora-dropout 0.1 acts on the weights of a "
+                                                                         "layer stack, not on .*expert_gate"):
+        lora.apply(MoeLlama(MIXTRAL, nnx.Rngs(0)), RANK, targets=("gate",), dropout=DROPOUT)
+    model, state = initial("llama")
+    with pytest.raises(ValueError, match="the plan sets lora_dropout=0.1 but the model's adapters have no dropout"):
+        make_train_step(model, lambda m, b: m(b), OPTIMIZER, Plan.create("data=8", lora_dropout=DROPOUT))

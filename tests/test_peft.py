@@ -133,17 +133,19 @@ def test_the_merged_export_gives_jaxpars_logits(trained, tmp_path):
 
 @needs_peft
 def test_an_adapter_made_by_peft_starts_training_at_peft_logits(trained, tmp_path):
-    """peft's own adapter (init_lora_weights=False: A and B random) read by `train --adapter`: step 0's weights."""
+    """peft's own adapter (init_lora_weights=False: A and B random) read by `train --adapter`: step 0's weights.
+    Its lora_dropout becomes the plan's (an expert's weights take none: jaxpar refuses dropout there)."""
     family, base, _, cfg, _ = trained
     torch.manual_seed(1)
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if family == "mixtral" else None
+    dropout = 0.0 if experts else 0.05
     made = peft.get_peft_model(base_model(base), peft.LoraConfig(
         r=RANK, lora_alpha=ALPHA, target_modules=[MODULES[t] for t in FAMILIES[family][3]], target_parameters=experts,
-        init_lora_weights=False))
+        init_lora_weights=False, lora_dropout=dropout))
     made.save_pretrained(tmp_path / "adapter")
     config, options, mesh = resolve(build_parser().parse_args(train_args(base, "--adapter", str(tmp_path / "adapter"))))
-    assert (options["lora_rank"], options["lora_alpha"], options["lora_targets"]) == (RANK, ALPHA, DENSE if experts
-                                                                                       else FAMILIES[family][3])
+    assert (options["lora_rank"], options["lora_alpha"], options["lora_targets"], options["lora_dropout"]) == (
+        RANK, ALPHA, DENSE if experts else FAMILIES[family][3], dropout)
     state = prepare(config, Plan.create(mesh, **options)).init()
     ours = jaxpar_logits(cfg, jax.device_get(state.params))
     error = relative(ours, torch_logits(made.eval()))
@@ -246,9 +248,9 @@ def test_a_bf16_lora_checkpoint_exports_its_frozen_weights_and_fp32_adapters(tmp
 @needs_peft
 @pytest.mark.parametrize("trained", ["mixtral"], indirect=True)
 def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
-    """A router adapter has no PEFT form; an adapter naming a Linear the Mixtral lacks, or one of two ranks (gate and
-    up's two A exported as one of rank 2r), is not read."""
-    from safetensors.numpy import save_file
+    """A router adapter has no PEFT form; an adapter naming a Linear the Mixtral lacks is not read, nor a rank-2r
+    gate_up_proj adapter whose B is not block-diagonal (no pair of gate's and up's)."""
+    from safetensors.numpy import load_file, save_file
 
     from jaxpar.interop.peft import peft_module
 
@@ -265,6 +267,47 @@ def test_what_peft_cannot_hold_is_refused_by_name(trained, tmp_path, capsys):
               adapter / "adapter_model.safetensors")
     assert "target_modules gate_proj is no linear layer of" in refusal(train_args(base, "--adapter", str(adapter)),
                                                                         capsys)
-    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "experts"), "--format", "peft"]) == 0
-    assert f"rank_pattern={{'gate_up_proj': {2 * RANK}}}" in refusal(  # gate and up's two A as one of rank 2r
-        train_args(base, "--adapter", str(tmp_path / "experts")), capsys)
+    experts = tmp_path / "experts"
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(experts), "--format", "peft"]) == 0
+    tensors = load_file(experts / "adapter_model.safetensors")
+    name = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_B.weight"
+    tensors[name][:cfg.expert_d_ff, RANK * cfg.n_experts:] = 1.0  # up's rank block reaching gate's rows
+    save_file(tensors, experts / "adapter_model.safetensors")
+    assert f"{name} (rank {2 * RANK}) is not gate's and up's two rank-{RANK} adapters" in refusal(
+        train_args(base, "--adapter", str(experts)), capsys)
+
+
+@needs_peft
+@pytest.mark.parametrize("trained", ["mixtral"], indirect=True)
+def test_a_jaxpar_exported_expert_adapter_comes_back_with_the_checkpoints_adapters(trained, tmp_path):
+    """`--format peft` writes gate's and up's A as one of rank 2r (rank_pattern); `--adapter` reads it back as the
+    two rank-r adapters it was: the run's every adapter, exactly (fp32 export), and its logits."""
+    family, base, run, cfg, ours = trained
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "adapter"), "--format", "peft"]) == 0
+    config, options, mesh = resolve(build_parser().parse_args(train_args(base, "--adapter", str(tmp_path / "adapter"))))
+    assert (options["lora_rank"], options["lora_alpha"]) == (RANK, ALPHA)
+    state = prepare(config, Plan.create(mesh, **options)).init()
+    with Checkpoints(run, read_only=True) as checkpoints:
+        saved = checkpoints.read_params(STEPS)
+    read = jax.device_get(state.params)
+    names = [k for k in saved["blocks"]["moe"] if k.endswith(("_lora_a", "_lora_b"))]
+    assert {"expert_gate_lora_a", "expert_up_lora_b", "expert_down_lora_a", "wq_lora_b"} <= set(names)
+    for key in names:
+        assert np.array_equal(np.asarray(read["blocks"]["moe"][key]), np.asarray(saved["blocks"]["moe"][key])), key
+    assert relative(jaxpar_logits(cfg, read), ours) <= 1e-6
+
+
+def test_lora_dropout_goes_out_in_adapter_config_and_comes_back_without_a_warning(tmp_path, capsys):
+    """A run with --lora-dropout 0.1 exports it as PEFT's lora_dropout; `--adapter` reads it back as the plan's
+    lora_dropout, silently (a --lora-dropout given says otherwise: how training goes on is the user's choice)."""
+    from jaxpar.interop.peft import adapter_options
+
+    run, adapter = tmp_path / "run", tmp_path / "adapter"
+    assert main(["train", "--mesh", "data=8", "--steps", "1", "--batch-size", "8", "--seq-len", "16", "--lora-rank",
+                 str(RANK), "--lora-targets", "q,down", "--lora-dropout", "0.1", "--checkpoint-dir", str(run)]) == 0
+    assert main(["export", "--checkpoint-dir", str(run), "--out", str(adapter), "--format", "peft"]) == 0
+    assert json.loads((adapter / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    capsys.readouterr()
+    assert adapter_options(adapter, {})["lora_dropout"] == 0.1
+    assert adapter_options(adapter, {"lora_dropout": 0.0})["lora_dropout"] == 0.0
+    assert capsys.readouterr().err == ""

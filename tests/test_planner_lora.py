@@ -52,7 +52,10 @@ def test_only_the_adapters_have_gradients_and_optimizer_state_and_nf4_holds_the_
     p, g, k = state_bytes_per_param("bf16")
     assert memory["grads"] == g * adapters and memory["optimizer"] == k * adapters
     matrices = c.n_layers * (d * q * 2 + d * kv * 2 + d * f * 3)
-    assert memory["params"] == pytest.approx(p * (base.params - matrices + adapters) + (0.5 + 4 / 64) * matrices)
+    # the adapters at fp32, the rest of the frozen base (table, head, norms) at bf16, the matrices in NF4 codes
+    assert memory["params"] == pytest.approx(p * adapters + 2 * (base.params - matrices) + (0.5 + 4 / 64) * matrices)
+    plain = estimate(with_lora(base, 16, ALL), layout, Workload(8, 4096)).memory
+    assert plain["params"] == pytest.approx(p * adapters + 2 * base.params)  # a bf16 base, not fp32's 4 bytes
 
 
 def compiled(mesh: str, options: dict, model: str, overrides: dict, lora: dict) -> dict:
@@ -72,14 +75,15 @@ CELLS = [
     ("data=8", {"zero": 3}, "tiny", {"seq_len": 32}, "none"),
     ("data=8", {}, "tiny", QLORA_MODEL, "nf4"),
     ("data=8", {"zero": 3}, "tiny", QLORA_MODEL, "nf4"),
+    ("data=8", {"precision": "bf16"}, "tiny", {"seq_len": 32}, "none"),  # the frozen base held in bf16
 ]
 
 
-@pytest.mark.parametrize("mesh,options,model,overrides,base", CELLS, ids=["lora", "lora-zero3", "nf4", "nf4-zero3"])
+@pytest.mark.parametrize("mesh,options,model,overrides,base", CELLS, ids=["lora", "lora-zero3", "nf4", "nf4-zero3", "lora-bf16"])
 def test_lora_plan_matches_the_compiled_step(mesh, options, model, overrides, base):
     lora = {"lora_rank": 4, "lora_targets": ALL, "base_dtype": base}
     sizes = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
-    est = estimate(with_lora(Model.named(model, overrides), 4, ALL, base), Layout(**sizes, precision="fp32", **options),
+    est = estimate(with_lora(Model.named(model, overrides), 4, ALL, base), Layout(**sizes, **{"precision": "fp32", **options}),
                    WORK, "cpu")
     summary = compiled(mesh, options, model, overrides, lora)
     ratios = compare.ratios(est, summary)

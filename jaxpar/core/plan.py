@@ -127,7 +127,7 @@ class Plan:
         metadata={"help": "the weights LoRA adapts: q, k, v, o, gate, up, down (each expert's too), or path patterns"},
     )
     lora_dropout: float = dataclasses.field(
-        default=0.0, metadata={"help": "dropout on the LoRA branch's input (not yet supported: 0 only)"}
+        default=0.0, metadata={"help": "dropout on the LoRA branch's input in training, as PEFT's lora_dropout"}
     )
     base_dtype: str = dataclasses.field(
         default="none", metadata={"help": "QLoRA, with lora_rank: hold the frozen layer-stack matrices as int8 or "
@@ -198,9 +198,14 @@ class Plan:
         if not targets or not all(targets):
             raise ValueError(f"lora_targets must name at least one weight (q, k, v, o, gate, up, down), got "
                              f"{self.lora_targets!r}")
-        if self.lora_dropout != 0.0:
-            raise ValueError(f"lora_dropout={self.lora_dropout}: dropout on the LoRA branch is not yet supported; "
-                             "use 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.lora_dropout and self.mesh.shape.get("context", 1) > 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout} is not supported with context parallelism "
+                             f"(context={self.mesh.shape['context']}): use 0, or give those devices to data")
+        if self.lora_dropout and self.tensor_form == "explicit" and self.mesh.shape.get("tensor", 1) > 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout} runs its branch in the annotation form of tensor "
+                             "parallelism: use tensor_form='annotation' or lora_dropout 0")
         if self.lora_rank == 0 and (self.lora_alpha or targets != ("q", "k", "v", "o")):
             raise ValueError("lora_alpha / lora_targets are set but lora_rank is 0 (no adapters): set lora_rank")
         options.check_choice("base_dtype", self.base_dtype)

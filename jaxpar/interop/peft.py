@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +81,7 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
         pairs = {p: (np.asarray(read(p + lora.A)), np.asarray(read(p + lora.B))) for p in adapted}
         ranks = {a.shape[-1] for a, _ in pairs.values()}
         scales = {float(v) for p in adapted for v in np.asarray(read(p + lora.SCALE)).reshape(-1)}
+    dropout = _run_plan(path).get("lora_dropout", 0.0)
     if len(ranks) != 1 or len(scales) != 1:
         raise ValueError(f"--format peft: the adapters have ranks {sorted(ranks)} and scales {sorted(scales)}; a "
                          "PEFT adapter_config holds one r and one lora_alpha")
@@ -101,7 +101,7 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
         for name, tensor in tensors.items():
             writer.write(name, tensor)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
-              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules.values() if m}), "lora_dropout": 0.0,
+              "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules.values() if m}), "lora_dropout": dropout,
               "base_model_name_or_path": _base_name(path), "inference_mode": True,
               **PLAIN, **(peft_experts.config_fields(peft_experts.fused_targets(set(experts)), rank, scale * rank)
                           if experts else {})}
@@ -113,13 +113,23 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
 
 def _base_name(path: Path) -> str | None:
     """What the checkpoint was trained on: its --init-from, or the Hugging Face source an import-hf came from."""
+    init_from = _run_config(path).get("train", {}).get("init_from")
+    return _import_source(init_from) if init_from else None
+
+
+def _run_plan(path: Path) -> dict:
+    """The plan options of the run that wrote the checkpoint (its lora_dropout: PEFT's adapter_config keeps it)."""
+    return _run_config(path).get("plan") or {}
+
+
+def _run_config(path: Path) -> dict:
+    """The run config a training checkpoint keeps (empty for an export directory, which keeps none)."""
     from jaxpar.train.checkpoint import Checkpoints
 
-    if (path / CONFIG_FILE).is_file():  # an export directory keeps no run config
-        return None
+    if (path / CONFIG_FILE).is_file():
+        return {}
     with Checkpoints(path, read_only=True) as checkpoints:
-        init_from = ((checkpoints.metadata()["config"] or {}).get("train") or {}).get("init_from")
-    return _import_source(init_from) if init_from else None
+        return {k: v or {} for k, v in (checkpoints.metadata()["config"] or {}).items()}
 
 
 def _import_source(base: str) -> str:
@@ -143,6 +153,11 @@ def _read_config(directory: Path) -> dict:
     if config.get("peft_type") != "LORA":
         raise ValueError(f"--adapter {directory}: peft_type {config.get('peft_type')!r}; jaxpar reads LORA adapters")
     other = {k: config[k] for k, v in PLAIN.items() if k in config and config[k] not in (v, None, [], {})}
+    doubled = peft_experts.config_fields(["gate_up_proj"], int(config.get("r", 0)),
+                                         float(config.get("lora_alpha", config.get("r", 0))))
+    patterns = {k: config.get(k) or {} for k in ("rank_pattern", "alpha_pattern")}
+    if patterns == {k: doubled[k] for k in patterns}:  # gate and up's A as one of rank 2r: jaxpar's own export
+        other = {k: v for k, v in other.items() if k not in patterns}
     if other:
         raise ValueError(f"--adapter {directory}: {', '.join(f'{k}={v!r}' for k, v in other.items())} is not a "
                          "plain LoRA jaxpar can train (W + (lora_alpha / r) B A on whole linear layers)")
@@ -175,10 +190,9 @@ def adapter_options(directory, given: dict) -> dict:
         if given.get(key) not in (None, value, *((",".join(value), list(value)) if key == "lora_targets" else ())):
             raise ValueError(f"--{key.replace('_', '-')} {given[key]} conflicts with --adapter {directory}, whose "
                              f"adapter_config.json says {value}; drop the flag (the adapter decides)")
-    if config.get("lora_dropout"):
-        print(f"warning: --adapter {directory}: lora_dropout={config['lora_dropout']} is not applied (jaxpar trains "
-              "LoRA without dropout)", file=sys.stderr)
-    return options
+    # dropout is how training goes on, not the adapter's shape: a --lora-dropout given says otherwise
+    dropout = given.get("lora_dropout")
+    return {**options, "lora_dropout": float(config.get("lora_dropout") or 0.0) if dropout is None else dropout}
 
 
 def read_adapter(directory, cfg: LlamaConfig, base: str) -> dict:
@@ -218,8 +232,10 @@ def read_adapter(directory, cfg: LlamaConfig, base: str) -> dict:
         if fused:
             shapes = {name: (cfg.n_experts, cfg.expert_d_ff if name == "down_proj" else cfg.d_model,
                              cfg.d_model if name == "down_proj" else 2 * cfg.expert_d_ff) for name in fused}
+            doubled = bool(config.get("rank_pattern"))  # gate_up_proj's adapter of rank 2r (checked above)
             layers = [peft_experts.read_layer(lambda name, shape: _tensor(reader, name, shape, base),
-                                              f"{PREFIX}model.layers.{i}.", shapes, rank) for i in range(cfg.n_layers)]
+                                              f"{PREFIX}model.layers.{i}.", shapes, rank, doubled)
+                      for i in range(cfg.n_layers)]
             expected |= {name for layer in layers for name in layer.pop("names")}
             for name in layers[0]:
                 for what, j in ((lora.A, 0), (lora.B, 1)):

@@ -14,8 +14,10 @@ So gate_up_proj's adapter has rank 2r (`rank_pattern`, with `alpha_pattern`
 2 alpha keeping the scale alpha / r): A_e stacks gate's and up's A, B_e is
 block-diagonal, which is exactly the two adapters (an absent one is zero).
 Read back (`read_layer`), a gate_up_proj adapter of rank r gives gate and up
-each a copy of A_e and their rows of B_e; one of rank 2r (rank_pattern) is
-refused, since jaxpar trains one rank.
+each a copy of A_e and their rows of B_e; one of rank 2r (rank_pattern, as
+jaxpar exports it) gives gate the first r rows of A_e and its block of B_e, up
+the next r and its block, and is refused unless B_e is block-diagonal (else it
+is no pair of rank-r adapters).
 """
 
 from __future__ import annotations
@@ -60,18 +62,24 @@ def layer_tensors(prefix: str, pairs: dict[str, tuple[np.ndarray, np.ndarray]], 
     return out
 
 
-def read_layer(read, prefix: str, shapes: dict[str, tuple[int, int, int]], rank: int) -> dict:
+def read_layer(read, prefix: str, shapes: dict[str, tuple[int, int, int]], rank: int, doubled: bool = False) -> dict:
     """One layer's expert adapters in jaxpar's layout from PEFT's tensors: expert weight name -> (A [experts, in,
     r], B [experts, r, out]), plus "names", the tensors read. `read(name, shape)` gives a checked tensor; `shapes`:
-    each fused parameter's (experts, in, out) as PEFT sees it (gate_up_proj: out = 2 d_ff)."""
+    each fused parameter's (experts, in, out) as PEFT sees it (gate_up_proj: out = 2 d_ff); `doubled`:
+    gate_up_proj's adapter has rank 2r (rank_pattern)."""
     out, names = {}, []
     for name, (experts, d_in, d_out) in shapes.items():
         module = f"{prefix}{EXPERTS}{'.base_layer' if len(shapes) == 2 and name == 'gate_up_proj' else ''}"
         names += [f"{module}.lora_A.weight", f"{module}.lora_B.weight"]
-        a = read(names[-2], (rank * experts, d_in)).reshape(experts, rank, d_in).transpose(0, 2, 1)
-        b = read(names[-1], (d_out, rank * experts)).reshape(d_out, rank, experts).transpose(2, 1, 0)
         parts = FUSED[name]
+        held = rank * len(parts) if doubled and name == "gate_up_proj" else rank
+        a = read(names[-2], (held * experts, d_in)).reshape(experts, held, d_in).transpose(0, 2, 1)
+        b = read(names[-1], (d_out, held * experts)).reshape(d_out, held, experts).transpose(2, 1, 0)
+        rows = d_out // len(parts)
         for j, weight in enumerate(parts):  # gate_up_proj's rows: gate's, then up's
-            rows = d_out // len(parts)
-            out[weight] = (a, b[:, :, j * rows:(j + 1) * rows])
+            ranks = slice(j * rank, (j + 1) * rank) if held > rank else slice(None)
+            out[weight] = (a[:, :, ranks], b[:, ranks, j * rows:(j + 1) * rows])
+            if held > rank and np.any(np.delete(b[:, ranks], np.s_[j * rows:(j + 1) * rows], axis=2)):
+                raise ValueError(f"{names[-1]} (rank {held}) is not gate's and up's two rank-{rank} adapters: its "
+                                 f"rank block {j} reaches the other's rows (B not block-diagonal)")
     return {**out, "names": names}

@@ -11,7 +11,9 @@ on documents:
 
 - `jaxpar.parallel.attention.causal_attention` keeps attention inside each
   document, and `attention.positions` returns the documents' positions;
-- `jaxpar.parallel.tensor.vocab_parallel_cross_entropy` weights each token.
+- `jaxpar.parallel.tensor.vocab_parallel_cross_entropy` weights each token;
+- a training step with LoRA dropout adds `lora_dropout_seeds`, one per token,
+  which its mask is drawn from (jaxpar.parallel.lora_dropout).
 
 Arrays here are in the batch's natural sequence order and hold the same rows as
 the tokens the model is called with; the layers put them in context order.
@@ -26,7 +28,7 @@ import jax
 
 from jaxpar.core import trace
 
-FIELDS = ("segment_ids", "positions", "loss_weights")
+FIELDS = ("segment_ids", "positions", "loss_weights", "lora_dropout_seeds")
 
 
 def of_batch(batch) -> dict[str, jax.Array]:

@@ -5,7 +5,9 @@ weight `w` of an NNX module: `w_lora_a` [..., d_in, r] (random) and `w_lora_b`
 [..., r, d_out] (zero), both `nnx.LoRAParam` as in Flax's own `nnx.LoRA`, and
 `w_lora_scale` (alpha / r, a frozen `nnx.Param` with the weight's stacked
 `layers`/`experts` dimensions, so that it travels wherever the weight's layers
-go: pipeline stages, regrouped layer patterns). A takes the weight's logical
+go: pipeline stages, regrouped layer patterns), and with dropout `w_lora_salt`
+(int32, per layer, frozen: what its dropout mask is drawn with,
+`jaxpar.parallel.lora_dropout`). A takes the weight's logical
 names on its input dimensions and B on its output ones, the rank dimension
 replicated, so every plan shards them like the weight itself.
 
@@ -27,9 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core import zero_layout
-from jaxpar.parallel import constrain, quantized_base
+from jaxpar.parallel import constrain, lora_dropout, quantized_base
 
-A, B, SCALE = "_lora_a", "_lora_b", "_lora_scale"
+A, B, SCALE, SALT = "_lora_a", "_lora_b", "_lora_scale", "_lora_salt"
 TRAINABLE = nnx.LoRAParam  # the filter `apply` returns: only the adapters train
 STACKED = (zero_layout.SCANNED, "experts")  # leading dimensions a weight is a stack of (layers, experts)
 HEADS = ("heads", "kv_heads")  # a heads dimension and the head_dim after it are one input or output group
@@ -64,12 +66,12 @@ def _weights(model: nnx.Module):
     """(path 'a/b/w', module, attribute) of every nnx.Param of `model` that is not itself an adapter."""
     for path, module in nnx.iter_modules(model):
         for name, value in list(vars(module).items()):
-            if type(value) is nnx.Param and not name.endswith(SCALE):
+            if type(value) is nnx.Param and not name.endswith((SCALE, SALT)):
                 yield "/".join(str(p) for p in (*path, name)), module, name
 
 
 def apply(model: nnx.Module, rank: int, alpha: float | None = None, targets=("q", "k", "v", "o"),
-          rngs: nnx.Rngs | None = None):
+          rngs: nnx.Rngs | None = None, dropout: float = 0.0):
     """Put LoRA adapters of `rank` on the weights of `model` whose paths match `targets`; return the trainable filter.
 
     `targets`: short names (q, k, v, o, gate, up, down) or fnmatch patterns on
@@ -78,7 +80,10 @@ def apply(model: nnx.Module, rank: int, alpha: float | None = None, targets=("q"
     model starts equal to its base. Call it inside the function that builds the
     model (the one `init_state` gets), then pass the returned filter as
     `init_state(..., trainable=...)`. A target naming no weight, or a rank larger
-    than a weight's input or output size, is refused here.
+    than a weight's input or output size, is refused here. `dropout` > 0 (the
+    plan's lora_dropout) gives each adapter the salt its dropout mask is drawn
+    with; it acts in jaxpar's built-in models' layer stacks, not on an expert's
+    weights nor outside a stack (refused).
     """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive integer, got {rank!r}")
@@ -93,11 +98,12 @@ def apply(model: nnx.Module, rank: int, alpha: float | None = None, targets=("q"
                              f"{', '.join(w[0] for w in weights)}")
         chosen += [w for w in hits if w not in chosen]
     for path, module, name in chosen:
-        _attach(module, name, path, rank, alpha, rngs)
+        _attach(module, name, path, rank, alpha, rngs, dropout)
     return TRAINABLE
 
 
-def _attach(module: nnx.Module, name: str, path: str, rank: int, alpha: float, rngs: nnx.Rngs) -> None:
+def _attach(module: nnx.Module, name: str, path: str, rank: int, alpha: float, rngs: nnx.Rngs,
+            dropout: float) -> None:
     base = getattr(module, name)
     value = base.get_value()
     names = tuple(base.get_metadata().get("out_sharding") or (None,) * value.ndim)
@@ -118,6 +124,13 @@ def _attach(module: nnx.Module, name: str, path: str, rank: int, alpha: float, r
     scale = lambda key, shape, dtype: jnp.full(shape, alpha / rank, dtype)  # noqa: E731
     setattr(module, name + SCALE, nnx.Param(nnx.with_partitioning(scale, lead_names)(
         rngs.params(), stack, jnp.float32)))
+    if dropout:
+        if lead_names != (zero_layout.SCANNED,):
+            raise ValueError(f"--lora-dropout {dropout} acts on the weights of a layer stack, not on {path} (logical "
+                             f"names {names}): leave it out of --lora-targets or use --lora-dropout 0")
+        salt = lambda key, shape, dtype: jnp.asarray(lora_dropout.salts(path, shape))  # noqa: E731
+        setattr(module, name + SALT, nnx.Param(nnx.with_partitioning(salt, lead_names)(
+            None, stack, jnp.int32)))  # no key drawn: the adapters are those of lora_dropout 0
 
 
 def trainable_for(plan):
@@ -133,7 +146,7 @@ def for_plan(make_model, plan):
 
     def adapted():
         model = make_model()
-        apply(model, plan.lora_rank, plan.lora_alpha or None, plan.lora_targets)
+        apply(model, plan.lora_rank, plan.lora_alpha or None, plan.lora_targets, dropout=plan.lora_dropout)
         if plan.base_dtype != "none":
             quantized_base.store(model, plan.base_dtype)
         return model
@@ -189,11 +202,17 @@ _low_rank.defvjp(_low_rank_forward, _low_rank_backward)
 
 
 def _adapter_of(key, tree) -> str | None:
-    """The weight an adapter key (w_lora_a, w_lora_b, w_lora_scale) belongs to, None for any other key."""
-    for suffix in (A, B, SCALE):
+    """The weight an adapter key (w_lora_a, w_lora_b, w_lora_scale, w_lora_salt) belongs to, None for any other."""
+    for suffix in (A, B, SCALE, SALT):
         if isinstance(key, str) and key.endswith(suffix) and key[:-len(suffix)] + SCALE in tree:
             return key[:-len(suffix)]
     return None
+
+
+def has_salts(tree) -> bool:
+    """Whether a parameter tree (nested dicts) holds adapters' dropout salts (`apply(..., dropout=p)`)."""
+    return isinstance(tree, dict) and any(isinstance(k, str) and k.endswith(SALT) or has_salts(v)
+                                          for k, v in tree.items())
 
 
 def adapted_names(paths) -> list[str]:
@@ -209,7 +228,8 @@ def fold(tree, unstacked_only: bool = False, keep: bool = False):
     `keep`: the adapters stay in the tree (to merge a module from it); else they
     are dropped, so that a nested layer scan cannot fold them twice. A weight
     held quantized (QLoRA, `jaxpar.parallel.quantized_base`: only stacked ones)
-    is dequantized first.
+    is dequantized first. In a training step with lora_dropout, a weight with a
+    salt is not folded but left `lora_dropout.Adapted`: its branch runs apart.
     """
     if not isinstance(tree, dict):
         return tree
@@ -223,7 +243,10 @@ def fold(tree, unstacked_only: bool = False, keep: bool = False):
             if keep or not chosen(base):
                 out[key] = value
         elif isinstance(key, str) and key + SCALE in tree and chosen(key):
-            out[key] = value + delta(tree[key + A], tree[key + B], tree[key + SCALE]).astype(value.dtype)
+            if not keep and key + SALT in tree and lora_dropout.rate():
+                out[key] = lora_dropout.Adapted(value, *(tree[key + s] for s in (A, B, SCALE, SALT)))
+            else:
+                out[key] = value + delta(tree[key + A], tree[key + B], tree[key + SCALE]).astype(value.dtype)
         else:
             out[key] = fold(value, unstacked_only, keep)
     return out

@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxpar.core import options, usage, zero_layout
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import lora, zero
+from jaxpar.parallel import lora, lora_dropout, zero
 
 # What a block keeps for its backward pass: everything, nothing (recompute the
 # whole block), or the outputs of its weight matmuls (recompute attention and
@@ -116,6 +116,10 @@ class Stack(nnx.Module):
         graphdef, params, streams, variables = nnx.split(self.layers, nnx.Param, nnx.RngState, ...)
 
         def block(layer: dict, h):
+            if any(isinstance(v, lora_dropout.Adapted) for v in jax.tree.leaves(
+                    layer["params"], is_leaf=lambda v: isinstance(v, lora_dropout.Adapted))):
+                raise ValueError("lora_dropout acts in jaxpar's built-in models' tensor layers (jaxpar.parallel.tensor), "
+                                 "not in a Stack of your own block: set lora_dropout to 0")
             module = nnx.merge(graphdef, lora.refill(layer["params"], stacked["params"]), layer["streams"],
                                layer["variables"])
             out = module(h, *args, **kwargs)

@@ -21,6 +21,7 @@ This module holds the layers, the choice between the forms, and the annotation f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxpar.core import options, usage, zero_layout
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import bits, documents, loss_chunks, tensor_explicit, vocab, zero
+from jaxpar.parallel import bits, documents, lora_dropout, loss_chunks, tensor_explicit, vocab, zero
 from jaxpar.parallel.attention import context_order
 from jaxpar.parallel.constrain import constrain, rule_axes
 from jaxpar.parallel.matmul import weight_einsum
@@ -68,10 +69,10 @@ def column_parallel(x, weights, equation: str, out_logical, in_logical=RESIDUAL)
     parallelism); the outputs stay split. A tuple of weights (Q, K, V; gate,
     up) shares one entry collective, so the input's gradient is reduced once.
     `out_logical` names the output's dimensions: one tuple for all weights or
-    one per weight.
+    one per weight. A weight left `lora_dropout.Adapted` (LoRA dropout) adds its branch.
     """
     single = not isinstance(weights, (tuple, list))
-    ws = (weights,) if single else tuple(weights)
+    ws, adapted = lora_dropout.split((weights,) if single else tuple(weights))
     outs_logical = (out_logical,) * len(ws) if _is_names(out_logical) else tuple(out_logical)
     eq = Einsum.parse(equation)
     w_names = [eq.weight_names(in_logical, names) for names in outs_logical]
@@ -86,6 +87,7 @@ def column_parallel(x, weights, equation: str, out_logical, in_logical=RESIDUAL)
         x_names = replicated_over(in_logical, axes)
         x = constrain(x, x_names)
         outs = [weight_einsum(equation, x, ws[0])] if single else _fused_column(x, x_names, ws, eq, w_names, axes)
+    outs = [o if a is None else o + lora_dropout.branch(x, a, equation) for o, a in zip(outs, adapted)]
     outs = [constrain(o, names) for o, names in zip(outs, outs_logical)]
     return outs[0] if single else tuple(outs)
 
@@ -102,6 +104,9 @@ def kv_heads_for_ranks(w, n_kv_heads: int, logical):
     gradient of a head is summed over the ranks that use it (the transpose of
     the repeat or of the pick). Otherwise `w` as it is.
     """
+    if isinstance(w, lora_dropout.Adapted):  # B [r, kv_heads, head_dim] repeats its heads like W
+        return dataclasses.replace(w, w=kv_heads_for_ranks(w.w, n_kv_heads, logical),
+                                   b=kv_heads_for_ranks(w.b, n_kv_heads, (None, *logical[1:])))
     axes, dim = region_axes(("kv_heads",)), logical.index("kv_heads")
     if not axes or ways(axes) <= n_kv_heads:
         return w
@@ -117,8 +122,10 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
     """einsum(equation, x, w) for w split along its input features: the partial sums are combined.
 
     The result is the residual stream: an all-reduce over the tensor axes, or a
-    reduce-scatter along the sequence under sequence parallelism.
+    reduce-scatter along the sequence under sequence parallelism. A weight left
+    `lora_dropout.Adapted` (LoRA dropout) adds its branch.
     """
+    (w,), (adapted,) = lora_dropout.split((w,))
     eq = Einsum.parse(equation)
     w_names = eq.weight_names(in_logical, out_logical)
     axes = region_axes(w_names[i] for i in eq.positions(eq.contracted))
@@ -128,6 +135,8 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
         y = tensor_explicit.row(x, w, eq, in_logical, w_names, out_logical, axes)
     else:
         y = weight_einsum(equation, x, w)
+    if adapted is not None:
+        y = y + lora_dropout.branch(x, adapted, equation)
     return constrain(y, out_logical)
 
 

@@ -191,6 +191,8 @@ def _pipelined(stages: Stages, schedule: Schedule, fill: float, entries: list) -
         cotangent = cotangents[0]  # the stats are metrics: their aux loss is already inside the loss
 
         def scale(g, axes):
+            if g.dtype == jax.dtypes.float0:  # an integer parameter's (LoRA dropout's salts): no gradient to scale
+                return g
             g = (g * cotangent).astype(g.dtype)
             extra = tuple(sorted(varying_axes(g) - axes))
             return jax.lax.psum(g, extra) if extra else g

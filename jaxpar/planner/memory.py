@@ -72,13 +72,13 @@ class Inventory:
 
 
 PARTS = {"all": lambda leaf: True, "trained": lambda leaf: leaf.trained, "quantized": lambda leaf: leaf.held_bytes > 0,
-         "adapted": lambda leaf: leaf.adapted}
+         "frozen": lambda leaf: not leaf.trained and leaf.held_bytes == 0, "adapted": lambda leaf: leaf.adapted}
 
 
 @functools.lru_cache(maxsize=4096)
 def inventory(model: Model, data: int, tensor: int, pipe: int, expert: int, part: str = "all") -> Inventory:
-    """The parameters of `part`: all, those that train (not a LoRA base), those held quantized (QLoRA), or the
-    weights LoRA adapts."""
+    """The parameters of `part`: all, those that train (not a LoRA base), those held quantized (QLoRA), those
+    frozen and not quantized, or the weights LoRA adapts."""
     shape = {"data": data, "tensor": tensor, "pipe": pipe, "expert": expert}
     local = sharded = st_local = st_sharded = rep_pipe = rep_expert = 0.0
     for leaf in filter(PARTS[part], model.leaves):
@@ -100,8 +100,8 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     batch); `temp` what it allocates while running (gradients, activations,
     gathered parameters, the update's workspace). total = arguments + temp.
     """
-    inv, tr, q = (inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, part)
-                  for part in ("all", "trained", "quantized"))
+    inv, tr, q, fz = (inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, part)
+                      for part in ("all", "trained", "quantized", "frozen"))
     P, G, K = state_bytes_per_param(layout.precision, layout.zero if layout.data > 1 else 0)
     if device.low_precision_in_fp32:
         G = 4  # the backend differentiates low-precision matmuls in fp32: gradients (and activations) are fp32
@@ -111,8 +111,11 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     # the paper's P_os+g); ZeRO-3 holds its shard and gathers one layer at a time.
     C = compute_bytes(layout.precision)  # what ZeRO-2/3 gather: the compute-dtype casts
     qb = model.quantized_bytes  # a quantized base (QLoRA) is held, and under ZeRO gathered, in its codes' bytes
-    at_rest = _held(P, inv.sharded, q.sharded, qb) if z >= 2 else _held(P, inv.local, q.local, qb)
-    params = _held(P, inv.sharded, q.sharded, qb) if z == 3 else _held(C, inv.local, q.local, qb) if z == 2 else at_rest
+    # a frozen base (LoRA) is held in the compute dtype: it has no master to update (jaxpar.train.precision)
+    at_rest = _held(P, C, inv.sharded, fz.sharded, q.sharded, qb) if z >= 2 else \
+        _held(P, C, inv.local, fz.local, q.local, qb)
+    params = (_held(P, C, inv.sharded, fz.sharded, q.sharded, qb) if z == 3
+              else _held(C, C, inv.local, fz.local, q.local, qb) if z == 2 else at_rest)
     # Gradients and optimizer state: of what trains (a LoRA run: the adapters alone)
     optimizer = K * (tr.sharded if z >= 1 else tr.local)
     # ZeRO's gradient: the whole local gradient under ZeRO-0/1 (reduced once per step), the data shard under
@@ -129,9 +132,12 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
         transient += 4 * (tr.sharded if z >= 2 else tr.local)  # fp32 accumulators of low-precision gradients
     if device.widens_low_precision and G < 4 and z <= 1 and n > 1:
         transient += (4 - G) * tr.local  # the fp32 copy of the whole gradient a widened reduction takes
+    if device.low_precision_in_fp32 and C < 4 and z <= 1:
+        transient += 4 * fz.stacked_local  # it widens a 2-byte frozen layer stack to fp32 whole, before the scan
     act_bytes = 4 if layout.precision == "fp32" or device.low_precision_in_fp32 else 2
     b, s = microbatch_sequences(layout, work), work.seq_len
-    activations = activation_bytes(model, layout, work, act_bytes, (C if z == 2 else P) * inv.stacked_local)
+    stage_weights = C * inv.stacked_local if z == 2 else P * inv.stacked_local - (P - C) * fz.stacked_local
+    activations = activation_bytes(model, layout, work, act_bytes, stage_weights)
     gathered = 0.0  # ZeRO-3: one layer's parameters, or the ones outside the layer stack, gathered at a time
     if z == 3:  # (the embedding and head are used before and after the layer scan, never beside a layer's)
         layer = C * per_layer - (C - qb) * q.stacked_local / depth  # a quantized base is gathered as its codes
@@ -153,9 +159,11 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     }
 
 
-def _held(per_value: float, count: float, quantized: float, quantized_bytes: float) -> float:
-    """Bytes of `count` parameters at `per_value` bytes, the `quantized` ones among them at `quantized_bytes`."""
-    return per_value * count - (per_value - quantized_bytes) * quantized
+def _held(per_value: float, frozen_value: float, count: float, frozen: float, quantized: float,
+          quantized_bytes: float) -> float:
+    """Bytes of `count` parameters at `per_value` bytes, the `frozen` ones among them (not quantized) at
+    `frozen_value`, the `quantized` ones at `quantized_bytes`."""
+    return per_value * count - (per_value - frozen_value) * frozen - (per_value - quantized_bytes) * quantized
 
 
 def offloaded_bytes(layout: Layout, zero: int, params_at_rest: float, optimizer: float) -> float:

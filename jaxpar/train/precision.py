@@ -26,6 +26,10 @@ dtype.
 `fp16` also scales the loss so small gradients survive its narrow range,
 skipping a step (and halving the scale) whenever a gradient overflows.
 `bf16-params` holds and updates bf16 parameters.
+
+Frozen parameters (a LoRA run's base) get no update, so they need no master:
+the state holds them in the compute dtype under every policy (`frozen_dtype`),
+the cast the model would make at use anyway.
 """
 
 from __future__ import annotations
@@ -110,9 +114,16 @@ class Optimizer:
         """Whether offloading the optimizer state takes the fp32 params too: they are the master (bf16/fp16)."""
         return self.policy.cast_at_use is not None and not self.master
 
-    def cast(self, params):
-        """The parameters in the dtype the train state holds them in."""
-        return jax.tree.map(lambda p: p.astype(self.param_dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+    @property
+    def frozen_dtype(self):
+        """The dtype the train state holds frozen parameters in (a LoRA base): the compute dtype. They are never
+        updated and the model reads them cast to it anyway, so an fp32 copy would only cost memory."""
+        return self.policy.compute_dtype
+
+    def cast(self, params, frozen: bool = False):
+        """The parameters in the dtype the train state holds them in (`frozen`: parameters that do not train)."""
+        dtype = self.frozen_dtype if frozen else self.param_dtype
+        return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p,
                             params)  # a quantized base's integer codes stay codes
 
     def init(self, params):

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import LogicalArray, is_logical
-from jaxpar.parallel import offload, quantized_base
+from jaxpar.parallel import lora, offload, quantized_base
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
 
@@ -266,11 +266,22 @@ def state_from_base(base_params, make_model: Callable[[], nnx.Module], model: Mo
 
 def _initial_state(params, variables, model: ModelDef, optimizer, plan: Plan) -> TrainState:
     """Step 0 from the model's parameters (natural order), in `plan`'s layer order and parameter dtype (fp32 but
-    under bf16-params, and bf16/fp16 under ZeRO-1, whose fp32 master the optimizer state holds)."""
+    under bf16-params, and bf16/fp16 under ZeRO-1, whose fp32 master the optimizer state holds; a frozen base in
+    the compute dtype)."""
     optimizer = precision.for_plan(optimizer, plan)
     params = layer_order.to_pipeline_order(params, model.logical, plan)
-    return TrainState(optimizer.cast(params), optimizer.init(model.trained(params)), jnp.zeros((), jnp.int32),
-                      variables)
+    return TrainState(_held(params, optimizer, model), optimizer.init(model.trained(params)),
+                      jnp.zeros((), jnp.int32), variables)
+
+
+def _held(params, optimizer: precision.Optimizer, model: ModelDef) -> Any:
+    """The parameters in the dtypes the state holds them in: what trains in the optimizer's parameter dtype, a
+    frozen base in the compute dtype (jaxpar.train.precision)."""
+    if model.trainable is None:
+        return optimizer.cast(params)
+    frozen = jax.tree_util.tree_map_with_path(  # a LoRA scale alpha / r keeps the value exports write (one per layer)
+        lambda path, p: p if str(_keys(path)[-1]).endswith(lora.SCALE) else optimizer.cast(p, frozen=True), params)
+    return model.with_trained(frozen, optimizer.cast(model.trained(params)))
 
 
 def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> TrainState:
@@ -287,8 +298,8 @@ def place_state(state: TrainState, model: ModelDef, optimizer, plan: Plan) -> Tr
 
 
 def _relayout(state: TrainState, optimizer: precision.Optimizer, model: ModelDef) -> TrainState:
-    """`state` in `optimizer`'s layout: ZeRO-1's 2-byte params beside an fp32 master (of the trained parameters:
-    frozen ones are held 2-byte only), or fp32 params held once."""
+    """`state` in `optimizer`'s layout: ZeRO-1's 2-byte params beside an fp32 master (of the trained parameters),
+    or fp32 params held once; frozen ones in the compute dtype either way."""
     held = isinstance(state.opt_state, precision.MasterState)
     if optimizer.master and not held:
         scaled = isinstance(state.opt_state, precision.ScaledState)
@@ -298,10 +309,9 @@ def _relayout(state: TrainState, optimizer: precision.Optimizer, model: ModelDef
     if held and not optimizer.master:
         opt = state.opt_state
         inner = opt.inner if opt.loss_scale is None else precision.ScaledState(opt.inner, opt.loss_scale)
-        widened = jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-                               state.params)
-        return dataclasses.replace(state, params=model.with_trained(widened, opt.master), opt_state=inner)
-    return state
+        return dataclasses.replace(state, params=model.with_trained(_held(state.params, optimizer, model), opt.master),
+                                   opt_state=inner)
+    return dataclasses.replace(state, params=_held(state.params, optimizer, model))
 
 
 def abstract_state(model: ModelDef, optimizer, plan: Plan) -> TrainState:

@@ -25,7 +25,7 @@ from jaxpar.core import trace, usage
 from jaxpar.core.microbatches import microbatches
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import specs_over
-from jaxpar.parallel import documents, lora, offload, zero
+from jaxpar.parallel import documents, lora, lora_dropout, offload, zero
 from jaxpar.parallel.tensor import WEIGHTED
 from jaxpar.parallel.constrain import varying_axes
 from jaxpar.pipeline import layer_order
@@ -144,7 +144,7 @@ def loss_and_grads(model: ModelDef, loss_fn: LossFn, params, batch: dict, plan: 
     (partitionable threefry), so it computes the same on any mesh.
     """
     check_batch(plan, batch)
-    batch = normalised_weights(batch)
+    batch = lora_dropout.with_seeds(normalised_weights(batch), plan.lora_dropout, seed, step)
     variables = {} if variables is None else variables
     extra = () if loss_scale is None else (loss_scale,)
     manual = plan.step_manual_axes
@@ -355,6 +355,9 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
     if plan.lora_rank and model.trainable is None:
         raise ValueError(f"the plan sets lora_rank={plan.lora_rank} but every parameter of the model trains: build it "
                          "with jaxpar.lora.apply and pass the filter it returns to init_state / describe (trainable=)")
+    if plan.lora_dropout and not lora.has_salts(model.logical):
+        raise ValueError(f"the plan sets lora_dropout={plan.lora_dropout} but the model's adapters have no dropout "
+                         "salts: put them on with jaxpar.lora.apply(..., dropout=plan.lora_dropout)")
     optimizer = precision.for_plan(optimizer, plan)
     shardings = state_shardings(model, optimizer, plan)
     if plan.offload == "optimizer" and not offload.moved(shardings):
