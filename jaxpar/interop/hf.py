@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from jaxpar.interop import base_weights, export_shares, hf_gpt_oss, hf_llama4, hf_mixtral
+from jaxpar.interop import base_weights, export_shares, hf_deepseek_v3, hf_gpt_oss, hf_llama4, hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
@@ -46,10 +46,13 @@ MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most
 WRITE_BYTES = 16 << 20  # export: a tensor is converted to its file layout and dtype this many bytes at a time
 JAXPAR_NAME = "tiny"  # imported checkpoints name a Llama whose every config field is given (see import_hf)
 MOE_NAME = "moe-tiny"  # ... and an MoE Llama (Mixtral) likewise
+DEEPSEEK_NAME = "deepseek-tiny"  # ... and a DeepSeek-V3
 
 
 def jaxpar_name(cfg: LlamaConfig) -> str:
     """The built-in model an imported config names (every field is given, so only its type matters)."""
+    if hf_deepseek_v3.is_deepseek(cfg):
+        return DEEPSEEK_NAME
     return MOE_NAME if hf_mixtral.is_moe(cfg) else JAXPAR_NAME
 
 # -- reading safetensors slices in jaxpar layouts -----------------------------------------------------------
@@ -143,6 +146,8 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
     sources = {"embedding": top(*TOP_PARAMS["embedding"]), "final_norm": top(*TOP_PARAMS["final_norm"])}
     if not cfg.tie_embeddings:
         sources["head"] = top(*TOP_PARAMS["head"])
+    if hf_deepseek_v3.is_deepseek(cfg):
+        return {**sources, **hf_deepseek_v3.block_sources(cfg, reader)}
     sources.update({f"{blocks_path(cfg)}/{k}": stacked(*v) for k, v in layer_params(cfg).items()})
     return sources
 
@@ -239,6 +244,9 @@ def _hf_tensors(cfg: LlamaConfig, path: str, read: Callable, wanted=None) -> Ite
         name, layout = TOP_PARAMS[path]
         if wanted is None or name in wanted:
             yield name, _to_hf(np.asarray(read(path)), layout, cfg.vocab)
+        return
+    if hf_deepseek_v3.is_deepseek(cfg):
+        yield from hf_deepseek_v3.block_tensors(cfg, path, read, wanted)
         return
     params = layer_params(cfg)
     suffix, layout = params[path.removeprefix(f"{blocks_path(cfg)}/")]
