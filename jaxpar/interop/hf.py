@@ -37,6 +37,7 @@ from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shap
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
                                       resolve_source)
 from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader
+from jaxpar.models.deepseek import DeepseekConfig
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
 from jaxpar.parallel import lora, quantize, quantized_base
@@ -490,8 +491,9 @@ def _saved_model(path: Path) -> dict | None:
 
 
 def _saved_config(fields: dict) -> LlamaConfig:
-    """The dense or MoE Llama config of saved fields (an MoE's carry `n_experts`)."""
+    """The dense or MoE Llama config of saved fields (an MoE's carry `n_experts`, a DeepSeek-V3's `kv_lora_rank`)."""
     config_type = MoeLlamaConfig if "n_experts" in fields else LlamaConfig
+    config_type = DeepseekConfig if "kv_lora_rank" in fields else config_type
     known = {f.name for f in dataclasses.fields(config_type)}
     extra = set(fields) - known
     if extra:

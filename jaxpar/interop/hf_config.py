@@ -367,7 +367,7 @@ def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
         **({"sliding_window": cfg.sliding_window} if family in WINDOWED else {}),
         **(MOE[family][1].moe_fields_to_hf(cfg) if family in MOE else {}),
         **(_gpt_oss_to_hf(cfg) if family == GPT_OSS else {}),
-        **(hf_deepseek_v3.fields_to_hf(cfg) if family == DEEPSEEK else {}),
+        **(hf_deepseek_v3.fields_to_hf(cfg, rope) if family == DEEPSEEK else {}),
         **(_qwen3_moe_window_to_hf(cfg) if family == hf_qwen3_moe.MODEL_TYPE else {}),
         **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }

@@ -91,11 +91,27 @@ def config_from_hf(hf: dict, fields: dict) -> DeepseekConfig:
         "norm_topk": bool(hf.get("norm_topk_prob", True)), "query_scale": scale})
 
 
-def fields_to_hf(cfg: DeepseekConfig) -> dict:
-    """The DeepSeek-V3 fields of a config.json beyond the Llama ones (which `hf_config` writes)."""
+def _softmax_scale_to_hf(cfg: DeepseekConfig, rope: dict) -> dict:
+    """`rope` (hf_config's table of the rotation) with the mscale_all_dim that gives `query_scale`: transformers
+    scales q . k by (nope + rope) ** -0.5 times YaRN's mscale squared, and by nothing else."""
+    plain = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.query_scale is None or math.isclose(cfg.query_scale, plain, rel_tol=1e-12):
+        return rope
+    if cfg.rope_type != "yarn" or cfg.rope_factor <= 1 or cfg.query_scale < plain:
+        raise ValueError(f"query_scale={cfg.query_scale}: a Hugging Face DeepSeek-V3 scales q . k by (qk_nope_head_dim "
+                         "+ qk_rope_head_dim) ** -0.5, times YaRN's mscale squared (rope_type='yarn', factor > 1) only")
+    mscale_all = (math.sqrt(cfg.query_scale / plain) - 1) / (0.1 * math.log(cfg.rope_factor))
+    return {**rope, "mscale_all_dim": mscale_all}
+
+
+def fields_to_hf(cfg: DeepseekConfig, rope: dict) -> dict:
+    """The DeepSeek-V3 fields of a config.json beyond the Llama ones (which `hf_config` writes; `rope`: its
+    rope_parameters table)."""
     if cfg.n_shared_experts < 1:
         raise ValueError("n_shared_experts=0: a Hugging Face DeepSeek-V3 has at least one shared expert")
-    return {"n_routed_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
+    rope = _softmax_scale_to_hf(cfg, rope)
+    scaling = None if cfg.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_parameters": rope, "rope_scaling": scaling,"n_routed_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
             "moe_intermediate_size": cfg.expert_d_ff, "n_shared_experts": cfg.n_shared_experts,
             "first_k_dense_replace": cfg.first_dense, "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
             "routed_scaling_factor": cfg.routed_scale, "norm_topk_prob": cfg.norm_topk, "q_lora_rank": cfg.q_lora_rank,
