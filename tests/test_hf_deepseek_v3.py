@@ -134,13 +134,13 @@ def test_plain_q_projection_matches_transformers(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(saved, tmp_path_factory):
-    """(reference, source directory, checkpoint of 2 steps from import-hf on data=2,expert=2 with ZeRO-3, the
+    """(reference, source directory, checkpoint of 2 steps from import-hf on data=4,expert=2 with ZeRO-3, the
     metrics rows)."""
     reference, directory = saved
     work = tmp_path_factory.mktemp("deepseek-run")
     assert main(["import-hf", str(directory), "--out", str(work / "imported")]) == 0
     metrics = work / "m.jsonl"
-    assert main(["train", "--init-from", str(work / "imported"), "--mesh", "data=2,expert=2", "--zero", "3",
+    assert main(["train", "--init-from", str(work / "imported"), "--mesh", "data=4,expert=2", "--zero", "3",
                  "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--checkpoint-dir", str(work / "run"),
                  "--save-every", "2", "--metrics", str(metrics)]) == 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -171,7 +171,7 @@ def test_import_train_export_round_trip(trained, tmp_path):
     round_trip = relative(torch_logits(reload(tmp_path / "out"), TOKENS), trained_logits)
     assert round_trip <= 1e-5, round_trip
     assert relative(torch_logits(reference, TOKENS), trained_logits) > 1e-4  # the steps changed the weights
-    print(f"deepseek_v3 data=2,expert=2 zero 3: step-1 loss {loss_diff:.2e}, round trip {round_trip:.2e}")
+    print(f"deepseek_v3 data=4,expert=2 zero 3: step-1 loss {loss_diff:.2e}, round trip {round_trip:.2e}")
 
 
 DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
