@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core import trace
-from jaxpar.models import latent_attention, llama, moe
+from jaxpar.models import latent_attention, latent_cache, llama, moe
 from jaxpar.models.block import RESIDUAL, block_norm, mlp, residual_add
 from jaxpar.parallel import experts, tensor
 from jaxpar.parallel.constrain import constrain
@@ -218,13 +218,13 @@ class DeepseekV3(llama.Llama):
         return loss, {"ce_loss": loss - aux_loss, **metrics}
 
     def logits(self, tokens, positions=None, mask=None, segment_ids=None):
-        """Logits [batch, seq, vocab] of whole unpadded sequences (positions 0, 1, ...)."""
-        if positions is not None or mask is not None or segment_ids is not None:
-            raise ValueError("DeepSeek-V3 logits take whole sequences: positions, padding masks and packed "
-                             "documents are not supported for it")
-        x, _ = run_layers(self.blocks.stacked(), self.embed(tokens), self.cfg, remat=lambda f: f)
-        x = block_norm(x, self.final_norm[...], self.cfg)
-        return jnp.einsum("bsd,dv->bsv", x, self.output_weights())[..., : self.cfg.vocab].astype(jnp.float32)
+        """Logits [batch, seq, vocab] with positions and a padding mask (see `latent_cache.deepseek_logits`)."""
+        return latent_cache.deepseek_logits(self, tokens, positions, mask, segment_ids)
+
+    def init_cache(self, batch: int, slots: int, dtype=jnp.float32) -> dict:
+        """An empty cache of MLA's compressed tokens (`latent_cache.init_cache`)."""
+        return latent_cache.init_cache(self.cfg, batch, slots, dtype)
 
     def decode(self, tokens, cache: dict, mask=None, positions=None, segment_ids=None):
-        raise ValueError("KV-cache decode is not built for DeepSeek-V3 (latent attention) yet")
+        """(logits, cache) for tokens appended to the compressed cache (see `latent_cache.deepseek_decode`)."""
+        return latent_cache.deepseek_decode(self, tokens, cache, mask, positions, segment_ids)

@@ -26,8 +26,9 @@ from jaxpar.cli import main
 from jaxpar.interop import hf, hf_config
 from jaxpar.models.deepseek import DeepseekV3
 from jaxpar.train.state import init_state
-from test_hf import TOKENS, needs_torch, relative, torch, torch_logits, transformers
-from test_hf_export import unchanged
+from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, torch, torch_logits,
+                     transformers)
+from test_hf_export import assert_generate_and_eval_equal_the_exports, unchanged
 
 slow = pytest.mark.slow
 VOCAB = 300
@@ -172,6 +173,45 @@ def test_import_train_export_round_trip(trained, tmp_path):
     assert round_trip <= 1e-5, round_trip
     assert relative(torch_logits(reference, TOKENS), trained_logits) > 1e-4  # the steps changed the weights
     print(f"deepseek_v3 data=4,expert=2 zero 3: step-1 loss {loss_diff:.2e}, round trip {round_trip:.2e}")
+
+
+@needs_torch
+def test_generate_and_eval_read_the_checkpoint_as_its_export(trained, tmp_path, capsys):
+    """`generate` and `eval` on the trained checkpoint equal theirs on its Hugging Face export."""
+    _, _, run, _ = trained
+    assert_generate_and_eval_equal_the_exports(run, tmp_path / "hf", capsys)
+
+
+@needs_torch
+def test_greedy_generation_equals_transformers_generate(saved):
+    """The compressed-cache decode token for token against `generate` (left-padded prompts of two lengths), past
+    the config's eos_token_id as the Generator runs without a tokenizer's."""
+    reference, directory = saved
+    reference.generation_config.eos_token_id = None
+    assert_greedy_generation_equals_generate(DeepseekV3, reference, directory)
+
+
+@needs_torch
+def test_padded_logits_and_the_cache_hold_the_compressed_tokens(saved):
+    """A right-padded row's real tokens get transformers' logits; the cache keeps kv_lora_rank + qk_rope_head_dim
+    numbers per token and layer, and decoding a prompt token by token gives its one-call logits."""
+    reference, directory = saved
+    cfg, params = hf.load_hf_params(directory)
+    model = jaxpar_model(cfg, params)
+    mask = np.ones(TOKENS.shape, bool)
+    mask[0, 18:] = False
+    padded = np.asarray(model.logits(jnp.asarray(TOKENS), mask=jnp.asarray(mask)))
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    assert relative(padded[mask], torch_logits(reference, TOKENS, mask, positions)[mask]) <= 1e-5
+    cache = model.init_cache(2, 24)
+    assert {k: v.shape for k, v in cache.items() if v.ndim == 4} == {"latent": (3, 2, 24, 24), "rope_key": (3, 2, 24, 8)}
+    steps = []
+    for i in range(TOKENS.shape[1]):
+        logits, cache = model.decode(jnp.asarray(TOKENS[:, i:i + 1]), cache)
+        steps.append(np.asarray(logits[:, 0]))
+    assert relative(np.stack(steps, 1), np.asarray(model.logits(jnp.asarray(TOKENS)))) <= 1e-5
+    with pytest.raises(ValueError, match="segment_ids .packed documents. are not supported by DeepSeek-V3"):
+        model.logits(jnp.asarray(TOKENS), segment_ids=jnp.ones(TOKENS.shape, jnp.int32))
 
 
 DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4,
