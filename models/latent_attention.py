@@ -43,7 +43,8 @@ def latent_params(cfg, rngs: nnx.Rngs, n: int, param) -> dict[str, nnx.Param]:
     params["wkv_a"] = param((n, d, kv_rank + cfg.qk_rope_head_dim), ("layers", "embed", None), d**-0.5)
     params["kv_a_norm"] = param((n, kv_rank), ("layers", None))
     params["wkv_b"] = param((n, kv_rank, h, cfg.qk_nope_head_dim + v), heads, kv_rank**-0.5)
-    params["wo"] = param((n, h, v, d), ("layers", "heads", "head_dim", "embed"), (h * v) ** -0.5 / (2 * cfg.n_layers) ** 0.5)
+    out_scale = (h * v) ** -0.5 / (2 * cfg.n_layers) ** 0.5
+    params["wo"] = param((n, h, v, d), ("layers", "heads", "head_dim", "embed"), out_scale)
     return params
 
 

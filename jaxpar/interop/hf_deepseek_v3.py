@@ -111,9 +111,10 @@ def fields_to_hf(cfg: DeepseekConfig, rope: dict) -> dict:
         raise ValueError("n_shared_experts=0: a Hugging Face DeepSeek-V3 has at least one shared expert")
     rope = _softmax_scale_to_hf(cfg, rope)
     scaling = None if cfg.rope_type == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {"rope_parameters": rope, "rope_scaling": scaling,"n_routed_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
-            "moe_intermediate_size": cfg.expert_d_ff, "n_shared_experts": cfg.n_shared_experts,
-            "first_k_dense_replace": cfg.first_dense, "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
+    return {"rope_parameters": rope, "rope_scaling": scaling, "n_routed_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.top_k, "moe_intermediate_size": cfg.expert_d_ff,
+            "n_shared_experts": cfg.n_shared_experts, "first_k_dense_replace": cfg.first_dense,
+            "n_group": cfg.router_groups, "topk_group": cfg.router_topk_groups,
             "routed_scaling_factor": cfg.routed_scale, "norm_topk_prob": cfg.norm_topk, "q_lora_rank": cfg.q_lora_rank,
             "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
             "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim,
