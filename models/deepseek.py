@@ -29,7 +29,6 @@ from jaxpar.models.block import RESIDUAL, block_norm, mlp, residual_add
 from jaxpar.parallel import experts, tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
-from jaxpar.pipeline import executor as pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,23 +198,15 @@ def check_plan(cfg: DeepseekConfig) -> None:
                          "pipeline cuts one stack of equal blocks, and its dense and MoE blocks are two")
 
 
-class DeepseekV3(llama.Llama):
+class DeepseekV3(moe.MoeLlama):
     blocks_type = DeepseekBlocks
+    run_blocks = staticmethod(run_layers)
 
     def __call__(self, batch, remat: Callable | None = None, moe_layer: moe.MoeLayer = experts.moe_ffn):
-        """(cross-entropy + the routers' auxiliary losses, metrics), as `models.moe.MoeLlama`."""
+        """(cross-entropy + the routers' auxiliary losses, metrics), as `models.moe.MoeLlama`'s; no pipeline over its
+        dense and MoE stacks (`check_plan`)."""
         check_plan(self.cfg)
-        stages = pipeline.Stages(
-            embed=functools.partial(llama.embed_tokens, cfg=self.cfg),
-            layers=functools.partial(run_layers, cfg=self.cfg, remat=remat, moe_layer=moe_layer),
-            head=functools.partial(llama.head_loss, cfg=self.cfg),
-            aux_loss=experts.aux_loss,
-        )
-        loss, sums = pipeline.loss(
-            stages, self.embedding[...], self.blocks.stacked(), self.head_params(), batch["inputs"], batch["targets"]
-        )
-        aux_loss, metrics = experts.summarize(sums, self.cfg.n_moe_layers)
-        return loss, {"ce_loss": loss - aux_loss, **metrics}
+        return super().__call__(batch, remat, moe_layer)
 
     def logits(self, tokens, positions=None, mask=None, segment_ids=None):
         """Logits [batch, seq, vocab] with positions and a padding mask (see `latent_cache.deepseek_logits`)."""
