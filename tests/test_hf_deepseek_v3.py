@@ -280,9 +280,11 @@ def test_deepseek_v3_has_the_published_parameter_counts():
 # -- training on each strategy equals one device -------------------------------------------------------------
 
 @functools.cache
-def equivalence():
-    """(model, initial state, optimizer, 3 batches, 3 SGD steps of the same model on one device, unplaced)."""
-    fields = {**FIELDS, "model_type": "deepseek_v3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+def equivalence(changes: tuple = ()):
+    """(model, initial state, optimizer, 3 batches, 3 SGD steps of the same model on one device, unplaced), the
+    family's config with `changes` (field, value pairs)."""
+    fields = {**FIELDS, "model_type": "deepseek_v3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+              **dict(changes)}
     cfg = dataclasses.replace(hf_config.config_from_hf(fields), seq_len=16)
     optimizer = optax.sgd(0.5)
     model, state = init_state(lambda: DeepseekV3(cfg, nnx.Rngs(0)), optimizer, single_device_plan())
@@ -305,14 +307,19 @@ STRATEGIES = {
     "zero2-tensor": ("data=4,tensor=2", {"zero": 2}, slow),
     "context-all-gather": ("data=4,context=2", {"context_form": "all-gather"}, slow),
     "context-ring-expert": ("data=2,context=2,expert=2", {"context_form": "ring"}, slow),
+    # no dense block: one stack, which a pipeline cuts (4 MoE blocks, 2 per stage or 1 per virtual stage)
+    "1f1b-expert-no-dense": ("data=2,pipe=2,expert=2", {"schedule": "1f1b"}, slow),
+    "interleaved-no-dense": ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2}, slow),
 }
+NO_DENSE = (("first_k_dense_replace", 0), ("num_hidden_layers", 4))
 
 
 @pytest.mark.parametrize("strategy", [pytest.param(name, marks=cell[2:]) for name, cell in STRATEGIES.items()])
 def test_training_matches_one_device(strategy):
     """3 SGD steps: every loss and the final parameters within 1e-5 of the same model on one device."""
     mesh, options = STRATEGIES[strategy][:2]
-    family_strategies.assert_matches(equivalence(), mesh, options, f"deepseek_v3 {strategy}")
+    run = equivalence(NO_DENSE if strategy.endswith("no-dense") else ())
+    family_strategies.assert_matches(run, mesh, options, f"deepseek_v3 {strategy}")
 
 
 def test_deepseek_refuses_the_explicit_tensor_form_before_compiling():
