@@ -9,7 +9,8 @@ local/global layers); `gemma3_text` (Gemma 3's text model: gemma2's block with (
 rotating with their own base, global ones with theirs and its scaling); `llama4_text` (Llama 4's text model: a
 Llama with top-1 experts beside a shared one, NoPE layers and chunked attention: `jaxpar.interop.hf_llama4`);
 `gpt_oss` (biased attention with sinks, alternating windows, YaRN rotation, biased clamped-SwiGLU experts:
-`jaxpar.interop.hf_gpt_oss`).
+`jaxpar.interop.hf_gpt_oss`); `deepseek_v3` (its own model, `jaxpar.models.deepseek`: latent attention, dense then
+DeepSeekMoE blocks: `jaxpar.interop.hf_deepseek_v3`).
 """
 
 from __future__ import annotations
