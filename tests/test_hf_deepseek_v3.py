@@ -303,6 +303,7 @@ def equivalence(changes: tuple = ()):
 STRATEGIES = {
     "expert-tensor-zero3": ("data=2,expert=2,tensor=2", {"zero": 3}),
     "data": ("data=8", {}, slow),
+    "textbook-attention-tensor": ("data=4,tensor=2", {"attention": "xla"}, slow),  # the others: flash attention
     "zero1-expert-tensor-sp": ("data=2,expert=2,tensor=2", {"zero": 1, "sequence_parallel": True}, slow),
     "zero2-tensor": ("data=4,tensor=2", {"zero": 2}, slow),
     "context-all-gather": ("data=4,context=2", {"context_form": "all-gather"}, slow),
