@@ -240,9 +240,24 @@ def test_deepseek_refuses_what_it_cannot_represent(fields, message):
         hf_config.config_from_hf({**DEEPSEEK, **fields})
 
 
-def test_multi_token_prediction_layers_are_ignored_with_a_warning():
+@needs_torch
+def test_multi_token_prediction_layers_are_ignored_with_a_warning(saved, tmp_path):
+    """A checkpoint with a prediction layer past the model's (DeepSeek-V3's model.layers.61) imports with a warning,
+    its tensors unread, as transformers loads it."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    _, directory = saved
+    shutil.copytree(directory, tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.warns(UserWarning, match="num_nextn_predict_layers=1: the multi-token prediction layers are ignored"):
-        hf_config.config_from_hf({**DEEPSEEK, "num_nextn_predict_layers": 1})
+        cfg, params = hf.load_hf_params(tmp_path / "hf")
+    assert cfg.n_layers == 3 and params["blocks"]["moe"]["wo"].shape[0] == 2
 
 
 def test_deepseek_config_maps_both_ways():

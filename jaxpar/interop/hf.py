@@ -163,7 +163,7 @@ def check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
     problems += [f"{name}: shape {list(reader.shape(name))}, expected {list(shape)}"
                  for name, shape in expected.items() if name in reader and reader.shape(name) != shape]
     extra = [n for n in reader.files if n not in expected and not n.endswith("rotary_emb.inv_freq")
-             and not (cfg.tie_embeddings and n == "lm_head.weight")]
+             and not (cfg.tie_embeddings and n == "lm_head.weight") and not hf_deepseek_v3.is_prediction_layer(n, cfg)]
     problems += [f"{name}: not part of a {family_of(cfg)} model with this config (bias or unknown layer)"
                  for name in extra]
     if problems:

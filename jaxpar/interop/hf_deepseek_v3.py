@@ -52,6 +52,14 @@ def is_deepseek(cfg) -> bool:
     return isinstance(cfg, DeepseekConfig)
 
 
+def is_prediction_layer(name: str, cfg) -> bool:
+    """Whether tensor `name` belongs to a multi-token prediction layer (`model.layers.{i}.` past the model's layers,
+    which transformers does not build and the import does not read)."""
+    if not is_deepseek(cfg) or not name.startswith("model.layers."):
+        return False
+    return int(name.split(".")[2]) >= cfg.n_layers
+
+
 def _mscale(factor: float, mscale: float) -> float:
     """YaRN's magnitude factor 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1), as transformers' yarn_get_mscale."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

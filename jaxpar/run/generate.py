@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 
 
-
 def sample(logits, key, temperature: float, top_p: float):
     """Next tokens [batch] from logits [batch, vocab]: argmax at temperature 0, else softmax(logits / T) within top-p."""
     if temperature == 0.0:
