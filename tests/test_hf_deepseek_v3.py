@@ -234,6 +234,8 @@ DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "
     ({"num_experts_per_tok": 8}, "top_k=8 is more than the 1 chosen groups of 4 experts hold"),
     ({"qk_rope_head_dim": 5}, "qk_rope_head_dim=5 must be even"),
     ({"first_k_dense_replace": 4}, "first_dense=4 must be between 0 and n_layers - 1=3"),
+    ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported: DeepSeek-V3's is 'sigmoid'"),
+    ({"topk_method": "greedy"}, "topk_method='greedy' is not supported"),
 ])
 def test_deepseek_refuses_what_it_cannot_represent(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -287,6 +289,20 @@ def test_deepseek_v3_has_the_published_parameter_counts():
     counted += sum(b.numel() for name, b in published.named_buffers() if "e_score_correction_bias" in name)
     assert cfg.param_count() == counted == 671_026_419_200
     assert cfg.active_param_count() == 37_552_297_472
+    # deepseek-ai/DeepSeek-V3's config.json (its bf16 form: no quantization_config) imports to the built-in shape
+    published_json = {
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
+        "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "moe_layer_freq": 1, "num_nextn_predict_layers": 1, "tie_word_embeddings": False,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "original_max_position_embeddings": 4096, "type": "yarn"}}
+    with pytest.warns(UserWarning, match="multi-token prediction"):
+        imported = hf_config.config_from_hf(published_json)
+    assert imported == dataclasses.replace(cfg, seq_len=2048)
     planned = Model.named("deepseek-v3")  # what `jaxpar plan` and `inspect` count, read from the model's leaves
     assert planned.params == counted and planned.moe_layers == 58 and planned.pipeline_units == 1
     assert planned.flop_params == cfg.active_param_count() - cfg.padded_vocab * cfg.d_model  # no lookup matmul

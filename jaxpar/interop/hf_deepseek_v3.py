@@ -71,18 +71,22 @@ def config_from_hf(hf: dict, fields: dict) -> DeepseekConfig:
     for field in ("output_router_logits", "attention_bias"):
         if hf.get(field):
             raise ValueError(f"config.json: {field}=true is not supported by jaxpar's DeepSeek-V3")
+    # the published config's fields for DeepSeek's own code, which transformers reads as these values
+    for field, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+        if hf.get(field, value) != value:
+            raise ValueError(f"config.json: {field}={hf[field]!r} is not supported: DeepSeek-V3's is {value!r}")
     if hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)):
         warnings.warn(f"config.json: num_nextn_predict_layers={hf.get('num_nextn_predict_layers')}: the multi-token "
                       "prediction layers are ignored (their weights are not read), as transformers' "
                       "DeepseekV3ForCausalLM ignores them", stacklevel=2)
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
     qk = hf.get("qk_nope_head_dim", 128) + hf.get("qk_rope_head_dim", 64)
     scale = qk**-0.5
-    if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
+    if kind != "default" and rope.get("mscale_all_dim"):
         scale *= _mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
     extra = {}
-    if rope.get("rope_type") == "yarn" and rope.get("mscale") and rope.get("mscale_all_dim") \
-            and rope.get("attention_factor") is None:
+    if kind == "yarn" and rope.get("mscale") and rope.get("mscale_all_dim") and rope.get("attention_factor") is None:
         extra["rope_attention_factor"] = (_mscale(float(rope["factor"]), float(rope["mscale"]))
                                           / _mscale(float(rope["factor"]), float(rope["mscale_all_dim"])))
     first = hf.get("first_k_dense_replace", 3)
