@@ -93,26 +93,38 @@ def test_every_device_holds_two_mirrored_chunks():
     assert pairs == [34] * 4
 
 
-@pytest.mark.parametrize("form", attention.FORMS)
-def test_attention_layer_matches_plain_attention_forward_and_backward(form):
-    """The public block on its own, under context=4 x data=2, against the unsharded computation in natural order."""
-    keys = iter(jax.random.split(jax.random.key(3), 4))
+# (form, mesh, sinks): each form plain, and with sinks while tensor splits the heads (and the sinks with them)
+LAYER_CELLS = [(form, mesh, sinks) for sinks, mesh in ((False, "data=2,context=4"), (True, "context=4,tensor=2"))
+               for form in attention.FORMS]
+
+
+@pytest.mark.parametrize("form, mesh, sinks", LAYER_CELLS, ids=[f"{f}-{m}{'-sinks' * s}" for f, m, s in LAYER_CELLS])
+def test_attention_layer_matches_plain_attention_forward_and_backward(form, mesh, sinks):
+    """The public block on its own under context parallelism (heads split over tensor too), with and without
+    gpt-oss's sink logits, against the unsharded computation in natural order: value and the gradients of q, k, v
+    (and the sinks, summed over every context rank's queries)."""
+    keys = iter(jax.random.split(jax.random.key(3), 5))
     q = jax.random.normal(next(keys), (4, 32, 4, 8))
     k, v = (jax.random.normal(next(keys), (4, 32, 2, 8)) for _ in range(2))
+    logits = jax.random.normal(next(keys), (4,)) if sinks else None
+    argnums = (0, 1, 2, 4) if sinks else (0, 1, 2)
 
-    def loss(q, k, v, weights):
-        return jnp.sum(attention.causal_attention(q, k, v) * weights)
+    def loss(q, k, v, weights, logits):
+        return jnp.sum(attention.causal_attention(q, k, v, sinks=logits) * weights)
 
     weights = jax.random.normal(next(keys), q.shape)
-    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, weights)
-    plan = Plan.create("data=2,context=4", context_form=form)
+    want = jax.jit(jax.value_and_grad(loss, argnums=argnums))(q, k, v, weights, logits)
+    plan = Plan.create(mesh, context_form=form)
     with plan.activate():
         order = np.asarray(attention.positions(32))
         shuffled = [x[:, order] for x in (q, k, v, weights)]
-        value, grads = jax.device_get(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*shuffled))
+        value, grads = jax.device_get(jax.jit(jax.value_and_grad(loss, argnums=argnums))(*shuffled, logits))
     assert value == pytest.approx(float(want[0]), rel=1e-5)
     inverse = np.argsort(order)
-    assert max_relative_error(tuple(g[:, inverse] for g in grads), want[1]) <= 1e-5
+    assert max_relative_error(tuple(g[:, inverse] for g in grads[:3]), want[1][:3]) <= 1e-5
+    if sinks:
+        assert max_relative_error(grads[3], want[1][3]) <= 1e-5
+        assert float(jnp.abs(want[1][3]).max()) > 1e-3  # the sinks take part
 
 
 def test_sequence_that_does_not_divide_by_twice_context_fails_before_compiling():

@@ -297,7 +297,7 @@ def test_gpt_oss_config_maps_both_ways():
 def test_gpt_oss_20b_has_the_published_parameter_counts(capsys):
     """gpt-oss-20b: 20.9B parameters (20,914,757,184, counted from transformers' model of its config.json on the
     meta device), 3.6B active per token (4 of 32 experts; the embedding table looked up, not multiplied); `plan`
-    rules out context parallelism for its sinks."""
+    lays it out context-parallel, sinks and all."""
     from jaxpar.models import model_config
     from jaxpar.planner.model import llama_leaves
 
@@ -307,7 +307,8 @@ def test_gpt_oss_20b_has_the_published_parameter_counts(capsys):
     idle = (cfg.n_experts - cfg.top_k) * expert * cfg.n_layers
     assert cfg.param_count() - idle - cfg.vocab * cfg.d_model == 3_608_307_264
     main(["plan", "--model", "gpt-oss-20b", "--devices", "16", "--device", "h100", "--explain", "data=8,context=2"])
-    assert "cannot run: attention sinks do not run context-parallel (context=2)" in capsys.readouterr().out
+    explained = capsys.readouterr().out
+    assert "layout data=8,context=2" in explained and "context all-gather" in explained and "cannot run" not in explained
     hf_fields = hf_config.config_to_hf(cfg)
     assert (hf_fields["model_type"], hf_fields["num_local_experts"], hf_fields["rope_parameters"]["rope_type"],
             hf_fields["layer_types"][:2]) == ("gpt_oss", 32, "yarn", ["sliding_attention", "full_attention"])
@@ -327,6 +328,8 @@ STRATEGIES = {
     "zero1-expert-tensor-sp": ("data=2,expert=2,tensor=2", {"zero": 1, "sequence_parallel": True}, slow),
     "zero2-tensor": ("data=4,tensor=2", {"zero": 2}, slow),
     "interleaved-tensor": ("data=2,pipe=2,tensor=2", {"schedule": "interleaved", "virtual_stages": 2}, slow),
+    "ring-expert": ("data=2,context=2,expert=2", {"context_form": "ring"}, slow),
+    "context-all-gather": ("data=4,context=2", {"context_form": "all-gather"}, slow),
 }
 CELLS = [pytest.param(name, id=name, marks=cell[2:]) for name, cell in STRATEGIES.items()]
 
@@ -349,17 +352,6 @@ def test_training_matches_the_single_device_reference(strategy):
     family_strategies.assert_matches(equivalence(), mesh, options, f"gpt_oss {strategy}")
 
 
-def test_gpt_oss_refuses_context_parallelism_and_the_explicit_tensor_form():
-    """Sinks do not run context-parallel, and the experts split their width by annotations only: each refused by
-    name, before compiling."""
+def test_gpt_oss_refuses_the_explicit_tensor_form():
+    """The experts split their width by annotations only: the explicit form is refused by name, before compiling."""
     family_strategies.assert_explicit_tensor_form_refused(equivalence())
-    model, state, optimizer, batches, _ = equivalence()
-    from helpers import copy_state
-    from jaxpar.core.plan import Plan
-    from jaxpar.train.state import place_state
-    from jaxpar.train.step import make_train_step
-
-    plan = Plan.create("data=4,context=2", devices=jax.devices()[:8])
-    placed = place_state(copy_state(state), model, optimizer, plan)
-    with pytest.raises(ValueError, match="attention sinks with context=2 are not supported"):
-        make_train_step(model, lambda m, b: m(b), optimizer, plan)(placed, batches[0])

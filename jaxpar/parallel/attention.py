@@ -147,7 +147,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     the multiplier of q . k (None: head_dim ** -0.5). When the rows are packed documents
     (`jaxpar.parallel.documents` segment ids) a query sees only keys of its own document, and a
     padding query (segment 0) none: its output is 0. `sinks` [heads] (gpt-oss): each query head's learned
-    logit in its softmax's denominator (`jaxpar.parallel.attention_math.sink_weight`); no fused kernel takes it.
+    logit in its softmax's denominator (`jaxpar.parallel.attention_math.sink_weight`); no fused kernel takes it,
+    every context form does (applied once to each query row after its key blocks are merged).
 
     The plan's `attention` picks the implementation (`jaxpar.parallel.attention_kernels`: flash
     attention unless a fused kernel applies). The sequence is in the order `positions` gives; under
@@ -159,7 +160,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
         _check_rows("segment_ids", segments, q.shape[1], q.shape[0])
     ways = context_ways()
     if sinks is not None:
-        _check_sinks(sinks, q.shape[2], ways)
+        _check_sinks(sinks, q.shape[2])
     call = kernels.Call(q.dtype, q.shape[-1], v.shape[-1], segments is not None, scoring, ways, sinks is not None)
     implementation = kernels.chosen(call)
     blocks = kernels.blocks() if implementation == "flash" else Blocks(q.shape[1], q.shape[1])
@@ -183,17 +184,14 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
         local = functools.partial(_gathered, ways=ways, scoring=scoring,
                                   blocks=None if implementation == "xla" else blocks)
     segments = None if segments is None else _in_context_order(segments)
-    return _context_parallel(local, q, k, v, _head_axes(q, k), segments)
+    return _context_parallel(local, q, k, v, _head_axes(q, k), segments, sinks)
 
 
-def _check_sinks(sinks: jax.Array, heads: int, ways: int) -> None:
-    """Raise ValueError for sink logits that are not one per query head, or under context parallelism."""
+def _check_sinks(sinks: jax.Array, heads: int) -> None:
+    """Raise ValueError for sink logits that are not one per query head."""
     if sinks.shape != (heads,):
         raise ValueError(f"attention sinks have shape {tuple(sinks.shape)}: expected one logit per query head, "
                          f"({heads},)")
-    if ways > 1:
-        raise ValueError(f"attention sinks with context={ways} are not supported: the context forms merge key "
-                         "blocks without the sink logit; use context=1 (sequence parallelism splits the rest)")
 
 
 def _fused(name: str, q, k, v, scoring: Scoring, segments):
@@ -229,27 +227,34 @@ def _head_axes(q, k) -> tuple[str, ...]:
     return axes if q.shape[2] % ways == 0 and k.shape[2] % ways == 0 else ()
 
 
-def _gathered(q, k, v, segments=None, *, ways: int, scoring: Scoring, blocks: Blocks | None):
+def _gathered(q, k, v, segments=None, *, ways: int, scoring: Scoring, blocks: Blocks | None, sinks=None):
     """All-gather form on one rank's shard: every key and value gathered, then flash attention over them
-    (`blocks` None: plain masked attention, attention=xla)."""
+    (`blocks` None: plain masked attention, attention=xla); `sinks`: this rank's heads' sink logits."""
     chunk = q.shape[1] // 2
     k_all, v_all = (bits.all_gather(x, AXIS, axis=1) for x in (k, v))
     k_pos = balanced_order(2 * chunk * ways, ways)
     k_seg = None if segments is None else jax.lax.all_gather(segments, AXIS, axis=1, tiled=True)
     q_pos = attention_ring.rank_positions(jax.lax.axis_index(AXIS), ways, chunk)
     if blocks is None:
-        return attend(q, k_all, v_all, q_pos, jnp.asarray(k_pos), scoring, segments, k_seg)
-    return flash_attention(q, k_all, v_all, q_pos, k_pos, scoring, segments, k_seg, blocks)[0]
+        return attend(q, k_all, v_all, q_pos, jnp.asarray(k_pos), scoring, segments, k_seg, sinks)
+    if sinks is None:
+        return flash_attention(q, k_all, v_all, q_pos, k_pos, scoring, segments, k_seg, blocks)[0]
+    out, lse = flash_attention(q, k_all, v_all, q_pos, k_pos, scoring, segments, k_seg, blocks, out_dtype=jnp.float32)
+    return (out * sink_weight(lse, sinks)).astype(v.dtype)
 
 
-def _context_parallel(local, q, k, v, head_axes: tuple[str, ...], segments=None):
-    """`local(q, k, v[, segments])` on each context rank's shard (and its heads over `head_axes`)."""
-    return _per_shard(local, q, k, v, P(None, AXIS, head_axes or None), {AXIS, *head_axes}, segments)
+def _context_parallel(local, q, k, v, head_axes: tuple[str, ...], segments=None, sinks=None):
+    """`local(q, k, v[, segments], sinks=)` on each context rank's shard (and its heads over `head_axes`)."""
+    spec = P(None, AXIS, head_axes or None)
+    if sinks is None:
+        return _per_shard(local, q, k, v, spec, {AXIS, *head_axes}, segments)
+    return _per_shard(lambda q, k, v, sinks, *segments: local(q, k, v, *segments, sinks=sinks), q, k, v, spec,
+                      {AXIS, *head_axes}, segments, sinks=sinks)
 
 
-def _per_shard(local, q, k, v, spec: P, manual: set[str], segments=None, track_backward: bool = True):
-    """`local(q, k, v[, segments])` on each shard of q, k, v under `spec` (manual over `manual`), as a custom
-    VJP: forward and backward one shard_map each.
+def _per_shard(local, q, k, v, spec: P, manual: set[str], segments=None, track_backward: bool = True, sinks=None):
+    """`local(q, k, v[, sinks][, segments])` on each shard of q, k, v under `spec` (manual over `manual`), as a
+    custom VJP: forward and backward one shard_map each.
 
     The forward does not track replication (check_vma=False), as the MoE
     layer's does (jaxpar.parallel.experts): it is never differentiated, and under a
@@ -257,23 +262,26 @@ def _per_shard(local, q, k, v, spec: P, manual: set[str], segments=None, track_b
     save values from inside it under specs naming those axes, which fails to
     lower. Its output is typed as varying over those axes, as it is.
     Segment ids (integers, [batch, seq], in context order under context parallelism) are split like q's
-    batch and sequence and get no cotangent. The backward is tracked unless
+    batch and sequence and get no cotangent. Sink logits [heads] are split like q's heads and differentiated
+    like q, k and v (each shard's cotangent summed over the ranks that share its heads). The backward is tracked unless
     `local` holds a Pallas call (`track_backward=False`), whose outputs carry
     no varying-axes type; its cotangents are then typed varying like the forward's output.
     """
+    primals = (q, k, v) if sinks is None else (q, k, v, sinks)
+    specs = (spec,) * 3 + (() if sinks is None else (P(spec[2]),))
     extra = () if segments is None else (segments,)
     extra_specs = () if segments is None else (P(*spec[:2]),)
-    outer = tuple(sorted(set().union(*(varying_axes(x) for x in (q, k, v, *extra)))))
-    untracked = jax.shard_map(local, in_specs=(spec,) * 3 + extra_specs, out_specs=spec, axis_names=manual,
+    outer = tuple(sorted(set().union(*(varying_axes(x) for x in (*primals, *extra)))))
+    untracked = jax.shard_map(local, in_specs=specs + extra_specs, out_specs=spec, axis_names=manual,
                               check_vma=False)
 
-    def pullback(q, k, v, *rest):
-        *fixed, ct = rest
+    def pullback(*args):
+        primals, fixed, ct = args[:len(specs)], args[len(specs):-1], args[-1]
         if not track_backward:  # untracked, an op's result has no varying-axes type, like the Pallas call's output:
-            q, k, v, ct = (x * 1 for x in (q, k, v, ct))  # the vjp wants its primals and cotangents typed alike
-        return jax.vjp(lambda q, k, v: local(q, k, v, *fixed), q, k, v)[1](ct)
+            primals, ct = tuple(x * 1 for x in primals), ct * 1  # the vjp wants its primals and cotangents typed alike
+        return jax.vjp(lambda *primals: local(*primals, *fixed), *primals)[1](ct)
 
-    backward = jax.shard_map(pullback, in_specs=(spec,) * 3 + extra_specs + (spec,), out_specs=(spec,) * 3,
+    backward = jax.shard_map(pullback, in_specs=specs + extra_specs + (spec,), out_specs=specs,
                              axis_names=manual, check_vma=track_backward)
 
     def varying(x):
@@ -288,4 +296,4 @@ def _per_shard(local, q, k, v, spec: P, manual: set[str], segments=None, track_b
 
     layer = jax.custom_vjp(forward)
     layer.defvjp(lambda *args: (forward(*args), args), backward_rule)
-    return layer(q, k, v, *extra)
+    return layer(*primals, *extra)

@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxpar.parallel import bits
 from jaxpar.parallel.attention_flash import Blocks, flash_attention, merge
-from jaxpar.parallel.attention_math import Scoring
+from jaxpar.parallel.attention_math import Scoring, sink_weight
 
 
 def rank_positions(rank, ways: int, chunk: int):
@@ -70,10 +70,11 @@ def block_plan(ways: int, chunk: int, window: int | None) -> list[list[Fold]]:
     return plan
 
 
-def ring(q, k, v, segments=None, *, ways: int, axis: str, scoring: Scoring, blocks: Blocks):
+def ring(q, k, v, segments=None, *, ways: int, axis: str, scoring: Scoring, blocks: Blocks, sinks=None):
     """Ring attention of this rank's queries to every rank's keys: q [b, 2·chunk, heads, d], k, v likewise
     with kv_heads; `segments` [b, 2·chunk] (packed documents) or None. Each visible part of a key block is
-    flash attention of its own (`blocks`), merged into the running result by log-sum-exp."""
+    flash attention of its own (`blocks`), merged into the running result by log-sum-exp; `sinks` (this rank's
+    heads' sink logits) join each row's denominator once every block is merged."""
     chunk = q.shape[1] // 2
     rank = jax.lax.axis_index(axis)
     own = rank_positions(rank, ways, chunk)
@@ -97,7 +98,8 @@ def ring(q, k, v, segments=None, *, ways: int, axis: str, scoring: Scoring, bloc
         else:
             which = jnp.asarray(np.array([folds.index(f) for f in plan[step]], np.int32))[rank]
             state = jax.lax.switch(which, branches, state, block)
-    return state[0].astype(v.dtype)
+    out, lse = state
+    return (out if sinks is None else out * sink_weight(lse, sinks)).astype(v.dtype)
 
 
 def _fold_block(plan: Fold, scoring: Scoring, blocks: Blocks, q, q_pos, q_seg, k_pos, state, block):

@@ -84,8 +84,6 @@ def check(model: Model, layout: Layout, work: Workload) -> str:
     if work.seq_len % (2 * layout.context):
         return (f"sequence {work.seq_len} does not divide by 2 x context={layout.context} (two mirrored chunks "
                 "per context rank)")
-    if layout.context > 1 and model.attention_sinks:
-        return f"attention sinks do not run context-parallel (context={layout.context})"
     if layout.pipe > 1 and layout.context > 1:
         return ("pipe with context is not modelled yet: the pipeline's ticks each sum their weight "
                 "gradients over context")

@@ -132,10 +132,10 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     act_bytes = 4 if layout.precision == "fp32" or device.low_precision_in_fp32 else 2
     b, s = microbatch_sequences(layout, work), work.seq_len
     activations = activation_bytes(model, layout, work, act_bytes, (C if z == 2 else P) * inv.stacked_local)
-    gathered = 0.0  # ZeRO-3: one layer's parameters (and the ones outside the layer stack) gathered at a time
-    if z == 3:
-        gathered = C * (per_layer + outside - (inv.sharded - inv.stacked_sharded))
-        gathered -= (C - qb) * q.stacked_local / depth  # a quantized base is gathered as its codes
+    gathered = 0.0  # ZeRO-3: one layer's parameters, or the ones outside the layer stack, gathered at a time
+    if z == 3:  # (the embedding and head are used before and after the layer scan, never beside a layer's)
+        layer = C * per_layer - (C - qb) * q.stacked_local / depth  # a quantized base is gathered as its codes
+        gathered = max(layer, C * (outside - (inv.sharded - inv.stacked_sharded)))
     # LoRA: each layer's backward forms its folded weights W + A B again (compute dtype) and their cotangent
     adapted = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, "adapted").stacked_local
     transient += (C + G) * adapted / depth

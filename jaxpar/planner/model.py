@@ -53,7 +53,6 @@ class Model:
     group_size: int | None = None
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
     plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
-    attention_sinks: bool = False  # gpt-oss's: no context parallelism (jaxpar.parallel.attention refuses it)
     dense_first: int = 0  # DeepSeek-V3's dense first blocks: a stack of their own before the MoE blocks, no pipeline
 
     @functools.cached_property
@@ -129,7 +128,7 @@ class Model:
         pattern = getattr(config, "sliding_pattern", 1)
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
                    config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern,
-                   attention_sinks=getattr(config, "attn_sinks", False), dense_first=getattr(config, "first_dense", 0))
+                   dense_first=getattr(config, "first_dense", 0))
 
 
 def llama_leaves(c) -> tuple[Leaf, ...]:
