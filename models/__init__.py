@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 from flax import nnx
 
+from jaxpar.models.deepseek import CONFIGS as DEEPSEEK_CONFIGS
+from jaxpar.models.deepseek import DeepseekV3
 from jaxpar.models.llama import CONFIGS as LLAMA_CONFIGS
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.models.moe import CONFIGS as MOE_CONFIGS
@@ -43,6 +45,7 @@ MODELS: dict[str, tuple[Callable[..., nnx.Module], Any]] = {
     **{name: (Llama, config) for name, config in LLAMA_CONFIGS.items()},
     **{name: (Llama, config) for name, config in FAMILY_CONFIGS.items()},
     **{name: (MoeLlama, config) for name, config in MOE_CONFIGS.items()},
+    **{name: (DeepseekV3, config) for name, config in DEEPSEEK_CONFIGS.items()},
 }
 
 

@@ -137,6 +137,10 @@ class Llama(nnx.Module):
         """Logits [batch, seq, vocab] with positions, a padding mask, packed documents (see `inference.llama_logits`)."""
         return inference.llama_logits(self, tokens, positions, mask, segment_ids)
 
+    def init_cache(self, batch: int, slots: int, dtype=jnp.float32) -> dict:
+        """An empty cache for `decode` (`inference.init_cache`); a variant with another attention gives its own."""
+        return inference.init_cache(self.cfg, batch, slots, dtype)
+
     def decode(self, tokens, cache: dict, mask=None, positions=None, segment_ids=None):
         """(logits, cache) for tokens appended to a KV cache (see `inference.init_cache`, `inference.llama_decode`)."""
         return inference.llama_decode(self, tokens, cache, mask, positions, segment_ids)

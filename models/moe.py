@@ -199,6 +199,7 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
 
 class MoeLlama(llama.Llama):
     blocks_type = MoeBlocks
+    run_blocks = staticmethod(run_groups)  # (stacked, x, cfg, remat, moe_layer) -> (x, statistics): a variant's own
 
     def __call__(self, batch, remat: Callable | None = None, moe_layer: MoeLayer = experts.moe_ffn):
         """(cross-entropy + the routers' auxiliary losses, metrics); a pipeline over `pipe` like the dense model.
@@ -208,7 +209,7 @@ class MoeLlama(llama.Llama):
         """
         stages = pipeline.Stages(
             embed=llama.embed_tokens,
-            layers=functools.partial(run_groups, cfg=self.cfg, remat=remat, moe_layer=moe_layer),
+            layers=functools.partial(self.run_blocks, cfg=self.cfg, remat=remat, moe_layer=moe_layer),
             head=functools.partial(llama.head_loss, cfg=self.cfg),
             aux_loss=experts.aux_loss,
         )

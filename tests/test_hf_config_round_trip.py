@@ -59,11 +59,20 @@ FAMILIES = {
         "swiglu_limit": 0.2, "router_aux_loss_coef": 0.02, "layer_types": ALTERNATING,
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 8.0, "beta_fast": 8.0,
                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}}),
+    # latent attention with a q latent, YaRN with DeepSeek's mscale pair, a dense first layer, group-limited
+    # sigmoid routing with shared experts
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "moe_intermediate_size": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_group": 2, "topk_group": 1, "n_shared_experts": 2, "routed_scaling_factor": 2.5, "q_lora_rank": 16,
+        "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "first_k_dense_replace": 1,
+        "num_nextn_predict_layers": 0, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                           "original_max_position_embeddings": 32, "mscale": 0.8,
+                                                           "mscale_all_dim": 1.0}}),
 }
 # the round trips the default suite also checks elsewhere (test_hf_export.py's Mixtral, test_hf_new_families.py's
-# Qwen3-MoE and Gemma 3, test_hf_llama4.py's Llama 4, test_hf_gpt_oss.py's gpt-oss, each with its token ids and
-# max_position_embeddings): here under the slow mark
-ELSEWHERE = ("mixtral", "qwen3_moe", "gemma3_text", "llama4_text", "gpt_oss")
+# Qwen3-MoE and Gemma 3, test_hf_llama4.py's Llama 4, test_hf_gpt_oss.py's gpt-oss, test_hf_deepseek_v3.py's
+# DeepSeek-V3, each with its token ids and max_position_embeddings): here under the slow mark
+ELSEWHERE = ("mixtral", "qwen3_moe", "gemma3_text", "llama4_text", "gpt_oss", "deepseek_v3")
 # what one step of training on SEQ_LEN-token rows changes in a family's config.json
 TRAINED = {"mistral": {"max_position_embeddings": SEQ_LEN}}
 # the files' dtype: the export's own

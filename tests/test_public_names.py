@@ -35,10 +35,12 @@ METHODS = {
 }
 # The built-in models as building blocks (jaxpar.models has no __all__: these must stay importable).
 MODELS = {
-    "jaxpar.models": ["Llama", "LlamaConfig", "MoeLlama", "MODELS", "model_config", "model_factory"],
+    "jaxpar.models": ["Llama", "LlamaConfig", "MoeLlama", "DeepseekV3", "MODELS", "model_config", "model_factory"],
     "jaxpar.models.llama": ["Llama", "LlamaConfig", "CONFIGS"],
     "jaxpar.models.inference": ["init_cache"],
     "jaxpar.models.moe": ["MoeLlama", "MoeLlamaConfig", "CONFIGS"],
+    "jaxpar.models.deepseek": ["DeepseekV3", "DeepseekConfig", "CONFIGS"],
+    "jaxpar.models.latent_cache": ["init_cache"],
 }
 
 

@@ -31,12 +31,13 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from jaxpar.interop import base_weights, export_shares, hf_gpt_oss, hf_llama4, hf_mixtral
+from jaxpar.interop import base_weights, export_shares, hf_deepseek_v3, hf_gpt_oss, hf_llama4, hf_mixtral
 from jaxpar.interop.export import unflatten
 from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
                                       resolve_source)
 from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader
+from jaxpar.models.deepseek import DeepseekConfig
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
 from jaxpar.parallel import lora, quantize, quantized_base
@@ -46,10 +47,13 @@ MAX_SHARD_BYTES = 4 << 30  # export: split the safetensors into files of at most
 WRITE_BYTES = 16 << 20  # export: a tensor is converted to its file layout and dtype this many bytes at a time
 JAXPAR_NAME = "tiny"  # imported checkpoints name a Llama whose every config field is given (see import_hf)
 MOE_NAME = "moe-tiny"  # ... and an MoE Llama (Mixtral) likewise
+DEEPSEEK_NAME = "deepseek-tiny"  # ... and a DeepSeek-V3
 
 
 def jaxpar_name(cfg: LlamaConfig) -> str:
     """The built-in model an imported config names (every field is given, so only its type matters)."""
+    if hf_deepseek_v3.is_deepseek(cfg):
+        return DEEPSEEK_NAME
     return MOE_NAME if hf_mixtral.is_moe(cfg) else JAXPAR_NAME
 
 # -- reading safetensors slices in jaxpar layouts -----------------------------------------------------------
@@ -143,6 +147,8 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
     sources = {"embedding": top(*TOP_PARAMS["embedding"]), "final_norm": top(*TOP_PARAMS["final_norm"])}
     if not cfg.tie_embeddings:
         sources["head"] = top(*TOP_PARAMS["head"])
+    if hf_deepseek_v3.is_deepseek(cfg):
+        return {**sources, **hf_deepseek_v3.block_sources(cfg, reader)}
     sources.update({f"{blocks_path(cfg)}/{k}": stacked(*v) for k, v in layer_params(cfg).items()})
     return sources
 
@@ -157,7 +163,7 @@ def check_tensors(reader: SafetensorsReader, cfg: LlamaConfig) -> None:
     problems += [f"{name}: shape {list(reader.shape(name))}, expected {list(shape)}"
                  for name, shape in expected.items() if name in reader and reader.shape(name) != shape]
     extra = [n for n in reader.files if n not in expected and not n.endswith("rotary_emb.inv_freq")
-             and not (cfg.tie_embeddings and n == "lm_head.weight")]
+             and not (cfg.tie_embeddings and n == "lm_head.weight") and not hf_deepseek_v3.is_prediction_layer(n, cfg)]
     problems += [f"{name}: not part of a {family_of(cfg)} model with this config (bias or unknown layer)"
                  for name in extra]
     if problems:
@@ -239,6 +245,9 @@ def _hf_tensors(cfg: LlamaConfig, path: str, read: Callable, wanted=None) -> Ite
         name, layout = TOP_PARAMS[path]
         if wanted is None or name in wanted:
             yield name, _to_hf(np.asarray(read(path)), layout, cfg.vocab)
+        return
+    if hf_deepseek_v3.is_deepseek(cfg):
+        yield from hf_deepseek_v3.block_tensors(cfg, path, read, wanted)
         return
     params = layer_params(cfg)
     suffix, layout = params[path.removeprefix(f"{blocks_path(cfg)}/")]
@@ -482,8 +491,9 @@ def _saved_model(path: Path) -> dict | None:
 
 
 def _saved_config(fields: dict) -> LlamaConfig:
-    """The dense or MoE Llama config of saved fields (an MoE's carry `n_experts`)."""
+    """The dense or MoE Llama config of saved fields (an MoE's carry `n_experts`, a DeepSeek-V3's `kv_lora_rank`)."""
     config_type = MoeLlamaConfig if "n_experts" in fields else LlamaConfig
+    config_type = DeepseekConfig if "kv_lora_rank" in fields else config_type
     known = {f.name for f in dataclasses.fields(config_type)}
     extra = set(fields) - known
     if extra:

@@ -9,7 +9,8 @@ local/global layers); `gemma3_text` (Gemma 3's text model: gemma2's block with (
 rotating with their own base, global ones with theirs and its scaling); `llama4_text` (Llama 4's text model: a
 Llama with top-1 experts beside a shared one, NoPE layers and chunked attention: `jaxpar.interop.hf_llama4`);
 `gpt_oss` (biased attention with sinks, alternating windows, YaRN rotation, biased clamped-SwiGLU experts:
-`jaxpar.interop.hf_gpt_oss`).
+`jaxpar.interop.hf_gpt_oss`); `deepseek_v3` (its own model, `jaxpar.models.deepseek`: latent attention, dense then
+DeepSeekMoE blocks: `jaxpar.interop.hf_deepseek_v3`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxpar.interop import hf_gpt_oss, hf_llama4, hf_mixtral, hf_qwen3_moe
+from jaxpar.interop import hf_deepseek_v3, hf_gpt_oss, hf_llama4, hf_mixtral, hf_qwen3_moe
 from jaxpar.models.layer_pattern import layer_window
 from jaxpar.models.llama import LlamaConfig
 from jaxpar.models.moe import MoeLlamaConfig
@@ -45,11 +46,14 @@ FAMILIES[hf_qwen3_moe.MODEL_TYPE] = FAMILIES["qwen3"]
 FAMILIES[hf_llama4.MODEL_TYPE] = FAMILIES["llama"]
 GPT_OSS = hf_gpt_oss.MODEL_TYPE  # told apart by its attention sinks (`family_of`); its fields: hf_gpt_oss
 FAMILIES[GPT_OSS] = {"qkv_bias": True, "qk_norm": False}
+DEEPSEEK = hf_deepseek_v3.MODEL_TYPE  # latent attention and DeepSeekMoE: its own model (models.deepseek)
+FAMILIES[DEEPSEEK] = FAMILIES["llama"]
 # the options a family's entry leaves out are off (a Llama's)
 LLAMA_OPTIONS = {"mlp_activation": "silu", "norm_plus_one": False, "embed_scale": False, "post_norms": False}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", GEMMA3: "Gemma3ForCausalLM",
                  "mistral": "MistralForCausalLM", GPT_OSS: hf_gpt_oss.ARCHITECTURE,
+                 DEEPSEEK: hf_deepseek_v3.ARCHITECTURE,
                  **{name: module.ARCHITECTURE for name, (_, module) in MOE.items()}}
 # Hugging Face activation names -> LlamaConfig.mlp_activation (Gemma's config field, and its legacy "gelu", as
 # transformers reads them: GemmaConfig turns hidden_act="gelu" into the tanh approximation)
@@ -76,6 +80,7 @@ def family_options(model_type: str) -> dict:
 
 def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     """The LlamaConfig of a Hugging Face Llama `config.json`; ValueError naming any field the model cannot represent."""
+    source = hf
     model_type = hf.get("model_type", "llama")
     if model_type == "llama4":
         raise ValueError("config.json: model_type='llama4' (Llama 4's multimodal model, vision included) is not "
@@ -115,6 +120,9 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
             raise ValueError(f"config.json: {field} is missing")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if model_type == DEEPSEEK:  # its YaRN mscale pair acts on the softmax scale (hf_deepseek_v3), not the rotation
+        hf = {**hf, **{field: {k: v for k, v in hf[field].items() if k not in ("mscale", "mscale_all_dim")}
+                       for field in ("rope_parameters", "rope_scaling") if hf.get(field)}}
     rope = _gemma3_rope(hf, extra) if model_type == GEMMA3 else _rope_from_hf(hf)
     fields = dict(
         vocab=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
@@ -126,6 +134,8 @@ def config_from_hf(hf: dict, vocab_multiple: int = 128) -> LlamaConfig:
     )
     if model_type == GPT_OSS:
         return MoeLlamaConfig(**{**fields, **hf_gpt_oss.fields_from_hf(hf)})
+    if model_type == DEEPSEEK:
+        return hf_deepseek_v3.config_from_hf(source, fields)
     if model_type in MOE:
         return MoeLlamaConfig(**{**fields, **MOE[model_type][1].moe_fields_from_hf(hf)})
     return LlamaConfig(**fields)
@@ -212,6 +222,8 @@ def family_of(cfg: LlamaConfig) -> str:
     if hf_gpt_oss.is_gpt_oss(cfg):
         hf_gpt_oss.fields_to_hf(cfg)  # refuses what gpt-oss cannot express
         return _checked_fields(cfg, GPT_OSS)
+    if hf_deepseek_v3.is_deepseek(cfg):
+        return DEEPSEEK
     if cfg.attn_out_bias or getattr(cfg, "expert_bias", False) or getattr(cfg, "expert_activation", "silu") != "silu":
         raise ValueError(f"attn_out_bias={cfg.attn_out_bias}, expert_bias={getattr(cfg, 'expert_bias', False)}, "
                          f"expert_activation={getattr(cfg, 'expert_activation', 'silu')!r}: only gpt-oss (attn_sinks="
@@ -356,6 +368,7 @@ def _config_to_hf(cfg: LlamaConfig, dtype: str) -> dict:
         **({"sliding_window": cfg.sliding_window} if family in WINDOWED else {}),
         **(MOE[family][1].moe_fields_to_hf(cfg) if family in MOE else {}),
         **(_gpt_oss_to_hf(cfg) if family == GPT_OSS else {}),
+        **(hf_deepseek_v3.fields_to_hf(cfg, rope) if family == DEEPSEEK else {}),
         **(_qwen3_moe_window_to_hf(cfg) if family == hf_qwen3_moe.MODEL_TYPE else {}),
         **(_gemma_to_hf(cfg, family) if family in GEMMA_ACTIVATIONS else {}),
     }

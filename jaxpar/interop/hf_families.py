@@ -9,7 +9,7 @@ output, so its pre-MLP norm (jaxpar's `mlp_norm`) is `pre_feedforward_layernorm`
 
 from __future__ import annotations
 
-from jaxpar.interop import hf_gpt_oss, hf_llama4, hf_mixtral, hf_qwen3_moe
+from jaxpar.interop import hf_deepseek_v3, hf_gpt_oss, hf_llama4, hf_mixtral, hf_qwen3_moe
 from jaxpar.models.llama import LlamaConfig
 
 # jaxpar block parameter -> (Hugging Face name within `model.layers.{i}.`, layout)
@@ -70,6 +70,9 @@ def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every jaxpar parameter path ('blocks/wq') -> its shape (stacked over layers; vocabulary padded)."""
     n, d, h, kv, hd, f, vp = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
                               cfg.padded_vocab)
+    if hf_deepseek_v3.is_deepseek(cfg):  # latent attention, dense then MoE blocks: its own stacks
+        top = {"embedding": (vp, d), "final_norm": (d,), **({} if cfg.tie_embeddings else {"head": (d, vp)})}
+        return {**top, **hf_deepseek_v3.jaxpar_block_shapes(cfg)}
     shapes = {"embedding": (vp, d), "final_norm": (d,),
               "blocks/attn_norm": (n, d), "blocks/wq": (n, d, h, hd), "blocks/wk": (n, d, kv, hd),
               "blocks/wv": (n, d, kv, hd), "blocks/wo": (n, h, hd, d), "blocks/mlp_norm": (n, d),
@@ -98,6 +101,10 @@ def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every Hugging Face tensor name a `cfg` model's safetensors hold -> its shape (torch layout, vocab unpadded)."""
     d, h, kv, hd, f, v = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab
+    if hf_deepseek_v3.is_deepseek(cfg):
+        top = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+        return {**top, **({} if cfg.tie_embeddings else {"lm_head.weight": (v, d)}),
+                **hf_deepseek_v3.expected_block_shapes(cfg)}
     layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
              "self_attn.q_proj.weight": (h * hd, d), "self_attn.k_proj.weight": (kv * hd, d),
              "self_attn.v_proj.weight": (kv * hd, d), "self_attn.o_proj.weight": (d, h * hd),

@@ -26,6 +26,7 @@ from jaxpar.parallel.matmul import weight_einsum
 
 
 ACTIVATIONS = ("silu", "clamped")
+SCORES = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,11 @@ class MoEConfig:
     activation: the experts' gate, "silu" (SwiGLU: silu(gate) * up) or "clamped" (gpt-oss: gate clamped above
         and up on both sides at swiglu_limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
     The router's and the experts' biases (gpt-oss) act where the layer's parameters hold them (`BIAS_PARAMS`).
+    score: "softmax" over the experts, or "sigmoid" of each logit (DeepSeek-V3: the gates are the chosen sigmoids,
+        renormalised to sum to one under `normalize`, times `routed_scale`; a layer's `router_correction` [E], where
+        it holds one, is added to the sigmoids for choosing only). n_groups, topk_groups: group-limited routing
+        (DeepSeek-V3): the experts in n_groups equal groups, each scored by the sum of its two best, and a token
+        chooses among the topk_groups best groups' experts only.
     """
 
     n_experts: int
@@ -56,8 +62,24 @@ class MoEConfig:
     activation: str = "silu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    score: str = "softmax"
+    normalize: bool = True
+    routed_scale: float = 1.0
+    n_groups: int = 1
+    topk_groups: int = 1
 
     def __post_init__(self):
+        if self.score not in SCORES:
+            raise ValueError(f"the router's score must be one of {SCORES}, got {self.score!r}")
+        if self.score == "softmax" and (not self.normalize or self.routed_scale != 1.0):
+            raise ValueError(f"normalize={self.normalize}, routed_scale={self.routed_scale}: the softmax router "
+                             "renormalises for top_k > 1 and scales by 1; these act with score='sigmoid'")
+        if self.n_groups < 1 or self.n_experts % self.n_groups or not 1 <= self.topk_groups <= self.n_groups:
+            raise ValueError(f"n_groups={self.n_groups} must divide n_experts={self.n_experts}, and topk_groups="
+                             f"{self.topk_groups} be between 1 and n_groups")
+        if self.n_groups > 1 and self.top_k > self.topk_groups * self.n_experts // self.n_groups:
+            raise ValueError(f"top_k={self.top_k} is more than the {self.topk_groups} chosen groups of "
+                             f"{self.n_experts // self.n_groups} experts hold")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"the experts' activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if not self.swiglu_limit > 0 or not self.swiglu_alpha > 0:
@@ -105,17 +127,47 @@ class Routing:
 jax.tree_util.register_dataclass(Routing, data_fields=["expert", "gate", "slot"], meta_fields=[])
 
 
-def route(logits: jax.Array, cfg: MoEConfig, capacity: int) -> tuple[Routing, dict[str, jax.Array]]:
+def _group_limited(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """`choice` [tokens, E] with the experts outside each token's topk_groups best groups at -inf (a group's score:
+    the sum of its two best experts' choice scores, as DeepSeek-V3's)."""
+    tokens, n_experts = choice.shape
+    grouped = choice.reshape(tokens, cfg.n_groups, n_experts // cfg.n_groups)
+    group_score = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
+    chosen = jax.lax.top_k(group_score, cfg.topk_groups)[1]
+    keep = jnp.sum(jax.nn.one_hot(chosen, cfg.n_groups, dtype=jnp.int32), axis=1) > 0
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(tokens, n_experts)
+
+
+def _sigmoid_gates(logits: jax.Array, cfg: MoEConfig, correction):
+    """(per-token weights over the experts for the balance statistic, chosen experts, their gates): DeepSeek-V3's
+    sigmoid routing, the correction added for choosing only."""
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if correction is None else scores + correction.astype(scores.dtype)
+    if cfg.n_groups > 1:
+        choice = _group_limited(choice, cfg)
+    expert = jax.lax.top_k(choice, cfg.top_k)[1]
+    gate = jnp.take_along_axis(scores, expert, axis=-1)
+    if cfg.normalize:
+        gate = gate / (jnp.sum(gate, axis=-1, keepdims=True) + 1e-20)
+    return scores / jnp.sum(scores, axis=-1, keepdims=True), expert, gate * jnp.float32(cfg.routed_scale)
+
+
+def route(logits: jax.Array, cfg: MoEConfig, capacity: int, correction: jax.Array | None = None
+          ) -> tuple[Routing, dict[str, jax.Array]]:
     """Top-k routing of one group from fp32 router logits [tokens, n_experts], and its statistics.
 
     k = 1 keeps the chosen probability as the gate (Switch); k > 1 renormalises
     the k probabilities to sum to one (GShard, Mixtral). Assignments are ranked
-    choice-major, so a second choice never displaces a first choice.
+    choice-major, so a second choice never displaces a first choice. score="sigmoid": DeepSeek-V3's gates
+    (`MoEConfig.score`), with `correction` [E] (its e_score_correction_bias) added for choosing.
     """
     tokens, n_experts = logits.shape
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_probs, expert = jax.lax.top_k(probs, cfg.top_k)
-    gate = top_probs if cfg.top_k == 1 else top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+    if cfg.score == "sigmoid":
+        probs, expert, gate = _sigmoid_gates(logits, cfg, correction)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_probs, expert = jax.lax.top_k(probs, cfg.top_k)
+        gate = top_probs if cfg.top_k == 1 else top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
     if cfg.sigmoid_input_gate:
         gate = jax.nn.sigmoid(jnp.take_along_axis(logits, expert, axis=-1))
     chosen = jax.nn.one_hot(expert.T.reshape(-1), n_experts, dtype=jnp.int32)  # [top_k * tokens, E]
@@ -152,7 +204,9 @@ def combine(expert_out: jax.Array, gate: jax.Array, slot: jax.Array) -> jax.Arra
 EXPERT_PARAMS = ("router", "expert_gate", "expert_up", "expert_down")
 # optional biases (gpt-oss): router_bias [E]; expert_gate_bias, expert_up_bias [E, f]; expert_down_bias [E, d]
 BIAS_PARAMS = ("router_bias", "expert_gate_bias", "expert_up_bias", "expert_down_bias")
-ROUTER_PARAMS = ("router", "router_bias")
+# DeepSeek-V3's e_score_correction_bias [E]: added to the sigmoid scores for choosing only, so it gets no gradient
+CORRECTION = "router_correction"
+ROUTER_PARAMS = ("router", "router_bias", CORRECTION)
 _HIDDEN = (None, "experts", None, "expert_mlp")
 
 
@@ -190,6 +244,7 @@ def route_and_dispatch(router: jax.Array | dict, x: jax.Array, cfg: MoEConfig):
     `router`: the layer's router weight [d, E], or a dict of it and, where the layer has one, its bias [E]
     (`ROUTER_PARAMS`: gpt-oss)."""
     weight, bias = (router["router"], router.get("router_bias")) if isinstance(router, dict) else (router, None)
+    correction = router.get(CORRECTION) if isinstance(router, dict) else None
     batch, seq, d = x.shape
     group = cfg.group(seq)
     capacity = cfg.capacity(group)
@@ -197,7 +252,7 @@ def route_and_dispatch(router: jax.Array | dict, x: jax.Array, cfg: MoEConfig):
     logits = weight_einsum("gtd,de->gte", groups.astype(jnp.float32), weight.astype(jnp.float32))
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    routing, stats = jax.vmap(lambda z: route(z, cfg, capacity))(logits)
+    routing, stats = jax.vmap(lambda z: route(z, cfg, capacity, correction))(logits)
     gate = routing.gate
     if cfg.sigmoid_input_gate:  # the one gate [groups, tokens, 1] scales the input, the output joins as it is
         groups, gate = (groups * gate).astype(groups.dtype), jnp.ones_like(gate)
@@ -263,7 +318,7 @@ def moe_ffn(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict[str,
     the only token traffic is two all-to-alls over the experts' axes each way.
     Other axes (tensor) stay automatic.
     """
-    p = {k: p[k] for k in EXPERT_PARAMS + BIAS_PARAMS if k in p}
+    p = {k: p[k] for k in EXPERT_PARAMS + BIAS_PARAMS + (CORRECTION,) if k in p}
     mesh = jax.sharding.get_abstract_mesh()
     outer = tuple(a for a in mesh.manual_axes if mesh.shape[a] > 1)  # a caller's shard_map (the step's)
     manual_width = [a for a in rule_axes("expert_mlp") if a in outer]

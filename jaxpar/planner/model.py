@@ -53,6 +53,7 @@ class Model:
     group_size: int | None = None
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
     plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
+    dense_first: int = 0  # DeepSeek-V3's dense first blocks: a stack of their own before the MoE blocks, no pipeline
 
     @functools.cached_property
     def params(self) -> int:
@@ -70,7 +71,7 @@ class Model:
 
     @property
     def moe_layers(self) -> int:
-        return self.n_layers // self.moe_every if self.n_experts else 0
+        return (self.n_layers - self.dense_first) // self.moe_every if self.n_experts else 0
 
     @property
     def scan_depth(self) -> int:
@@ -82,7 +83,7 @@ class Model:
         """What each pipeline chunk must hold a whole number of: scan_depth's entries in whole attention patterns
         (one unit when local layers follow the last whole pattern, as Gemma 3's: no pipeline cuts those layers)."""
         units, left = divmod(self.scan_depth, self.layer_pattern)
-        return 1 if left else units
+        return 1 if left or self.dense_first else units
 
     @functools.cached_property
     def separate_head(self) -> bool:
@@ -107,6 +108,13 @@ class Model:
         from jaxpar.models import model_config
 
         config = model_config(name, overrides)
+        if hasattr(config, "kv_lora_rank"):  # DeepSeek-V3's latent attention: its leaves read from the model itself
+            from jaxpar.models import model_factory
+            from jaxpar.train.state import describe
+
+            leaves = leaves_of(describe(model_factory(name, config, 0)).logical)  # paths "['blocks']['moe']['wo']"
+            dotted = tuple(dataclasses.replace(leaf, path=leaf.path[2:-2].replace("']['", ".")) for leaf in leaves)
+            return cls.from_config(name, config, dotted)
         return cls.from_config(name, config, llama_leaves(config))
 
     @classmethod
@@ -119,7 +127,8 @@ class Model:
                        dropless=config.dropless, group_size=config.group_size)
         pattern = getattr(config, "sliding_pattern", 1)
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
-                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern)
+                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern,
+                   dense_first=getattr(config, "first_dense", 0))
 
 
 def llama_leaves(c) -> tuple[Leaf, ...]:

@@ -23,9 +23,10 @@ from jaxpar.parallel import lora
 
 
 def check_evaluable(model_name: str, cfg) -> None:
-    """ValueError unless the named model has the `logits` forward evaluation runs: the dense Llama, or the MoE
-    Llama with experts in every block (Mixtral; see its blocks' `inference`)."""
+    """ValueError unless the named model has the `logits` forward evaluation runs: the dense Llama, the MoE
+    Llama with experts in every block (Mixtral; see its blocks' `inference`), or DeepSeek-V3 (its own)."""
     from jaxpar.models import MODELS
+    from jaxpar.models.deepseek import DeepseekV3
     from jaxpar.models.llama import Llama
     from jaxpar.models.moe import MoeLlama
 
@@ -33,9 +34,9 @@ def check_evaluable(model_name: str, cfg) -> None:
     if kind is MoeLlama and cfg.moe_every != 1:
         raise ValueError(f"evaluation (--eval-every, jaxpar eval) of an MoE model needs experts in every block "
                          f"(moe_every=1, as Mixtral); {model_name!r} has moe_every={cfg.moe_every}")
-    if kind not in (Llama, MoeLlama):
-        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the Llama and MoE Llama models, not "
-                         f"{model_name!r}")
+    if kind not in (Llama, MoeLlama, DeepseekV3):
+        raise ValueError(f"evaluation (--eval-every, jaxpar eval) supports the Llama, MoE Llama and DeepSeek-V3 "
+                         f"models, not {model_name!r}")
 
 
 def token_losses(model, inputs, targets, positions=None, mask=None, segment_ids=None):

@@ -18,8 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.models.inference import init_cache
-
 
 def sample(logits, key, temperature: float, top_p: float):
     """Next tokens [batch] from logits [batch, vocab]: argmax at temperature 0, else softmax(logits / T) within top-p."""
@@ -70,7 +68,7 @@ def make_generate(model_def, cfg, max_new_tokens: int, temperature: float = 0.0,
     def with_cache(params, tokens, mask, key):
         model = model_def.merge(params)
         batch, length = tokens.shape
-        cache = init_cache(cfg, batch, length + max_new_tokens, jnp.dtype(cfg.param_dtype))
+        cache = model.init_cache(batch, length + max_new_tokens, jnp.dtype(cfg.param_dtype))
         logits, cache = model.decode(tokens, cache, mask)
 
         def step(carry, key):

@@ -22,7 +22,7 @@ from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.interop import base_weights
 from jaxpar.models import layer_pattern, model_config, model_factory
-from jaxpar.parallel import lora, offload
+from jaxpar.parallel import experts, lora, offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
@@ -91,9 +91,16 @@ def learning_rate(config: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """AdamW on `learning_rate(config)` with global-norm clipping."""
+    """AdamW on `learning_rate(config)` with global-norm clipping; no decay where `decayed` says so."""
     return optax.chain(optax.clip_by_global_norm(config.clip),
-                       optax.adamw(learning_rate(config), weight_decay=config.weight_decay))
+                       optax.adamw(learning_rate(config), weight_decay=config.weight_decay, mask=decayed))
+
+
+def decayed(params):
+    """Whether each parameter decays: not DeepSeek-V3's router correction, which has no gradient by design (it acts
+    on the experts' choice only) and which the decay alone would move towards 0."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(getattr(key, "key", None) == experts.CORRECTION for key in path), params)
 
 
 @dataclasses.dataclass
