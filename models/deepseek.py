@@ -5,8 +5,10 @@ DeepSeekMoE (jaxpar.parallel.experts with score="sigmoid"): each token's top-k e
 scores plus a per-expert correction (`router_correction`, DeepSeek's e_score_correction_bias), among the best
 `router_topk_groups` of `router_groups` groups; the gates are the chosen sigmoids (renormalised under `norm_topk`)
 times `routed_scale`; a shared expert, one SwiGLU of `n_shared_experts * expert_d_ff`, is added to every token's
-output. The correction enters only the choice, so it gets no gradient: it stays as imported (DeepSeek's
-bias-update balancing, which moves it by the load each step, is not done here; transformers does not either).
+output. The correction enters only the choice, so it gets no gradient; with `router_bias_update` = gamma > 0 (DeepSeek
+used 0.001) the train step moves it after each update by DeepSeek's auxiliary-loss-free balance,
++gamma * sign(mean load - load) per layer and expert over the step's whole batch (`after_step`); 0 keeps it as
+imported, as transformers does.
 
 The dense and the MoE blocks are two stacks, each scanned; the pipeline cuts one stack of equal layers, so a plan
 with pipe > 1 is refused for a model with dense blocks.
@@ -56,10 +58,13 @@ class DeepseekConfig(moe.MoeLlamaConfig):
     router_topk_groups: int = 1
     routed_scale: float = 1.0
     norm_topk: bool = True
+    router_bias_update: float = 0.0
 
     def __post_init__(self):
         super().__post_init__()
         latent_attention.check(self)
+        if self.router_bias_update < 0:
+            raise ValueError(f"router_bias_update={self.router_bias_update} must be >= 0 (0: the correction stays)")
         if not 0 <= self.first_dense < self.n_layers:
             raise ValueError(f"first_dense={self.first_dense} must be between 0 and n_layers - 1={self.n_layers - 1}")
         if self.moe_every != 1:
@@ -187,7 +192,10 @@ def run_layers(stacked, x, cfg: DeepseekConfig, remat: Callable | None = None,
     """The dense stack, then the MoE stack, each scanned: (x, statistics stacked per MoE block)."""
     if "dense" in stacked:
         x = scan_layers(lambda p, h: dense_block(p, h, cfg), stacked["dense"], x, remat=remat)
-    return scan_layers(lambda p, h: moe_block(p, h, cfg, moe_layer), stacked["moe"], x, remat=remat)
+    x, stats = scan_layers(lambda p, h: moe_block(p, h, cfg, moe_layer), stacked["moe"], x, remat=remat)
+    if cfg.router_bias_update:  # each layer's loads, for `DeepseekV3.after_step`
+        stats = {**stats, "expert_load": experts.per_layer_rows(stats["expert_share"])}
+    return x, stats
 
 
 def check_plan(cfg: DeepseekConfig) -> None:
@@ -196,6 +204,9 @@ def check_plan(cfg: DeepseekConfig) -> None:
     if plan is not None and plan.shape["pipe"] > 1 and cfg.first_dense:
         raise ValueError(f"pipe={plan.shape['pipe']} with DeepSeek-V3's first_dense={cfg.first_dense}: the "
                          "pipeline cuts one stack of equal blocks, and its dense and MoE blocks are two")
+    if plan is not None and plan.shape["pipe"] > 1 and cfg.router_bias_update:
+        raise ValueError(f"router_bias_update={cfg.router_bias_update} with pipe={plan.shape['pipe']}: the balance "
+                         "needs each layer's loads, and a pipeline's stages hand back their layers' sum")
 
 
 class DeepseekV3(moe.MoeLlama):
@@ -207,6 +218,16 @@ class DeepseekV3(moe.MoeLlama):
         dense and MoE stacks (`check_plan`)."""
         check_plan(self.cfg)
         return super().__call__(batch, remat, moe_layer)
+
+    def after_step(self, params: dict, metrics: dict, batch: dict) -> dict:
+        """`params` with each MoE layer's router correction moved by the step's loads (`experts.rebalanced`, the
+        whole global batch's); as they are when `router_bias_update` is 0. The train step calls this after its update."""
+        if not self.cfg.router_bias_update:
+            return params
+        moe_params = params["blocks"]["moe"]
+        moved = experts.rebalanced(moe_params[experts.CORRECTION], metrics["expert_load"], self.cfg.router_bias_update,
+                                   batch["inputs"].size * self.cfg.top_k)
+        return {**params, "blocks": {**params["blocks"], "moe": {**moe_params, experts.CORRECTION: moved}}}
 
     def logits(self, tokens, positions=None, mask=None, segment_ids=None):
         """Logits [batch, seq, vocab] with positions and a padding mask (see `latent_cache.deepseek_logits`)."""

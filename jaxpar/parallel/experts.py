@@ -423,6 +423,8 @@ def layer_statistics(stats: dict[str, jax.Array], cfg: MoEConfig) -> dict[str, j
 
 
 LOSS_TERMS = ("load_balance_loss", "router_z_loss")
+# statistics a model keeps per MoE layer, [layers, ...] (the layers' sum of rows that are zero but for their own)
+PER_LAYER = ("expert_load",)
 
 
 def aux_loss(sums: dict[str, jax.Array]) -> jax.Array:
@@ -435,4 +437,21 @@ def aux_loss(sums: dict[str, jax.Array]) -> jax.Array:
 
 def summarize(sums: dict[str, jax.Array], layers: int) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Auxiliary loss and metrics from statistics summed over `layers` MoE layers: loss terms summed, the rest averaged."""
-    return aux_loss(sums), {k: v if k in LOSS_TERMS else v / layers for k, v in sums.items()}
+    return aux_loss(sums), {k: v if k in LOSS_TERMS + PER_LAYER else v / layers for k, v in sums.items()}
+
+
+def per_layer_rows(share: jax.Array) -> jax.Array:
+    """Each layer's expert shares [layers, E] as [layers, layers, E], layer l's row l alone non-zero: summed over the
+    layers, as every layer statistic is (`jaxpar.pipeline.stages.Stages.run_layers`), they give back [layers, E]."""
+    return jnp.eye(share.shape[0], dtype=share.dtype)[:, :, None] * share[None, :, :]
+
+
+def rebalanced(correction: jax.Array, share: jax.Array, gamma: float, assignments: int) -> jax.Array:
+    """DeepSeek-V3's auxiliary-loss-free balance: correction [layers, E] + gamma * sign(mean_e load - load_e).
+
+    `share` [layers, E]: each expert's share of a layer's `assignments` (the step's tokens x top_k), made whole counts
+    again so that an expert exactly at the mean stays put on every plan (sign 0), whatever each plan's rounding.
+    """
+    load = jnp.round(share.astype(jnp.float32) * assignments)
+    direction = jnp.sign(jnp.sum(load, axis=-1, keepdims=True) - load.shape[-1] * load)
+    return (correction.astype(jnp.float32) + jnp.float32(gamma) * direction).astype(correction.dtype)

@@ -321,6 +321,17 @@ def guarded_update(finite, update: Callable, params, opt_state):
     return jax.lax.cond(finite, update, lambda p, s: (p, s), params, opt_state)
 
 
+def after_update(model: ModelDef, params, variables, metrics: dict, batch, finite):
+    """`params` moved by the model's own rule for what no gradient trains, where its module has one and the step was
+    not skipped: `after_step(params, metrics, batch)` (DeepSeek-V3's router correction, moved by the step's expert
+    loads over the whole batch). The jit's out_shardings place the result like the parameters it replaces."""
+    rule = getattr(model.merge(params, variables), "after_step", None)
+    if rule is None:
+        return params
+    moved = rule(params, metrics, batch)
+    return jax.tree.map(lambda new, old: old if new is old else jnp.where(finite, new, old), moved, params)
+
+
 def gather_master(master, model: ModelDef, plan: Plan, dtype):
     """ZeRO-1's parameters from its fp32 master: each rank's shard cast to `dtype`, then all-gathered over data.
 
@@ -379,7 +390,9 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
             trained, opt_state, stats = optimizer.apply(grads, opt_state, trained)
             trained = (gather_master(opt_state.master, model, plan, optimizer.param_dtype) if optimizer.master
                        else jax.lax.with_sharding_constraint(trained, update_shardings))
-            new = TrainState(model.with_trained(params, trained), opt_state, state.step + 1, variables)
+            finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
+            params = after_update(model, model.with_trained(params, trained), variables, aux, batch, finite)
+            new = TrainState(params, opt_state, state.step + 1, variables)
             return keep_finite(state, new, {"loss": loss, **stats, **aux}, True)
         stats = {"grad_norm": optimizer.grad_norm(grads)}
         finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
@@ -393,7 +406,7 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
         trained, opt_state = guarded_update(finite, update, () if optimizer.master else trained, opt_state)
         if optimizer.master:
             trained = gather_master(opt_state.master, model, plan, optimizer.param_dtype)
-        params = model.with_trained(params, trained)
+        params = after_update(model, model.with_trained(params, trained), variables, aux, batch, finite)
         metrics = {"loss": loss, **stats, **aux, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
         keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
         return TrainState(params, opt_state, state.step + 1, keep(variables, state.variables)), metrics
