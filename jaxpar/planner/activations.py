@@ -16,9 +16,9 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     """Values one block keeps per token for its backward pass (Korthikanti et al. 2022, Table 2 adapted).
 
     none: a Llama block without dropout keeps the two norms' inputs and outputs
-    (4 d), Q, K, V (h hd + 2 kv hd), the softmax probabilities (h s, only where
+    (4 d), Q, K, V (h hd + 2 kv hd; MLA: h hd + kv (hd + vd) and its latents, whole), the softmax probabilities (h s, only where
     the plain softmax keeps them: `scores_kept`), the attention output entering
-    the projection (h hd) and the MLP's gate, up and their product (3 f). dots
+    the projection (h hd; MLA: h vd) and the MLP's gate, up and their product (3 f). dots
     (ZeRO-3's policy): every matmul output: Q, K, V, the scores and the
     attention output (the plain softmax's: flash attention's are no matmul's,
     and recomputed), both projections' outputs (2 d) and gate and up.
@@ -36,8 +36,9 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     """
     t = layout.tensor
     d, hd, h, kv, f = model.d_model, model.head_dim, model.n_heads, model.n_kv_heads, model.d_ff
+    vd, latent = model.value_dim, model.latent_width  # MLA: v's head, and its compressions (never split over t)
     d_split = t if layout.sequence_parallel else 1
-    qkv = (h + 2 * kv) * hd / t
+    qkv = (h * hd + kv * hd + kv * vd) / t + latent
     policy = remat_policy(layout, model)
     split = t > 1 or (layout.zero >= 2 and layout.data > 1)
     if policy == "full":
@@ -46,11 +47,11 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
         return qkv + 2 * f / t + 2 * d / d_split if split else 2 * f
     keys = scores_kept(layout, seq)
     if policy == "dots":
-        attention_out = h * hd / t if keys else 0  # flash attention's output is no matmul's: recomputed
+        attention_out = h * vd / t if keys else 0  # flash attention's output is no matmul's: recomputed
         return qkv + h * keys / t + attention_out + 2 * f / t + 2 * d / d_split
     if split:
         return 2 * h * keys / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t
-    return 4 * d / d_split + qkv + h * keys / t + h * hd / t + 3 * f / t
+    return 4 * d / d_split + qkv + h * keys / t + h * vd / t + 3 * f / t
 
 
 def moe_mlp_values_per_token(model: Model, layout: Layout, seq: int) -> float:

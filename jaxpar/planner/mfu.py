@@ -1,7 +1,7 @@
 """Model FLOPs utilization of a training run: the model's FLOPs per step over what the devices could do.
 
 The FLOPs come from the config by the planner's formula (`jaxpar.planner.step_time.flops_per_token`:
-6 N per token for the matmuls forward and backward plus 12 L s h hd for attention),
+6 N per token for the matmuls forward and backward plus 6 L s h (hd_qk + hd_v) for attention),
 so MFU here and in `jaxpar plan` are one number. The peak is the device's dense
 (no 2:4 sparsity) datasheet figure (`jaxpar.planner.devices.PEAKS`), looked up by
 `jax.devices()[0].device_kind`, or `--peak-flops`. Where neither is known (the CPU, an unlisted device) there is no
@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.planner.devices import device_peak
-from jaxpar.planner.model import Model, llama_leaves
+from jaxpar.planner.model import Model
 from jaxpar.planner.step_time import flops_per_token
 
 
 def model_flops_per_step(name: str, config, batch_size: int, seq_len: int) -> float:
     """Model FLOPs of one optimizer step (forward and backward, no recomputation) over the whole batch."""
-    model = Model.from_config(name, config, llama_leaves(config))
+    model = Model.of_config(name, config)
     return flops_per_token(model, seq_len) * batch_size * seq_len
 
 

@@ -54,6 +54,10 @@ class Model:
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
     plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
     dense_first: int = 0  # DeepSeek-V3's dense first blocks: a stack of their own before the MoE blocks, no pipeline
+    # DeepSeek-V3's latent attention: head_dim is the query/key head (nope + rope), v_head_dim the value head (0: the
+    # same), latent_width the per-token widths of its compressions (q latent, kv latent and the shared rotary key)
+    v_head_dim: int = 0
+    latent_width: int = 0
 
     @functools.cached_property
     def params(self) -> int:
@@ -68,6 +72,16 @@ class Model:
     def quantized_bytes(self) -> float:
         """Bytes a quantized base value is held in (0: none is quantized)."""
         return max((leaf.held_bytes for leaf in self.leaves), default=0.0)
+
+    @property
+    def value_dim(self) -> int:
+        """A value head's width (MLA's v_head_dim; else the query/key head_dim)."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def attention_matmul_width(self) -> int:
+        """Per head, the reduced widths of attention's two matmuls per key: q . k (head_dim) and p v (value_dim)."""
+        return self.head_dim + self.value_dim
 
     @property
     def moe_layers(self) -> int:
@@ -107,15 +121,20 @@ class Model:
         """A model from the registry (jaxpar.models), its inventory counted from the config (no tracing)."""
         from jaxpar.models import model_config
 
-        config = model_config(name, overrides)
-        if hasattr(config, "kv_lora_rank"):  # DeepSeek-V3's latent attention: its leaves read from the model itself
-            from jaxpar.models import model_factory
-            from jaxpar.train.state import describe
+        return cls.of_config(name, model_config(name, overrides))
 
-            leaves = leaves_of(describe(model_factory(name, config, 0)).logical)  # paths "['blocks']['moe']['wo']"
-            dotted = tuple(dataclasses.replace(leaf, path=leaf.path[2:-2].replace("']['", ".")) for leaf in leaves)
-            return cls.from_config(name, config, dotted)
-        return cls.from_config(name, config, llama_leaves(config))
+    @classmethod
+    def of_config(cls, name: str, config) -> "Model":
+        """From registry model `name`'s config: Llama-style leaves from its shapes (`llama_leaves`), DeepSeek-V3's
+        (latent attention, dense and MoE stacks) read from the model itself, traced abstractly."""
+        if not hasattr(config, "kv_lora_rank"):
+            return cls.from_config(name, config, llama_leaves(config))
+        from jaxpar.models import model_factory
+        from jaxpar.train.state import describe
+
+        leaves = leaves_of(describe(model_factory(name, config, 0)).logical)  # paths "['blocks']['moe']['wo']"
+        dotted = tuple(dataclasses.replace(leaf, path=leaf.path[2:-2].replace("']['", ".")) for leaf in leaves)
+        return cls.from_config(name, config, dotted)
 
     @classmethod
     def from_config(cls, name: str, config, leaves: tuple[Leaf, ...]) -> "Model":
@@ -126,9 +145,14 @@ class Model:
                        expert_d_ff=config.expert_d_ff, capacity_factor=config.capacity_factor,
                        dropless=config.dropless, group_size=config.group_size)
         pattern = getattr(config, "sliding_pattern", 1)
+        head_dim, latent = config.head_dim, {}
+        if hasattr(config, "kv_lora_rank"):  # MLA: its heads' real widths, not the Llama head_dim it inherits
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+            latent = dict(v_head_dim=config.v_head_dim, latent_width=(config.q_lora_rank or 0) + config.kv_lora_rank
+                          + config.qk_rope_head_dim)
         return cls(name, tuple(leaves), config.d_model, config.n_layers, config.n_heads, config.n_kv_heads,
-                   config.head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern,
-                   dense_first=getattr(config, "first_dense", 0))
+                   head_dim, config.d_ff, config.padded_vocab, **moe, layer_pattern=pattern,
+                   dense_first=getattr(config, "first_dense", 0), **latent)
 
 
 def llama_leaves(c) -> tuple[Leaf, ...]:

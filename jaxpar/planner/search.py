@@ -112,6 +112,13 @@ def plan(model: Model, devices: int, work: Workload, device: Device | str = "h10
     return Ranking(model, work, device, devices, ranked, dropped)
 
 
+def nearest(dropped: list[Estimate]) -> Estimate:
+    """The dropped layout to name: the one that needs the least memory, if any was dropped for memory (what the
+    first one considered, plain data parallelism, needs says nothing of how far the model is from fitting)."""
+    oom = [e for e in dropped if "needs" in e.reason]
+    return min(oom, key=lambda e: e.memory["total"]) if oom else dropped[0]
+
+
 def default_batch(model: Model, devices: int, seq_len: int) -> int:
     """A global batch of about 4M tokens (Llama 2's), at least one sequence per 8 devices."""
     tokens = max(4 * 2**20 // seq_len, 1)
@@ -122,7 +129,10 @@ def explain_choice(ranking: Ranking) -> list[str]:
     """A few lines on why the best layout wins: its bottleneck and what the runner-up layouts lose."""
     best = ranking.best
     if best is None:
-        return ["no layout fits: " + (ranking.dropped[0].reason if ranking.dropped else "none considered")]
+        if not ranking.dropped:
+            return ["no layout fits: none considered"]
+        closest = nearest(ranking.dropped)
+        return [f"no layout fits: the nearest, {closest.layout}, {closest.reason}"]
     lay, t = best.layout, best.time
     lines = [f"{lay}: {t['step']:.3g} s/step, MFU {best.mfu:.0%}, {best.peak / 1e9:.1f} GB per device "
              f"of {ranking.device.capacity / 1e9:.0f} GB usable."]

@@ -18,13 +18,14 @@ from jaxpar.planner.ticks import bubble
 
 
 def flops_per_token(model: Model, seq: int) -> float:
-    """Model FLOPs of one token's forward and backward: 6 N + 12 L s (h hd) (attention's two matmuls, x3)."""
-    return 6 * model.flop_params + 12 * model.n_layers * seq * model.n_heads * model.head_dim
+    """Model FLOPs of one token's forward and backward: 6 N + 6 L s h (hd_qk + hd_v) (attention's two matmuls, x3;
+    12 L s h hd where the value head is the query/key head)."""
+    return 6 * model.flop_params + 6 * model.n_layers * seq * model.n_heads * model.attention_matmul_width
 
 
 def recompute_flops_per_token(model: Model, layout: Layout, seq: int) -> float:
     """Extra FLOPs of recomputation: a whole forward (full) or the attention matmuls (selective)."""
-    attention = 4 * model.n_layers * seq * model.n_heads * model.head_dim
+    attention = 2 * model.n_layers * seq * model.n_heads * model.attention_matmul_width
     if layout.remat == "full":
         return 2 * (model.flop_params - model.vocab * model.d_model) + attention
     if layout.remat == "selective":

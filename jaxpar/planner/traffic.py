@@ -249,7 +249,7 @@ def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes
     c, kv = layout.context, model.n_kv_heads / layout.tensor
     b, s = microbatch_sequences(layout, work), work.seq_len
     runs = model.n_layers * layout.grad_accum * layout.microbatches / layout.pipe  # layer runs per device
-    elements = b * s * kv * model.head_dim  # one of K, V over the whole sequence
+    elements = b * s * kv * model.attention_matmul_width / 2  # one of K, V (their mean: MLA's differ) over the sequence
     whole = elements * value_bytes
     out = [Collective("context", "all-reduce", grad_bytes, 1, "gradients summed over context")]
     if layout.context_form == "ring":
