@@ -5,7 +5,8 @@ plan and the state donated, that enters the plan's mesh and rules whenever it
 is traced, so model code can call `jaxpar.parallel.constrain.constrain`. The gradient path
 runs per data rank inside `jax.shard_map` over `data`, where the ZeRO stage
 decides which collective sums the gradients (jaxpar.parallel.zero); the update runs in
-the plan's precision (jaxpar.train.precision).
+the plan's precision (jaxpar.train.precision). A model may then move what no gradient trains
+from the step's metrics (`after_update`: DeepSeek-V3's router correction by its expert loads).
 """
 
 from __future__ import annotations
