@@ -143,3 +143,21 @@ def test_a_pipeline_and_a_negative_rate_are_refused():
         make_train_step(model, lambda m, b: m(b), optimizer, plan)(placed, start()[3][0])
     with pytest.raises(ValueError, match="router_bias_update=-0.1 must be >= 0"):
         dataclasses.replace(CONFIG, router_bias_update=-0.1)
+
+
+def test_zero1_bf16_moves_the_fp32_master():
+    """ZeRO-1 under bf16 holds 2-byte params and an fp32 master they are gathered from: the rule moves the master
+    (by the plan's own loads), and the params are its 2-byte cast, so no step's move is lost."""
+    model, initial, optimizer, batches = start()
+    plan = Plan.create("data=4", devices=jax.devices()[:4], zero=1, precision="bf16")
+    placed = place_state(copy_state(initial), model, optimizer, plan)
+    step = make_train_step(model, lambda m, b: m(b), optimizer, plan)
+    master = lambda state: correction(jax.device_get(state.opt_state.master))  # noqa: E731
+    for batch in batches:
+        before = master(placed)
+        placed, metrics = step(placed, batch)
+        expected = reference_rule(before, np.asarray(metrics["expert_load"], np.float64), 8 * 16 * CONFIG.top_k)
+        assert np.max(np.abs(master(placed) - expected)) <= 1e-6
+        params = jax.device_get(placed.params)["blocks"]["moe"]["router_correction"]
+        assert params.dtype == jnp.bfloat16
+        assert np.array_equal(np.asarray(params, np.float32), master(placed).astype(jnp.bfloat16).astype(np.float32))

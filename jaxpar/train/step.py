@@ -378,6 +378,15 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
     batch_sharding = plan.sharding(plan.batch_spec(1))
     update_shardings = plan.shardings(plan.gradient_specs(model.trained(model.logical)))
 
+    def settled(params, trained, opt_state, aux, batch, variables, finite):
+        """(params, optimizer state) after the update and the model's own rule (`after_update`). Under ZeRO-1's
+        fp32 master the rule moves the master, and the params follow from it (all-gathered in their dtype)."""
+        if not optimizer.master:
+            return after_update(model, model.with_trained(params, trained), variables, aux, batch, finite), opt_state
+        moved = after_update(model, model.with_trained(params, opt_state.master), variables, aux, batch, finite)
+        opt_state = opt_state._replace(master=model.trained(moved))
+        return model.with_trained(moved, gather_master(opt_state.master, model, plan, optimizer.param_dtype)), opt_state
+
     def step(state: TrainState, batch: dict):
         usage.mark_tensor_params(plan.param_specs(model.logical))
         params, opt_state = state.params, state.opt_state
@@ -389,10 +398,9 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
         trained = model.trained(params)  # a frozen parameter (a LoRA base weight) passes through unchanged
         if optimizer.policy.loss_scaling:  # the optimizer skips overflowing updates itself (and lowers its scale)
             trained, opt_state, stats = optimizer.apply(grads, opt_state, trained)
-            trained = (gather_master(opt_state.master, model, plan, optimizer.param_dtype) if optimizer.master
-                       else jax.lax.with_sharding_constraint(trained, update_shardings))
+            trained = trained if optimizer.master else jax.lax.with_sharding_constraint(trained, update_shardings)
             finite = jnp.isfinite(loss) & jnp.isfinite(stats["grad_norm"])
-            params = after_update(model, model.with_trained(params, trained), variables, aux, batch, finite)
+            params, opt_state = settled(params, trained, opt_state, aux, batch, variables, finite)
             new = TrainState(params, opt_state, state.step + 1, variables)
             return keep_finite(state, new, {"loss": loss, **stats, **aux}, True)
         stats = {"grad_norm": optimizer.grad_norm(grads)}
@@ -405,9 +413,7 @@ def make_train_step(model: ModelDef, loss_fn: LossFn, optimizer, plan: Plan, see
             return jax.lax.with_sharding_constraint(trained, update_shardings), opt_state
 
         trained, opt_state = guarded_update(finite, update, () if optimizer.master else trained, opt_state)
-        if optimizer.master:
-            trained = gather_master(opt_state.master, model, plan, optimizer.param_dtype)
-        params = after_update(model, model.with_trained(params, trained), variables, aux, batch, finite)
+        params, opt_state = settled(params, trained, opt_state, aux, batch, variables, finite)
         metrics = {"loss": loss, **stats, **aux, "nonfinite": jnp.logical_not(finite).astype(jnp.int32)}
         keep = lambda n, o: jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)  # noqa: E731
         return TrainState(params, opt_state, state.step + 1, keep(variables, state.variables)), metrics
