@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.models import layer_pattern, llama
+from jaxpar.models.block import dense_feed_forward
 from jaxpar.parallel import experts, tensor, zero
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
@@ -151,14 +152,23 @@ class MoeBlocks(nnx.Module):
         return {"dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
 
     def inference(self):
-        """(per-layer weights, the MoE feed-forward) for `inference.inference_layers`: every block must be an MoE block.
+        """(per-layer weights, feed-forward) for `inference.inference_layers`; with dense blocks, one stack and one
+        feed-forward per place in a group (its `moe_every - 1` dense blocks, then its MoE block).
 
         The layer's routing statistics (its auxiliary losses) are training's and are dropped here.
         """
-        if self.dense is not None:
-            raise ValueError("inference (logits, decode) of an MoE model needs an MoE feed-forward in every block "
-                             "(moe_every=1, as Mixtral); this model mixes dense blocks in")
-        return self.moe.stacked(), lambda p, x, cfg: with_shared_expert(p, x, cfg, experts.moe_ffn(p, x, cfg.moe)[0])
+        moe = self.moe.stacked()
+        if self.dense is None:
+            return moe, experts_feed_forward
+        dense = zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0])
+        places = dense["attn_norm"].shape[1]
+        stacks = tuple(jax.tree.map(lambda a, j=j: a[:, j], dense) for j in range(places))
+        return (*stacks, moe), (dense_feed_forward,) * places + (experts_feed_forward,)
+
+
+def experts_feed_forward(p, x, cfg: MoeLlamaConfig):
+    """An MoE block's feed-forward as inference calls it: the routed experts (plus the shared one), no statistics."""
+    return with_shared_expert(p, x, cfg, experts.moe_ffn(p, x, cfg.moe)[0])
 
 
 def with_shared_expert(p, x, cfg: MoeLlamaConfig, routed):
