@@ -131,5 +131,5 @@ def expected_layer_shapes(cfg: MoeLlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def shared_expert_shapes(cfg: MoeLlamaConfig) -> dict[str, tuple[int, ...]]:
     """jaxpar's stacked shapes of the shared expert."""
-    n, d, f = cfg.n_layers, cfg.d_model, cfg.expert_d_ff
+    n, d, f = cfg.n_moe_layers, cfg.d_model, cfg.expert_d_ff
     return {"shared_gate": (n, d, f), "shared_up": (n, d, f), "shared_down": (n, f, d)}
