@@ -109,14 +109,17 @@ def test_layouts_jaxpar_cannot_group_are_refused_by_name(fields, message):
         hf_config.config_from_hf({**FIELDS, "model_type": "qwen3_moe", **fields})
 
 
-@needs_torch
-@pytest.mark.parametrize("mesh, options", [("expert=2,data=2", {}), ("data=2,pipe=2", {"microbatches": 2}),
-                                           ("tensor=2,data=2", {"zero": 3})])
-def test_training_the_imported_config_equals_one_device(saved, mesh, options):
-    """3 SGD steps of the imported config (dense and MoE stacks) under a strategy against the plain-JAX reference."""
-    layout, _, directory = saved
-    if layout != "decoder_sparse_step":
-        pytest.skip("the same jaxpar config as decoder_sparse_step's")
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """The imported decoder_sparse_step=2 config's plain-JAX reference run (`family_strategies.reference_run`)."""
+    directory = saved_family("decoder_sparse_step", qwen3_moe, tmp_path_factory)[2]
     cfg = hf_config.config_from_hf(json.loads((directory / "config.json").read_text()))
-    run = family_strategies.reference_run(lambda: MoeLlama(cfg, nnx.Rngs(0)), cfg)
-    family_strategies.assert_matches(run, mesh, options, f"qwen3_moe moe_every=2 {mesh}")
+    return family_strategies.reference_run(lambda: MoeLlama(cfg, nnx.Rngs(1)), cfg)
+
+
+@needs_torch
+@pytest.mark.parametrize("mesh, options", [("data=4,expert=2", {}), ("data=4,pipe=2", {"microbatches": 2}),
+                                           ("data=4,tensor=2", {"zero": 3})])
+def test_training_the_imported_config_equals_one_device(reference_run, mesh, options):
+    """3 SGD steps of the imported config (dense and MoE stacks) under a strategy against the plain-JAX reference."""
+    family_strategies.assert_matches(reference_run, mesh, options, f"qwen3_moe decoder_sparse_step=2 {mesh}")
