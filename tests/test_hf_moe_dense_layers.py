@@ -123,3 +123,52 @@ def reference_run(tmp_path_factory):
 def test_training_the_imported_config_equals_one_device(reference_run, mesh, options):
     """3 SGD steps of the imported config (dense and MoE stacks) under a strategy against the plain-JAX reference."""
     family_strategies.assert_matches(reference_run, mesh, options, f"qwen3_moe decoder_sparse_step=2 {mesh}")
+
+
+# -- Llama 4 with dense layers between the MoE ones (Maverick's interleave_moe_layer_step=2) --------------------
+
+@pytest.fixture(scope="module")
+def maverick(tmp_path_factory):
+    """(transformers Llama 4 with interleave_moe_layer_step=2: layers 1 and 3 MoE, 0 and 2 dense of
+    intermediate_size_mlp; its save_pretrained directory)."""
+    import test_hf_llama4
+
+    _, model, directory = saved_family("llama4", lambda _: test_hf_llama4.family_model(interleave_moe_layer_step=2),
+                                       tmp_path_factory)
+    return model, directory
+
+
+@needs_torch
+def test_llama4_dense_layers_match_transformers_both_ways(maverick, tmp_path):
+    """Import: logits within 1e-5 (the dense layers' `feed_forward.gate_proj` of intermediate_size_mlp), moved by the
+    layout; export: strict reload with the same logits and the source config's every field; greedy decode equal."""
+    import test_hf_llama4
+
+    reference, directory = maverick
+    cfg, params = hf.load_hf_params(directory)
+    assert (cfg.moe_every, params["blocks"]["dense"]["w_gate"].shape) == (2, (2, 32, 48))
+    theirs = torch_logits(reference, TOKENS)
+    imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), theirs)
+    assert imported <= 1e-5, imported
+    every_layer = relative(torch_logits(test_hf_llama4.family_model(), TOKENS), theirs)
+    assert every_layer > 1e-3, every_layer
+
+    source = json.loads((directory / "config.json").read_text())
+    hf.write_hf(params, cfg, tmp_path / "out", source=source)
+    back = relative(torch_logits(test_hf_llama4.reload(tmp_path / "out"), TOKENS), theirs)
+    assert back <= 1e-5, back
+    assert unchanged(source, json.loads((tmp_path / "out" / "config.json").read_text())) == []
+    reference.generation_config.eos_token_id = None
+    assert_greedy_generation_equals_generate(MoeLlama, reference, directory)
+    print(f"llama4 interleave_moe_layer_step=2: import {imported:.2e}, export {back:.2e}, every layer MoE moves "
+          f"them {every_layer:.2e}")
+
+
+def test_llama4_config_of_dense_layers_maps_both_ways():
+    """interleave_moe_layer_step=2 is moe_every=2 and is written back with its moe_layers."""
+    import test_hf_llama4
+
+    cfg = hf_config.config_from_hf({**test_hf_llama4.LLAMA4, "interleave_moe_layer_step": 2})
+    written = hf_config.config_to_hf(cfg)
+    assert (cfg.moe_every, written["interleave_moe_layer_step"], written["moe_layers"]) == (2, 2, [1, 3])
+    assert hf_config.config_from_hf(written) == cfg
