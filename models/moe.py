@@ -193,10 +193,9 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
     each MoE block's parameters gathered just before it runs.
     """
+    if cfg.sliding_pattern > 1 and "dense" in stacked:  # local/global layers and dense blocks: patterns of groups
+        return run_patterns(stacked, x, cfg, remat, moe_layer)
     if cfg.sliding_pattern > 1:  # local and global layers (models.layer_pattern), each with its experts
-        if "dense" in stacked:
-            raise ValueError(f"sliding_pattern={cfg.sliding_pattern} with moe_every={cfg.moe_every}: local and "
-                             "global layers need an MoE feed-forward in every block (moe_every=1)")
         return layer_pattern.run_groups(lambda p, h, c: moe_block(p, h, c, moe_layer), stacked["moe"], x, cfg, remat)
 
     def group(p, h):
@@ -205,6 +204,35 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
         return moe_block(p["moe"], h, cfg, moe_layer)
 
     return scan_layers(group, stacked, x, remat=remat)
+
+
+def run_patterns(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
+                 moe_layer: MoeLayer = experts.moe_ffn):
+    """The block groups scanned a local/global pattern at a time (Llama 4 Maverick's: P = sliding_pattern layers,
+    P / moe_every groups of dense blocks then an MoE block), each layer with its own static window and rotation
+    (`layer_pattern.layer_config`): (x, statistics stacked per MoE layer). A pattern must hold whole groups, and
+    `stacked` (all groups, or a pipeline chunk of them) whole patterns: other layouts are refused naming the sizes."""
+    pattern, every = cfg.sliding_pattern, cfg.moe_every
+    groups = stacked["moe"]["router"].shape[0]
+    per_pattern = pattern // every
+    if pattern % every or cfg.n_layers % pattern or groups % per_pattern:
+        raise ValueError(f"sliding_pattern={pattern} with moe_every={every}: a local/global pattern must hold whole "
+                         f"groups of moe_every blocks, and the {groups * every} layers run here (n_layers="
+                         f"{cfg.n_layers}, or a pipeline chunk) whole patterns")
+
+    def run_pattern(p, h):
+        stats = []
+        for g in range(per_pattern):
+            for j in range(every - 1):
+                h = llama.block(jax.tree.map(lambda a: a[g, j], p["dense"]), h,
+                                layer_pattern.layer_config(cfg, g * every + j))
+            h, layer_stats = moe_block(jax.tree.map(lambda a: a[g], p["moe"]), h,
+                                       layer_pattern.layer_config(cfg, g * every + every - 1), moe_layer)
+            stats.append(layer_stats)
+        return h, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+    x, stats = scan_layers(run_pattern, zero.regroup(stacked, groups // per_pattern), x, remat=remat)
+    return x, jax.tree.map(lambda a: a.reshape(groups, *a.shape[2:]), stats)
 
 
 class MoeLlama(llama.Llama):

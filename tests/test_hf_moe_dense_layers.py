@@ -6,6 +6,7 @@ One small random float32 model per layout (module fixture, made by transformers 
 token for token, and the imported config trained under a strategy equal to the plain-JAX reference.
 """
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -172,3 +173,49 @@ def test_llama4_config_of_dense_layers_maps_both_ways():
     written = hf_config.config_to_hf(cfg)
     assert (cfg.moe_every, written["interleave_moe_layer_step"], written["moe_layers"]) == (2, 2, [1, 3])
     assert hf_config.config_from_hf(written) == cfg
+
+
+@pytest.fixture(scope="module")
+def maverick_run():
+    """Maverick's layout on 8 layers: every 4th layer NoPE, every 2nd MoE (patterns of two groups), default rotary;
+    the plain-JAX Llama 4's result of 3 SGD steps whose targets are the next token id (so the losses fall)."""
+    import optax
+
+    import reference as reference_lib
+    import reference_llama4
+    import test_hf_llama4
+    from helpers import copy_state, single_device_plan
+    from jaxpar.train.state import init_state
+
+    fields = {**test_hf_llama4.FIELDS, "model_type": "llama4_text", "num_hidden_layers": 8,
+              "no_rope_layer_interval": 4, "interleave_moe_layer_step": 2,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    cfg = dataclasses.replace(hf_config.config_from_hf(fields), seq_len=16)
+    assert (cfg.sliding_pattern, cfg.moe_every) == (4, 2)
+    optimizer = optax.sgd(0.5)
+    model, state = init_state(lambda: MoeLlama(cfg, nnx.Rngs(0)), optimizer, single_device_plan())
+    rng = np.random.default_rng(0)
+    inputs = [rng.integers(0, cfg.vocab, (8, 16)) for _ in range(3)]
+    batches = [{"inputs": jnp.asarray(x, jnp.int32), "targets": jnp.asarray((x + 1) % cfg.vocab, jnp.int32)}
+               for x in inputs]
+    expected = reference_lib.train(reference_llama4.loss_fn(cfg), copy_state(state).params, batches, optimizer)
+    return model, state, optimizer, batches, expected
+
+
+@pytest.mark.parametrize("mesh, options", [("data=2,pipe=2,expert=2", {"schedule": "1f1b", "zero": 3}),
+                                           ("data=4,tensor=2", {"zero": 2})])
+def test_llama4_dense_layers_train_as_one_device(maverick_run, mesh, options):
+    """3 SGD steps of the local/global patterns of dense and MoE groups against the plain-JAX Llama 4."""
+    family_strategies.assert_matches(maverick_run, mesh, options, f"llama4 interleave_moe_layer_step=2 {mesh}")
+
+
+def test_llama4_dense_layers_refuse_a_pattern_of_part_groups():
+    """A NoPE period that does not hold whole groups of moe_every blocks is refused by name when the blocks run."""
+    import test_hf_llama4
+
+    cfg = hf_config.config_from_hf({**test_hf_llama4.LLAMA4, "num_hidden_layers": 6, "no_rope_layer_interval": 2,
+                                    "interleave_moe_layer_step": 3})
+    model = MoeLlama(cfg, nnx.Rngs(0))
+    batch = {"inputs": jnp.zeros((1, 8), jnp.int32), "targets": jnp.zeros((1, 8), jnp.int32)}
+    with pytest.raises(ValueError, match="sliding_pattern=2 with moe_every=3: a local/global pattern must hold whole"):
+        model(batch)
