@@ -20,7 +20,7 @@ from flax import nnx
 
 import family_strategies
 from jaxpar.cli import main
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_families
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
@@ -100,7 +100,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
         changed = relative(torch_logits(family_model(family, **off), TOKENS), theirs)
         assert changed > 1e-3, (option, changed)
     if cfg.qk_norm:
-        path = hf.blocks_path(cfg).split("/")
+        path = hf_families.blocks_path(cfg).split("/")
         blocks = functools.reduce(lambda tree, key: tree[key], path, params)
         plain = {**params}
         node = plain
