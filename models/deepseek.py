@@ -8,8 +8,11 @@ times `routed_scale`; a shared expert, one SwiGLU of `n_shared_experts * expert_
 output. The correction enters only the choice, so it gets no gradient: it stays as imported (DeepSeek's
 bias-update balancing, which moves it by the load each step, is not done here; transformers does not either).
 
-The dense and the MoE blocks are two stacks, each scanned; the pipeline cuts one stack of equal layers, so a plan
-with pipe > 1 is refused for a model with dense blocks.
+The dense and the MoE blocks are two stacks, each scanned. The pipeline cuts the MoE stack; the dense blocks run
+with the embedding, before the first stage (`embed_and_dense`). Their cost under pipe > 1: every stage holds the
+dense blocks' weights (not cut over `pipe`, like the embedding), stage 0 runs their forward and backward for each
+microbatch on top of its own blocks (the published DeepSeek-V3's 3 of 61 blocks: about 3 / (58 / pipe) more work
+there), and the other stages compute the forward the executor selects away, as they do the embedding's.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.core import trace
 from jaxpar.models import latent_attention, latent_cache, llama, moe
 from jaxpar.models.block import RESIDUAL, block_norm, mlp, residual_add
 from jaxpar.parallel import experts, tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
+from jaxpar.pipeline import executor as pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +125,8 @@ class DeepseekLayers(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         param = functools.partial(llama._param, rngs)
 
-        def build(shape, names, scale=None):
-            return param(shape, names, dt, scale)
+        def build(shape, names, scale=None):  # the dense blocks' stack is no pipeline's `layers`: not cut over pipe
+            return param(shape, names if experts_ffn else (None, *names[1:]), dt, scale)
 
         self.attn_norm = build((n, d), ("layers", "norm"))
         for name, value in latent_attention.latent_params(cfg, rngs, n, build).items():
@@ -190,12 +193,13 @@ def run_layers(stacked, x, cfg: DeepseekConfig, remat: Callable | None = None,
     return scan_layers(lambda p, h: moe_block(p, h, cfg, moe_layer), stacked["moe"], x, remat=remat)
 
 
-def check_plan(cfg: DeepseekConfig) -> None:
-    """ValueError for a plan this model cannot run on: a pipeline over its two stacks of blocks."""
-    plan = trace.active_plan()
-    if plan is not None and plan.shape["pipe"] > 1 and cfg.first_dense:
-        raise ValueError(f"pipe={plan.shape['pipe']} with DeepSeek-V3's first_dense={cfg.first_dense}: the "
-                         "pipeline cuts one stack of equal blocks, and its dense and MoE blocks are two")
+def embed_and_dense(params, tokens, cfg: DeepseekConfig, remat: Callable | None = None):
+    """The embedding's rows, then the dense blocks (`params["dense"]`, where the model has them): the pipeline's
+    input to its first stage, so that the stages cut only the MoE blocks."""
+    x = llama.embed_tokens(params["table"], tokens)
+    if "dense" in params:
+        x = scan_layers(lambda p, h: dense_block(p, h, cfg), params["dense"], x, remat=remat)
+    return x
 
 
 class DeepseekV3(moe.MoeLlama):
@@ -203,10 +207,20 @@ class DeepseekV3(moe.MoeLlama):
     run_blocks = staticmethod(run_layers)
 
     def __call__(self, batch, remat: Callable | None = None, moe_layer: moe.MoeLayer = experts.moe_ffn):
-        """(cross-entropy + the routers' auxiliary losses, metrics), as `models.moe.MoeLlama`'s; no pipeline over its
-        dense and MoE stacks (`check_plan`)."""
-        check_plan(self.cfg)
-        return super().__call__(batch, remat, moe_layer)
+        """(cross-entropy + the routers' auxiliary losses, metrics), as `models.moe.MoeLlama`'s; a pipeline over
+        `pipe` cuts the MoE blocks, the dense ones running with the embedding (`embed_and_dense`)."""
+        stacked = self.blocks.stacked()
+        stages = pipeline.Stages(
+            embed=functools.partial(embed_and_dense, cfg=self.cfg, remat=remat),
+            layers=functools.partial(run_layers, cfg=self.cfg, remat=remat, moe_layer=moe_layer),
+            head=functools.partial(llama.head_loss, cfg=self.cfg),
+            aux_loss=experts.aux_loss,
+        )
+        embed_params = {"table": self.embedding[...], **({"dense": stacked["dense"]} if "dense" in stacked else {})}
+        loss, sums = pipeline.loss(stages, embed_params, {"moe": stacked["moe"]}, self.head_params(),
+                                   batch["inputs"], batch["targets"])
+        aux_loss, metrics = experts.summarize(sums, self.cfg.n_moe_layers)
+        return loss, {"ce_loss": loss - aux_loss, **metrics}
 
     def logits(self, tokens, positions=None, mask=None, segment_ids=None):
         """Logits [batch, seq, vocab] with positions and a padding mask (see `latent_cache.deepseek_logits`)."""
