@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.core import zero_layout
 from jaxpar.models import latent_attention, latent_cache, llama, moe
 from jaxpar.models.block import RESIDUAL, block_norm, mlp, residual_add
 from jaxpar.parallel import experts, tensor
@@ -126,7 +127,7 @@ class DeepseekLayers(nnx.Module):
         param = functools.partial(llama._param, rngs)
 
         def build(shape, names, scale=None):  # the dense blocks' stack is no pipeline's `layers`: not cut over pipe
-            return param(shape, names if experts_ffn else (None, *names[1:]), dt, scale)
+            return param(shape, names if experts_ffn else (zero_layout.PREFIX_SCANNED, *names[1:]), dt, scale)
 
         self.attn_norm = build((n, d), ("layers", "norm"))
         for name, value in latent_attention.latent_params(cfg, rngs, n, build).items():

@@ -89,8 +89,7 @@ def blocks_path(cfg: LlamaConfig) -> str:
 
 def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every jaxpar parameter path ('blocks/wq') -> its shape (stacked over layers; vocabulary padded)."""
-    n, d, h, kv, hd, f, vp = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                              cfg.padded_vocab)
+    n, d, vp = cfg.n_layers, cfg.d_model, cfg.padded_vocab
     if hf_deepseek_v3.is_deepseek(cfg):  # latent attention, dense then MoE blocks: its own stacks
         top = {"embedding": (vp, d), "final_norm": (d,), **({} if cfg.tie_embeddings else {"head": (d, vp)})}
         return {**top, **hf_deepseek_v3.jaxpar_block_shapes(cfg)}
@@ -149,10 +148,10 @@ def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     if hf_gpt_oss.is_gpt_oss(cfg):
         layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | hf_gpt_oss.expected_layer_shapes(cfg)
     elif hf_mixtral.is_moe(cfg):
-        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | moe_family(cfg).expected_layer_shapes(cfg)
-        dense_mlp = dense_layer_params(cfg)
-        dense_layer = {k: s for k, s in layer.items() if k not in moe_family(cfg).expected_layer_shapes(cfg)}
-        dense_layer |= {dense_mlp[k][0]: (f, d) for k in ("w_gate", "w_up")} | {dense_mlp["w_down"][0]: (d, f)}
+        attention = {k: s for k, s in layer.items() if not k.startswith("mlp.")}
+        layer = attention | moe_family(cfg).expected_layer_shapes(cfg)
+        dense_mlp = dense_layer_params(cfg)  # an MoE model's dense layers (moe_every > 1): the family's MLP names
+        dense_layer = attention | {dense_mlp[k][0]: (f, d) for k in ("w_gate", "w_up")} | {dense_mlp["w_down"][0]: (d, f)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
