@@ -55,6 +55,12 @@ def jaxpar_model(cfg, params):
     return nnx.merge(graphdef, state)
 
 
+def random_model(cfg):
+    """A jaxpar model of `cfg` with its own random weights (an export's source other than an import)."""
+    with nnx.use_eager_sharding(False):
+        return MoeLlama(cfg, nnx.Rngs(7))
+
+
 def jax_tree(params):
     return {k: jax_tree(v) if isinstance(v, dict) else jnp.asarray(v) for k, v in params.items()}
 
@@ -62,8 +68,8 @@ def jax_tree(params):
 @needs_torch
 def test_logits_match_transformers_both_ways(saved, tmp_path):
     """Import: logits within 1e-5 (the dense layers' MLPs in the dense stack, moe_every=2); the layout moves them.
-    Export: transformers reloads the files strictly (the dense layers' `mlp.gate_proj`, the MoE ones' experts) with
-    our logits, and the config keeps the source's layout fields."""
+    Export of a random jaxpar model: transformers reloads the files strictly (the dense layers' `mlp.gate_proj`, the
+    MoE ones' experts) with its logits, and the config keeps the source's layout fields."""
     layout, reference, directory = saved
     cfg, params = hf.load_hf_params(directory)
     assert (cfg.moe_every, sorted(params["blocks"])) == (2, ["dense", "moe"])
@@ -73,12 +79,13 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
     every_layer = relative(torch_logits(qwen3_moe("every layer MoE"), TOKENS), theirs)
     assert every_layer > 1e-3, every_layer
 
-    hf.write_hf(params, cfg, tmp_path / "out", source=json.loads((directory / "config.json").read_text()))
+    source = json.loads((directory / "config.json").read_text())
+    ours = random_model(cfg)
+    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out", source=source)
     model, info = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
-    back = relative(torch_logits(model.float().eval(), TOKENS), theirs)
+    back = relative(torch_logits(model.float().eval(), TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))
     assert back <= 1e-5, back
-    source = json.loads((directory / "config.json").read_text())
     assert unchanged(source, json.loads((tmp_path / "out" / "config.json").read_text())) == []
     print(f"{layout}: import {imported:.2e}, export {back:.2e}, every layer MoE moves them {every_layer:.2e}")
 
@@ -142,7 +149,7 @@ def maverick(tmp_path_factory):
 @needs_torch
 def test_llama4_dense_layers_match_transformers_both_ways(maverick, tmp_path):
     """Import: logits within 1e-5 (the dense layers' `feed_forward.gate_proj` of intermediate_size_mlp), moved by the
-    layout; export: strict reload with the same logits and the source config's every field; greedy decode equal."""
+    layout; export of a random jaxpar model: strict reload with its logits and the source config's every field; greedy decode equal."""
     import test_hf_llama4
 
     reference, directory = maverick
@@ -155,8 +162,10 @@ def test_llama4_dense_layers_match_transformers_both_ways(maverick, tmp_path):
     assert every_layer > 1e-3, every_layer
 
     source = json.loads((directory / "config.json").read_text())
-    hf.write_hf(params, cfg, tmp_path / "out", source=source)
-    back = relative(torch_logits(test_hf_llama4.reload(tmp_path / "out"), TOKENS), theirs)
+    ours = random_model(cfg)
+    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out", source=source)
+    back = relative(torch_logits(test_hf_llama4.reload(tmp_path / "out"), TOKENS),
+                    np.asarray(ours.logits(jnp.asarray(TOKENS))))
     assert back <= 1e-5, back
     assert unchanged(source, json.loads((tmp_path / "out" / "config.json").read_text())) == []
     reference.generation_config.eos_token_id = None
