@@ -4,7 +4,9 @@ Blocks come in groups of `moe_every`: `moe_every - 1` dense Llama blocks, then
 one block whose MLP is `jaxpar.parallel.experts.moe_ffn`. Groups are stacked along the
 `layers` axis and scanned, like the dense model's blocks, so the compiled step
 stays the same size whatever the depth. The loss adds the routers' auxiliary
-losses, and the aux dict carries the routing metrics.
+losses, and the aux dict carries the routing metrics. With local/global layers
+(`sliding_pattern` P) the groups are scanned a pattern of P / moe_every groups at a
+time (`run_patterns`); inference scans the groups too (`MoeBlocks.inference`).
 """
 
 from __future__ import annotations
