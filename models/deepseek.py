@@ -10,8 +10,11 @@ used 0.001) the train step moves it after each update by DeepSeek's auxiliary-lo
 +gamma * sign(mean load - load) per layer and expert over the step's whole batch (`after_step`); 0 keeps it as
 imported, as transformers does.
 
-The dense and the MoE blocks are two stacks, each scanned; the pipeline cuts one stack of equal layers, so a plan
-with pipe > 1 is refused for a model with dense blocks.
+The dense and the MoE blocks are two stacks, each scanned. The pipeline cuts the MoE stack; the dense blocks run
+with the embedding, before the first stage (`embed_and_dense`). Their cost under pipe > 1: every stage holds the
+dense blocks' weights (not cut over `pipe`, like the embedding), stage 0 runs their forward and backward for each
+microbatch on top of its own blocks (the published DeepSeek-V3's 3 of 61 blocks: about 3 / (58 / pipe) more work
+there), and the other stages compute the forward the executor selects away, as they do the embedding's.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.core import trace
+from jaxpar.core import zero_layout
 from jaxpar.models import latent_attention, latent_cache, llama, moe
 from jaxpar.models.block import RESIDUAL, block_norm, mlp, residual_add
 from jaxpar.parallel import experts, tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
+from jaxpar.pipeline import executor as pipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +131,8 @@ class DeepseekLayers(nnx.Module):
         dt = jnp.dtype(cfg.param_dtype)
         param = functools.partial(llama._param, rngs)
 
-        def build(shape, names, scale=None):
-            return param(shape, names, dt, scale)
+        def build(shape, names, scale=None):  # the dense blocks' stack is no pipeline's `layers`: not cut over pipe
+            return param(shape, names if experts_ffn else (zero_layout.PREFIX_SCANNED, *names[1:]), dt, scale)
 
         self.attn_norm = build((n, d), ("layers", "norm"))
         for name, value in latent_attention.latent_params(cfg, rngs, n, build).items():
@@ -199,14 +203,20 @@ def run_layers(stacked, x, cfg: DeepseekConfig, remat: Callable | None = None,
 
 
 def check_plan(cfg: DeepseekConfig) -> None:
-    """ValueError for a plan this model cannot run on: a pipeline over its two stacks of blocks."""
+    """ValueError for a plan this model cannot run on: the balance under a pipeline."""
     plan = trace.active_plan()
-    if plan is not None and plan.shape["pipe"] > 1 and cfg.first_dense:
-        raise ValueError(f"pipe={plan.shape['pipe']} with DeepSeek-V3's first_dense={cfg.first_dense}: the "
-                         "pipeline cuts one stack of equal blocks, and its dense and MoE blocks are two")
     if plan is not None and plan.shape["pipe"] > 1 and cfg.router_bias_update:
         raise ValueError(f"router_bias_update={cfg.router_bias_update} with pipe={plan.shape['pipe']}: the balance "
                          "needs each layer's loads, and a pipeline's stages hand back their layers' sum")
+
+
+def embed_and_dense(params, tokens, cfg: DeepseekConfig, remat: Callable | None = None):
+    """The embedding's rows, then the dense blocks (`params["dense"]`, where the model has them): the pipeline's
+    input to its first stage, so that the stages cut only the MoE blocks."""
+    x = llama.embed_tokens(params["table"], tokens)
+    if "dense" in params:
+        x = scan_layers(lambda p, h: dense_block(p, h, cfg), params["dense"], x, remat=remat)
+    return x
 
 
 class DeepseekV3(moe.MoeLlama):
@@ -214,10 +224,21 @@ class DeepseekV3(moe.MoeLlama):
     run_blocks = staticmethod(run_layers)
 
     def __call__(self, batch, remat: Callable | None = None, moe_layer: moe.MoeLayer = experts.moe_ffn):
-        """(cross-entropy + the routers' auxiliary losses, metrics), as `models.moe.MoeLlama`'s; no pipeline over its
-        dense and MoE stacks (`check_plan`)."""
+        """(cross-entropy + the routers' auxiliary losses, metrics), as `models.moe.MoeLlama`'s; a pipeline over
+        `pipe` cuts the MoE blocks, the dense ones running with the embedding (`embed_and_dense`)."""
         check_plan(self.cfg)
-        return super().__call__(batch, remat, moe_layer)
+        stacked = self.blocks.stacked()
+        stages = pipeline.Stages(
+            embed=functools.partial(embed_and_dense, cfg=self.cfg, remat=remat),
+            layers=functools.partial(run_layers, cfg=self.cfg, remat=remat, moe_layer=moe_layer),
+            head=functools.partial(llama.head_loss, cfg=self.cfg),
+            aux_loss=experts.aux_loss,
+        )
+        embed_params = {"table": self.embedding[...], **({"dense": stacked["dense"]} if "dense" in stacked else {})}
+        loss, sums = pipeline.loss(stages, embed_params, {"moe": stacked["moe"]}, self.head_params(),
+                                   batch["inputs"], batch["targets"])
+        aux_loss, metrics = experts.summarize(sums, self.cfg.n_moe_layers)
+        return loss, {"ce_loss": loss - aux_loss, **metrics}
 
     def after_step(self, params: dict, metrics: dict, batch: dict) -> dict:
         """`params` with each MoE layer's router correction moved by the step's loads (`experts.rebalanced`, the

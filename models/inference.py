@@ -122,7 +122,9 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
     """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer).
 
     `feed_forward(p, x, cfg)` is the blocks' (`Blocks.inference`; default the dense MLP);
-    `documents` as in `cached_attention`.
+    `documents` as in `cached_attention`. Blocks of several kinds in a repeating group (an MoE model's dense
+    blocks between its MoE ones) come as a tuple of stacks, one per place in the group, each [groups, ...], and
+    a tuple of feed-forwards: the scan then runs over the groups, each running its blocks in order.
     """
     feed_forward = dense_feed_forward if feed_forward is None else feed_forward
 
@@ -130,8 +132,7 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
     frequencies = layer_pattern.layer_frequencies(cfg, cfg.head_dim)  # None: every layer rotates by cfg's
     options = layer_pattern.layer_options(cfg)  # Llama 4's per-layer chunks, q/k norms and query temperatures
 
-    def body(h, layer):
-        p, kv, window, inv_freq, options = layer
+    def block(h, p, kv, window, inv_freq, options, feed_forward):
         attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)), cfg,
                                     positions, key_mask, kv, index, window, documents=documents, inv_freq=inv_freq,
                                     layer=options)
@@ -139,7 +140,22 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
         out = feed_forward(p, tensor.enter_tensor_region(block_norm(h, p["mlp_norm"], cfg)), cfg)
         return residual_add(p, h, out, "post_mlp_norm", cfg), kv
 
-    return jax.lax.scan(body, x, (stacked, cache, window, frequencies, options))
+    per_layer = (cache, window, frequencies, options)
+    if not isinstance(stacked, tuple):
+        return jax.lax.scan(lambda h, layer: block(h, *layer, feed_forward), x, (stacked, *per_layer))
+    size = len(stacked)
+
+    def group(h, layers):
+        weights, per_layer = layers
+        kvs = []
+        for j in range(size):
+            h, kv = block(h, weights[j], *jax.tree.map(lambda a: a[j], per_layer), feed_forward[j])
+            kvs.append(kv)
+        return h, jax.tree.map(lambda *a: jnp.stack(a), *kvs)
+
+    grouped = jax.tree.map(lambda a: a.reshape(-1, size, *a.shape[1:]), per_layer)
+    x, kv = jax.lax.scan(group, x, (stacked, grouped))
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), kv)
 
 
 def padded_positions(mask):

@@ -4,7 +4,9 @@ Blocks come in groups of `moe_every`: `moe_every - 1` dense Llama blocks, then
 one block whose MLP is `jaxpar.parallel.experts.moe_ffn`. Groups are stacked along the
 `layers` axis and scanned, like the dense model's blocks, so the compiled step
 stays the same size whatever the depth. The loss adds the routers' auxiliary
-losses, and the aux dict carries the routing metrics.
+losses, and the aux dict carries the routing metrics. With local/global layers
+(`sliding_pattern` P) the groups are scanned a pattern of P / moe_every groups at a
+time (`run_patterns`); inference scans the groups too (`MoeBlocks.inference`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.models import layer_pattern, llama
+from jaxpar.models.block import dense_feed_forward
 from jaxpar.parallel import experts, tensor, zero
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.stack import scan_layers
@@ -151,14 +154,23 @@ class MoeBlocks(nnx.Module):
         return {"dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
 
     def inference(self):
-        """(per-layer weights, the MoE feed-forward) for `inference.inference_layers`: every block must be an MoE block.
+        """(per-layer weights, feed-forward) for `inference.inference_layers`; with dense blocks, one stack and one
+        feed-forward per place in a group (its `moe_every - 1` dense blocks, then its MoE block).
 
         The layer's routing statistics (its auxiliary losses) are training's and are dropped here.
         """
-        if self.dense is not None:
-            raise ValueError("inference (logits, decode) of an MoE model needs an MoE feed-forward in every block "
-                             "(moe_every=1, as Mixtral); this model mixes dense blocks in")
-        return self.moe.stacked(), lambda p, x, cfg: with_shared_expert(p, x, cfg, experts.moe_ffn(p, x, cfg.moe)[0])
+        moe = self.moe.stacked()
+        if self.dense is None:
+            return moe, experts_feed_forward
+        dense = zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0])
+        places = dense["attn_norm"].shape[1]
+        stacks = tuple(jax.tree.map(lambda a, j=j: a[:, j], dense) for j in range(places))
+        return (*stacks, moe), (dense_feed_forward,) * places + (experts_feed_forward,)
+
+
+def experts_feed_forward(p, x, cfg: MoeLlamaConfig):
+    """An MoE block's feed-forward as inference calls it: the routed experts (plus the shared one), no statistics."""
+    return with_shared_expert(p, x, cfg, experts.moe_ffn(p, x, cfg.moe)[0])
 
 
 def with_shared_expert(p, x, cfg: MoeLlamaConfig, routed):
@@ -183,10 +195,9 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
     each MoE block's parameters gathered just before it runs.
     """
+    if cfg.sliding_pattern > 1 and "dense" in stacked:  # local/global layers and dense blocks: patterns of groups
+        return run_patterns(stacked, x, cfg, remat, moe_layer)
     if cfg.sliding_pattern > 1:  # local and global layers (models.layer_pattern), each with its experts
-        if "dense" in stacked:
-            raise ValueError(f"sliding_pattern={cfg.sliding_pattern} with moe_every={cfg.moe_every}: local and "
-                             "global layers need an MoE feed-forward in every block (moe_every=1)")
         return layer_pattern.run_groups(lambda p, h, c: moe_block(p, h, c, moe_layer), stacked["moe"], x, cfg, remat)
 
     def group(p, h):
@@ -195,6 +206,35 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
         return moe_block(p["moe"], h, cfg, moe_layer)
 
     return scan_layers(group, stacked, x, remat=remat)
+
+
+def run_patterns(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
+                 moe_layer: MoeLayer = experts.moe_ffn):
+    """The block groups scanned a local/global pattern at a time (Llama 4 Maverick's: P = sliding_pattern layers,
+    P / moe_every groups of dense blocks then an MoE block), each layer with its own static window and rotation
+    (`layer_pattern.layer_config`): (x, statistics stacked per MoE layer). A pattern must hold whole groups, and
+    `stacked` (all groups, or a pipeline chunk of them) whole patterns: other layouts are refused naming the sizes."""
+    pattern, every = cfg.sliding_pattern, cfg.moe_every
+    groups = stacked["moe"]["router"].shape[0]
+    per_pattern = pattern // every
+    if pattern % every or cfg.n_layers % pattern or groups % per_pattern:
+        raise ValueError(f"sliding_pattern={pattern} with moe_every={every}: a local/global pattern must hold whole "
+                         f"groups of moe_every blocks, and the {groups * every} layers run here (n_layers="
+                         f"{cfg.n_layers}, or a pipeline chunk) whole patterns")
+
+    def run_pattern(p, h):
+        stats = []
+        for g in range(per_pattern):
+            for j in range(every - 1):
+                h = llama.block(jax.tree.map(lambda a: a[g, j], p["dense"]), h,
+                                layer_pattern.layer_config(cfg, g * every + j))
+            h, layer_stats = moe_block(jax.tree.map(lambda a: a[g], p["moe"]), h,
+                                       layer_pattern.layer_config(cfg, g * every + every - 1), moe_layer)
+            stats.append(layer_stats)
+        return h, jax.tree.map(lambda *a: jnp.stack(a), *stats)
+
+    x, stats = scan_layers(run_pattern, zero.regroup(stacked, groups // per_pattern), x, remat=remat)
+    return x, jax.tree.map(lambda a: a.reshape(groups, *a.shape[2:]), stats)
 
 
 class MoeLlama(llama.Llama):

@@ -1,6 +1,7 @@
 """An independent single-device Llama 4 (text) loss in plain JAX, beside tests/reference.py's Llama and MoE.
 
-It reads the parameter tree jaxpar's train state holds (`blocks/moe` with the shared expert's weights) and
+It reads the parameter tree jaxpar's train state holds (`blocks/moe` with the shared expert's weights, `blocks/dense`
+the dense layers' between the MoE ones) and
 re-derives Llama 4 from its definition: every sliding_pattern-th layer is NoPE (no rotation, queries times
 log1p(floor((i + 1) / floor)) * scale + 1), the others rotate, L2-norm q and k and attend causally within
 chunks of positions; the feed-forward is the shared SwiGLU plus the one chosen expert's SwiGLU of the input
@@ -47,13 +48,17 @@ def feed_forward(p, x, cfg):
 
 
 def llama4_loss(params, batch, cfg):
-    """(loss, metrics) of a Llama 4 with an MoE feed-forward in every block."""
+    """(loss, metrics) of a Llama 4: layer i an MoE layer when (i + 1) % moe_every == 0, else a dense SwiGLU one."""
     x = embed(params, batch["inputs"], cfg)
+    every = cfg.moe_every
     for i in range(cfg.n_layers):
-        p = layer(params["blocks"]["moe"], i)
+        moe = (i + 1) % every == 0
+        p = layer(params["blocks"]["moe"], i // every) if moe else \
+            layer(params["blocks"]["dense"], i // every * (every - 1) + i % every)
         nope = cfg.global_nope and (i + 1) % cfg.sliding_pattern == 0
         x = x + attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, nope)
-        x = x + feed_forward(p, norm(x, p["mlp_norm"], cfg.norm_eps), cfg)
+        h = norm(x, p["mlp_norm"], cfg.norm_eps)
+        x = x + (feed_forward(p, h, cfg) if moe else swiglu(h, p["w_gate"], p["w_up"], p["w_down"]))
     ce = cross_entropy(params, x, batch["targets"], cfg)
     return ce, {"ce_loss": ce}
 

@@ -222,8 +222,8 @@ LLAMA4 = {"model_type": "llama4_text", "vocab_size": 256, "hidden_size": 64, "nu
 @pytest.mark.parametrize("fields, message", [
     ({"model_type": "llama4"}, "model_type='llama4' .*vision.*'llama4_text'"),
     ({"num_experts_per_tok": 2}, "num_experts_per_tok=2"),
-    ({"interleave_moe_layer_step": 2}, "interleave_moe_layer_step=2"),
-    ({"moe_layers": [1, 3]}, r"moe_layers=\[1, 3\]"),
+    ({"interleave_moe_layer_step": 3}, "interleave_moe_layer_step=3"),
+    ({"moe_layers": [0, 3]}, r"moe_layers=\[0, 3\]"),
     ({"no_rope_layers": [1, 0, 0, 1]}, r"no_rope_layers=\[1, 0, 0, 1\]"),
     ({"layer_types": ["full_attention"] * 4}, "layer_types="),
     ({"output_router_logits": True}, "output_router_logits=True"),

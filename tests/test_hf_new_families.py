@@ -20,7 +20,7 @@ from flax import nnx
 
 import family_strategies
 from jaxpar.cli import main
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_families
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
@@ -100,7 +100,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
         changed = relative(torch_logits(family_model(family, **off), TOKENS), theirs)
         assert changed > 1e-3, (option, changed)
     if cfg.qk_norm:
-        path = hf.blocks_path(cfg).split("/")
+        path = hf_families.blocks_path(cfg).split("/")
         blocks = functools.reduce(lambda tree, key: tree[key], path, params)
         plain = {**params}
         node = plain
@@ -194,8 +194,8 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64, "n
 @pytest.mark.parametrize("fields, message", [
     ({"norm_topk_prob": False}, "norm_topk_prob=false with num_experts_per_tok=2"),
     ({"num_experts_per_tok": 1}, "norm_topk_prob=true with num_experts_per_tok=1"),
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
-    ({"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+    ({"decoder_sparse_step": 3}, "decoder_sparse_step=3"),
+    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
     ({"output_router_logits": True}, "output_router_logits=true"),
     ({"num_experts": None}, "num_experts is missing"),
 ])

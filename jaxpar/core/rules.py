@@ -38,6 +38,7 @@ DEFAULT_RULES: dict[str, Rule] = {
     "head_dim": None,
     "vocab": "tensor",
     "layers": "pipe",
+    "prefix_layers": None,  # layers before the pipeline's first stage (zero_layout.PREFIX_SCANNED): on every stage
     "experts": "expert",
     "expert_mlp": "tensor",
     "norm": None,

@@ -20,6 +20,8 @@ from jaxpar.core import rules as rules_lib
 
 AXES = ("replica", "data")  # the batch axes ZeRO may shard over; the step runs its gradients per rank of these
 SCANNED = "layers"  # the stacked-layers dimension: a layer scan slices it, so ZeRO never shards it
+# a stack of layers no pipeline cuts (they run with the embedding: DeepSeek-V3's dense first blocks), scanned alike
+PREFIX_SCANNED = "prefix_layers"
 
 
 def axes_of(entry) -> tuple[str, ...]:
@@ -59,7 +61,8 @@ def choose_dim(names: Sequence[str | None], shape: Sequence[int], spec: P, data:
     entries = entries_of(spec, len(shape))
     if data == 1 or over_zero_axes(entries):
         return None
-    free = [d for d, e in enumerate(entries) if e is None and names[d] != SCANNED and shape[d] % data == 0]
+    free = [d for d, e in enumerate(entries) if e is None and names[d] not in (SCANNED, PREFIX_SCANNED)
+            and shape[d] % data == 0]
     return free[0] if free else None
 
 

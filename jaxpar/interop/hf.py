@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxpar.interop import base_weights, export_shares, hf_deepseek_v3, hf_gpt_oss, hf_llama4, hf_mixtral
 from jaxpar.interop.export import unflatten
-from jaxpar.interop.hf_families import TOP_PARAMS, blocks_path, expected_hf_shapes, jaxpar_shapes, layer_params
+from jaxpar.interop.hf_families import TOP_PARAMS, expected_hf_shapes, jaxpar_shapes, layer_stacks
 from jaxpar.interop.hf_config import (HF_CONFIG, config_from_hf, config_to_hf, family_of, is_hf_dir, read_hf_config,
                                       resolve_source)
 from jaxpar.interop.safetensors_reader import INDEX_FILE, SafetensorsReader
@@ -138,10 +138,11 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
         return np.stack([_read_shard(reader, name.format(expert=e), layout, shape[1:], index[1:], cfg.vocab)
                          for e in range(lo, hi)])
 
-    def stacked(suffix, layout):
+    def stacked(suffix, layout, layers):
         def read(shape, index):
             lo, hi = _bounds(index[0], shape[0])
-            return np.stack([layer(f"model.layers.{i}.{suffix}", layout, shape[1:], index[1:]) for i in range(lo, hi)])
+            return np.stack([layer(f"model.layers.{layers[i]}.{suffix}", layout, shape[1:], index[1:])
+                             for i in range(lo, hi)])
         return read
 
     sources = {"embedding": top(*TOP_PARAMS["embedding"]), "final_norm": top(*TOP_PARAMS["final_norm"])}
@@ -149,7 +150,8 @@ def _param_sources(cfg: LlamaConfig, reader: SafetensorsReader) -> dict[str, Cal
         sources["head"] = top(*TOP_PARAMS["head"])
     if hf_deepseek_v3.is_deepseek(cfg):
         return {**sources, **hf_deepseek_v3.block_sources(cfg, reader)}
-    sources.update({f"{blocks_path(cfg)}/{k}": stacked(*v) for k, v in layer_params(cfg).items()})
+    for path, layers, params in layer_stacks(cfg):
+        sources.update({f"{path}/{k}": stacked(*v, layers) for k, v in params.items()})
     return sources
 
 
@@ -249,30 +251,31 @@ def _hf_tensors(cfg: LlamaConfig, path: str, read: Callable, wanted=None) -> Ite
     if hf_deepseek_v3.is_deepseek(cfg):
         yield from hf_deepseek_v3.block_tensors(cfg, path, read, wanted)
         return
-    params = layer_params(cfg)
-    suffix, layout = params[path.removeprefix(f"{blocks_path(cfg)}/")]
+    prefix, name = path.rsplit("/", 1)
+    layers, params = next((layers, params) for stack, layers, params in layer_stacks(cfg) if stack == prefix)
+    suffix, layout = params[name]
     if layout in ("up_half", "odd_cols"):  # written beside their gate_half / even_cols partner
         return
     if layout == "gate_half":
         gate, up = read(path), read(path.removesuffix("expert_gate") + "expert_up")
-        for i in range(cfg.n_layers):
+        for j, i in enumerate(layers):
             if wanted is None or f"model.layers.{i}.{suffix}" in wanted:
-                yield f"model.layers.{i}.{suffix}", np.concatenate([np.asarray(gate[i]), np.asarray(up[i])], axis=-1)
+                yield f"model.layers.{i}.{suffix}", np.concatenate([np.asarray(gate[j]), np.asarray(up[j])], axis=-1)
         return
     if layout in PAIRED:
         odd = next(k for k, (name, kind) in params.items() if name == suffix and kind == "odd_cols")
-        even, odd = read(path), read(f"{blocks_path(cfg)}/{odd}")
-        for i in range(cfg.n_layers):
+        even, odd = read(path), read(f"{prefix}/{odd}")
+        for j, i in enumerate(layers):
             if wanted is None or f"model.layers.{i}.{suffix}" in wanted:
-                yield f"model.layers.{i}.{suffix}", np.stack([even[i], odd[i]], axis=-1).reshape(*even.shape[1:-1], -1)
+                yield f"model.layers.{i}.{suffix}", np.stack([even[j], odd[j]], axis=-1).reshape(*even.shape[1:-1], -1)
         return
     array = read(path)
-    for i in range(cfg.n_layers):
+    for j, i in enumerate(layers):
         experts = range(cfg.n_experts) if "{expert}" in suffix else [None]
         for e in experts:
             name = f"model.layers.{i}.{suffix if e is None else suffix.format(expert=e)}"
             if wanted is None or name in wanted:
-                yield name, _to_hf(array[i] if e is None else array[i, e], layout, cfg.vocab)
+                yield name, _to_hf(array[j] if e is None else array[j, e], layout, cfg.vocab)
 
 
 class SafetensorsFile:

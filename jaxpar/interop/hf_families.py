@@ -61,6 +61,27 @@ def layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
     return params
 
 
+def dense_layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
+    """The block parameters of an MoE model's dense blocks: its MoE blocks' attention and norms, and the family's
+    dense MLP (Qwen3-MoE's `mlp.*`, Llama 4's `feed_forward.*`) in place of the router and experts."""
+    family = moe_family(cfg)
+    moe_only = [k for k in family.LAYER_PARAMS if k not in LAYER_PARAMS]
+    dense_mlp = getattr(family, "DENSE_MLP_PARAMS", {k: LAYER_PARAMS[k] for k in hf_mixtral.DENSE_MLP})
+    return {k: v for k, v in layer_params(cfg).items() if k not in moe_only} | dense_mlp
+
+
+def layer_stacks(cfg: LlamaConfig) -> list[tuple[str, list[int], dict[str, tuple[str, str]]]]:
+    """Each stack of block parameters as (its path in the parameter tree, the Hugging Face layers it holds in order,
+    its parameters' (name, layout)): one, or an MoE model's dense blocks (those with (i + 1) % moe_every != 0,
+    `jaxpar.models.moe`) and its MoE blocks."""
+    n = cfg.n_layers
+    if not hf_mixtral.is_moe(cfg) or cfg.moe_every == 1:
+        return [(blocks_path(cfg), list(range(n)), layer_params(cfg))]
+    moe = [i for i in range(n) if (i + 1) % cfg.moe_every == 0]
+    return [("blocks/dense", [i for i in range(n) if i not in moe], dense_layer_params(cfg)),
+            ("blocks/moe", moe, layer_params(cfg))]
+
+
 def blocks_path(cfg: LlamaConfig) -> str:
     """Where the stacked block parameters lie in the parameter tree (an MoE Llama's under `moe`)."""
     return "blocks/moe" if hf_mixtral.is_moe(cfg) else "blocks"
@@ -68,34 +89,41 @@ def blocks_path(cfg: LlamaConfig) -> str:
 
 def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Every jaxpar parameter path ('blocks/wq') -> its shape (stacked over layers; vocabulary padded)."""
-    n, d, h, kv, hd, f, vp = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff,
-                              cfg.padded_vocab)
+    n, d, vp = cfg.n_layers, cfg.d_model, cfg.padded_vocab
     if hf_deepseek_v3.is_deepseek(cfg):  # latent attention, dense then MoE blocks: its own stacks
         top = {"embedding": (vp, d), "final_norm": (d,), **({} if cfg.tie_embeddings else {"head": (d, vp)})}
         return {**top, **hf_deepseek_v3.jaxpar_block_shapes(cfg)}
-    shapes = {"embedding": (vp, d), "final_norm": (d,),
-              "blocks/attn_norm": (n, d), "blocks/wq": (n, d, h, hd), "blocks/wk": (n, d, kv, hd),
-              "blocks/wv": (n, d, kv, hd), "blocks/wo": (n, h, hd, d), "blocks/mlp_norm": (n, d),
-              "blocks/w_gate": (n, d, f), "blocks/w_up": (n, d, f), "blocks/w_down": (n, f, d)}
+    shapes = {"embedding": (vp, d), "final_norm": (d,), **({} if cfg.tie_embeddings else {"head": (d, vp)})}
+    if not hf_mixtral.is_moe(cfg):
+        return {**shapes, **_block_shapes(cfg, "blocks", n, experts=False)}
+    if cfg.moe_every > 1:  # the dense blocks between the MoE ones: a stack of their own
+        shapes |= _block_shapes(cfg, "blocks/dense", n - cfg.n_moe_layers, experts=False)
+    return {**shapes, **_block_shapes(cfg, "blocks/moe", cfg.n_moe_layers, experts=True)}
+
+
+def _block_shapes(cfg: LlamaConfig, prefix: str, n: int, experts: bool) -> dict[str, tuple[int, ...]]:
+    """The shapes of a stack of `n` blocks under `prefix`: attention, norms, then the MLP or (`experts`) the router
+    and experts."""
+    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    shapes = {"attn_norm": (n, d), "wq": (n, d, h, hd), "wk": (n, d, kv, hd), "wv": (n, d, kv, hd),
+              "wo": (n, h, hd, d), "mlp_norm": (n, d)}
     if cfg.qkv_bias:
-        shapes.update({"blocks/bq": (n, h, hd), "blocks/bk": (n, kv, hd), "blocks/bv": (n, kv, hd)})
+        shapes.update({"bq": (n, h, hd), "bk": (n, kv, hd), "bv": (n, kv, hd)})
     if cfg.qk_norm:
-        shapes.update({"blocks/q_norm": (n, hd), "blocks/k_norm": (n, hd)})
+        shapes.update({"q_norm": (n, hd), "k_norm": (n, hd)})
     if cfg.post_norms:
-        shapes.update({"blocks/post_attn_norm": (n, d), "blocks/post_mlp_norm": (n, d)})
+        shapes.update({"post_attn_norm": (n, d), "post_mlp_norm": (n, d)})
     if cfg.attn_sinks:
-        shapes["blocks/sinks"] = (n, h)
+        shapes["sinks"] = (n, h)
     if cfg.attn_out_bias:
-        shapes["blocks/bo"] = (n, d)
-    if hf_mixtral.is_moe(cfg):  # the router and experts in place of the MLP, every block under blocks/moe
-        shapes = {k: s for k, s in shapes.items() if k.split("/")[-1] not in hf_mixtral.DENSE_MLP}
-        shapes |= {f"blocks/{k}": s for k, s in hf_mixtral.jaxpar_layer_shapes(cfg).items()}
+        shapes["bo"] = (n, d)
+    if not experts:
+        shapes.update({"w_gate": (n, d, f), "w_up": (n, d, f), "w_down": (n, f, d)})
+    else:
+        shapes |= hf_mixtral.jaxpar_layer_shapes(cfg)
         if cfg.shared_expert:
-            shapes |= {f"blocks/{k}": s for k, s in hf_llama4.shared_expert_shapes(cfg).items()}
-        shapes = {k.replace("blocks/", f"{blocks_path(cfg)}/", 1): s for k, s in shapes.items()}
-    if not cfg.tie_embeddings:
-        shapes["head"] = (d, vp)
-    return shapes
+            shapes |= hf_llama4.shared_expert_shapes(cfg)
+    return {f"{prefix}/{k}": s for k, s in shapes.items()}
 
 
 def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -116,13 +144,18 @@ def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     if cfg.post_norms:
         layer.update({"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,)})
+    dense_layer = layer
     if hf_gpt_oss.is_gpt_oss(cfg):
         layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | hf_gpt_oss.expected_layer_shapes(cfg)
     elif hf_mixtral.is_moe(cfg):
-        layer = {k: s for k, s in layer.items() if not k.startswith("mlp.")} | moe_family(cfg).expected_layer_shapes(cfg)
+        attention = {k: s for k, s in layer.items() if not k.startswith("mlp.")}
+        layer = attention | moe_family(cfg).expected_layer_shapes(cfg)
+        dense_mlp = dense_layer_params(cfg)  # an MoE model's dense layers (moe_every > 1): the family's MLP names
+        dense_layer = attention | {dense_mlp[k][0]: (f, d) for k in ("w_gate", "w_up")} | {dense_mlp["w_down"][0]: (d, f)}
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
+    dense = {i for path, layers, _ in layer_stacks(cfg) if path == "blocks/dense" for i in layers}
     for i in range(cfg.n_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in layer.items()})
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in (dense_layer if i in dense else layer).items()})
     return shapes

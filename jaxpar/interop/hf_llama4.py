@@ -11,9 +11,11 @@ Llama 4 rotates interleaved pairs (2i, 2i + 1) of each head, jaxpar the halves (
 import reorders q_proj's and k_proj's output rows within each head into halves (layout `in_heads_pairs`) and
 the export back, which leaves q . k, and so the model, unchanged. The experts are fused in the checkpoint:
 `feed_forward.experts.gate_up_proj` [experts, d, 2 f] (gate, then up) and `down_proj` [experts, f, d].
-Refused by name: the multimodal model (`llama4`), top-k > 1, dense layers between the MoE ones
-(`interleave_moe_layer_step` > 1: jaxpar's local/global layers need an MoE feed-forward in every block),
-NoPE layers of no period, and the router options transformers adds a loss or noise with.
+Dense layers between the MoE ones (Maverick's `interleave_moe_layer_step` 2) are jaxpar's `moe_every` groups:
+the MoE layers `moe_layers` must be every m-th (m - 1, 2m - 1, ...), the others have a SwiGLU MLP of
+`intermediate_size_mlp` (`feed_forward.gate_proj.weight`, ...). Refused by name: the multimodal model
+(`llama4`), top-k > 1, MoE layers of no period, NoPE layers of no period, and the router options
+transformers adds a loss or noise with.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ LAYER_PARAMS = {
     "shared_up": ("feed_forward.shared_expert.up_proj.weight", "transpose"),
     "shared_down": ("feed_forward.shared_expert.down_proj.weight", "transpose"),
 }
+# the dense layers' MLP (of intermediate_size_mlp), in place of the router and experts
+DENSE_MLP_PARAMS = {"w_gate": ("feed_forward.gate_proj.weight", "transpose"),
+                    "w_up": ("feed_forward.up_proj.weight", "transpose"),
+                    "w_down": ("feed_forward.down_proj.weight", "transpose")}
 
 
 def is_llama4(cfg: LlamaConfig) -> bool:
@@ -57,16 +63,17 @@ def moe_fields_from_hf(hf: dict) -> dict:
     if top_k != 1:
         raise ValueError(f"config.json: num_experts_per_tok={top_k} is not supported: jaxpar's Llama 4 router "
                          "scales one expert's input (top-1, as every published Llama 4)")
-    moe_layers = hf.get("moe_layers")
-    if step != 1 or (moe_layers is not None and list(moe_layers) != list(range(n))):
-        raise ValueError(f"config.json: interleave_moe_layer_step={step}, moe_layers={moe_layers} is not supported: "
-                         "jaxpar's Llama 4 has an MoE feed-forward in every layer (Scout's "
-                         "interleave_moe_layer_step=1)")
+    moe_layers = list(hf.get("moe_layers") or range(step - 1, n, step))
+    every = moe_layers[0] + 1 if moe_layers else 0
+    if not moe_layers or n % every or moe_layers != list(range(every - 1, n, every)):
+        raise ValueError(f"config.json: interleave_moe_layer_step={step}, moe_layers={hf.get('moe_layers')} make "
+                         f"layers {moe_layers} of {n} MoE layers; jaxpar's MoE layers are every m-th (layers m - 1, "
+                         "2m - 1, ... with m dividing num_hidden_layers)")
     for field in ("output_router_logits", "router_jitter_noise"):
         if hf.get(field):
             raise ValueError(f"config.json: {field}={hf[field]} is not supported (jaxpar's Llama 4 router adds "
                              "neither transformers' pooled loss nor noise)")
-    return {"n_experts": hf.get("num_local_experts", 16), "top_k": 1, "moe_every": 1,
+    return {"n_experts": hf.get("num_local_experts", 16), "top_k": 1, "moe_every": every,
             "expert_d_ff": hf["intermediate_size"], "d_ff": hf.get("intermediate_size_mlp", 16384), "dropless": True,
             "load_balance_coef": 0.0, "router_z_coef": 0.0, "shared_expert": True, "sigmoid_input_gate": True,
             **_attention_from_hf(hf)}
@@ -96,17 +103,18 @@ def _attention_from_hf(hf: dict) -> dict:
 
 def moe_fields_to_hf(cfg: MoeLlamaConfig) -> dict:
     """The Llama 4 text `config.json` fields of a Llama 4 config; ValueError for what it cannot express."""
-    wanted = {"moe_every": 1, "top_k": 1, "shared_expert": True}
+    wanted = {"top_k": 1, "shared_expert": True}
     problems = [f"{name}={getattr(cfg, name)}" for name, value in wanted.items() if getattr(cfg, name) != value]
     if cfg.qkv_bias or cfg.qk_norm or cfg.sliding_window is not None:
         problems.append(f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}")
     if problems:
         raise ValueError(f"{', '.join(problems)}: a Hugging Face Llama 4 has top-1 routing with a shared expert in "
-                         "every block and none of q/k/v biases, q/k norms with weights or windows")
+                         "every MoE block and none of q/k/v biases, q/k norms with weights or windows")
     n = cfg.n_layers
     rotates = [int(not (cfg.global_nope and (i + 1) % cfg.sliding_pattern == 0)) for i in range(n)]
     return {"num_local_experts": cfg.n_experts, "num_experts_per_tok": 1, "intermediate_size": cfg.expert_d_ff,
-            "intermediate_size_mlp": cfg.d_ff, "interleave_moe_layer_step": 1, "moe_layers": list(range(n)),
+            "intermediate_size_mlp": cfg.d_ff, "interleave_moe_layer_step": cfg.moe_every,
+            "moe_layers": list(range(cfg.moe_every - 1, n, cfg.moe_every)),
             "output_router_logits": False, "router_aux_loss_coef": cfg.load_balance_coef, "router_jitter_noise": 0.0,
             "no_rope_layers": rotates, "no_rope_layer_interval": cfg.sliding_pattern if cfg.global_nope else 4,
             "attention_chunk_size": cfg.attention_chunk, "use_qk_norm": cfg.qk_l2_norm,
@@ -131,5 +139,5 @@ def expected_layer_shapes(cfg: MoeLlamaConfig) -> dict[str, tuple[int, ...]]:
 
 def shared_expert_shapes(cfg: MoeLlamaConfig) -> dict[str, tuple[int, ...]]:
     """jaxpar's stacked shapes of the shared expert."""
-    n, d, f = cfg.n_layers, cfg.d_model, cfg.expert_d_ff
+    n, d, f = cfg.n_moe_layers, cfg.d_model, cfg.expert_d_ff
     return {"shared_gate": (n, d, f), "shared_up": (n, d, f), "shared_down": (n, f, d)}

@@ -82,7 +82,7 @@ def expected_layer_shapes(cfg: MoeLlamaConfig, names: dict = LAYER_PARAMS) -> di
 
 def jaxpar_layer_shapes(cfg: MoeLlamaConfig) -> dict[str, tuple[int, ...]]:
     """jaxpar's stacked shapes of the router and experts (`jaxpar.models.moe.ExpertBlocks`)."""
-    n, d, e, f = cfg.n_layers, cfg.d_model, cfg.n_experts, cfg.expert_d_ff
+    n, d, e, f = cfg.n_moe_layers, cfg.d_model, cfg.n_experts, cfg.expert_d_ff
     shapes = {"router": (n, d, e), "expert_gate": (n, e, d, f), "expert_up": (n, e, d, f), "expert_down": (n, e, f, d)}
     if cfg.expert_bias:  # gpt-oss's
         shapes.update(router_bias=(n, e), expert_gate_bias=(n, e, f), expert_up_bias=(n, e, f),

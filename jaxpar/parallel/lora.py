@@ -33,7 +33,7 @@ from jaxpar.parallel import constrain, lora_dropout, quantized_base
 
 A, B, SCALE, SALT = "_lora_a", "_lora_b", "_lora_scale", "_lora_salt"
 TRAINABLE = nnx.LoRAParam  # the filter `apply` returns: only the adapters train
-STACKED = (zero_layout.SCANNED, "experts")  # leading dimensions a weight is a stack of (layers, experts)
+STACKED = (zero_layout.SCANNED, zero_layout.PREFIX_SCANNED, "experts")  # leading dimensions a weight is a stack of (layers, experts)
 HEADS = ("heads", "kv_heads")  # a heads dimension and the head_dim after it are one input or output group
 
 # `--lora-targets` short names -> the weights they name in jaxpar's models (dense MLP and each expert's)
@@ -125,7 +125,7 @@ def _attach(module: nnx.Module, name: str, path: str, rank: int, alpha: float, r
     setattr(module, name + SCALE, nnx.Param(nnx.with_partitioning(scale, lead_names)(
         rngs.params(), stack, jnp.float32)))
     if dropout:
-        if lead_names != (zero_layout.SCANNED,):
+        if lead_names not in ((zero_layout.SCANNED,), (zero_layout.PREFIX_SCANNED,)):
             raise ValueError(f"--lora-dropout {dropout} acts on the weights of a layer stack, not on {path} (logical "
                              f"names {names}): leave it out of --lora-targets or use --lora-dropout 0")
         salt = lambda key, shape, dtype: jnp.asarray(lora_dropout.salts(path, shape))  # noqa: E731

@@ -39,7 +39,7 @@ def _matrices(model: nnx.Module):
     for path, module in nnx.iter_modules(model):
         for name, value in list(vars(module).items()):
             names = tuple(value.get_metadata().get("out_sharding") or ()) if type(value) is nnx.Param else ()
-            if name in MATRICES and names[:1] == (zero_layout.SCANNED,):
+            if name in MATRICES and names[:1] in ((zero_layout.SCANNED,), (zero_layout.PREFIX_SCANNED,)):
                 yield "/".join(str(p) for p in (*path, name)), module, name
 
 
