@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.core import zero_layout
+from jaxpar.core import trace, zero_layout
 from jaxpar.models import latent_attention, latent_cache, llama, moe
 from jaxpar.models.block import RESIDUAL, block_norm, mlp, residual_add
 from jaxpar.parallel import experts, tensor
