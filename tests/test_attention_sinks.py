@@ -100,10 +100,8 @@ def test_a_forced_fused_kernel_is_refused_with_sinks(asked):
             attention.causal_attention(q, k, v, sinks=sinks)
 
 
-def test_sinks_are_refused_under_context_parallelism_and_in_a_wrong_shape():
+def test_sinks_of_a_wrong_shape_are_refused():
+    """(Under context parallelism sinks run: tests/test_context_parallel.py.)"""
     (q, k, v, sinks), _ = inputs(seq=16)
     with pytest.raises(ValueError, match=r"expected one logit per query head, \(4,\)"):
         attention.causal_attention(q, k, v, sinks=sinks[:2])
-    with Plan.create("context=2", devices=jax.devices()[:2]).activate():
-        with pytest.raises(ValueError, match="attention sinks with context=2 are not supported"):
-            attention.causal_attention(q, k, v, sinks=sinks)
