@@ -228,3 +228,17 @@ def test_llama4_dense_layers_refuse_a_pattern_of_part_groups():
     batch = {"inputs": jnp.zeros((1, 8), jnp.int32), "targets": jnp.zeros((1, 8), jnp.int32)}
     with pytest.raises(ValueError, match="sliding_pattern=2 with moe_every=3: a local/global pattern must hold whole"):
         model(batch)
+
+
+def test_peft_adapters_of_a_model_with_two_stacks_of_blocks_are_refused_by_name():
+    """PEFT's layer numbering of a dense-and-MoE model's adapters is not written or read: both directions refuse
+    it in one line (pointing at the merged export), where the export would otherwise misnumber or fail."""
+    from jaxpar.interop import peft
+    from jaxpar.models import model_config
+    from jaxpar.models.moe import MoeLlamaConfig
+
+    mixed = MoeLlamaConfig(n_layers=4, moe_every=2)
+    for cfg in (mixed, model_config("deepseek-tiny")):
+        with pytest.raises(ValueError, match="dense blocks beside its MoE ones .* --format hf --merge"):
+            peft.check_one_stack(cfg, "--format peft")
+    peft.check_one_stack(dataclasses.replace(mixed, moe_every=1), "--format peft")  # one stack: nothing to refuse
