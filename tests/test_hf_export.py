@@ -36,6 +36,17 @@ def assert_generate_and_eval_equal_the_exports(run, out, capsys) -> None:
     assert abs(evaluated["eval_loss"] / exported["eval_loss"] - 1) <= 1e-5
 
 
+def imported_and_trained(directory, work, mesh: str, *options: str):
+    """`import-hf` of `directory` into `work`, then 2 steps from it on `mesh` (batch 8 of 16 tokens) saved at step 2:
+    (the checkpoint directory, the metrics rows) — the family files' import -> train -> export round trips."""
+    assert main(["import-hf", str(directory), "--out", str(work / "imported")]) == 0
+    metrics = work / "m.jsonl"
+    assert main(["train", "--init-from", str(work / "imported"), "--mesh", mesh, *options, "--steps", "2",
+                 "--batch-size", "8", "--seq-len", "16", "--checkpoint-dir", str(work / "run"),
+                 "--save-every", "2", "--metrics", str(metrics)]) == 0
+    return work / "run", [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
 def trained_mixtral(tmp_path_factory):
     """(save_pretrained directory, import-hf directory, checkpoint directory of 1 step trained from --init-from)."""

@@ -25,7 +25,7 @@ from jaxpar.interop import hf, hf_config, hf_gpt_oss
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
                      torch_logits, transformers)
-from test_hf_export import unchanged
+from test_hf_export import imported_and_trained, unchanged
 
 slow = pytest.mark.slow
 VOCAB = 300
@@ -122,13 +122,8 @@ def trained(saved, tmp_path_factory):
     the metrics rows)."""
     _, reference, directory = saved
     work = tmp_path_factory.mktemp("gpt-oss-run")
-    assert main(["import-hf", str(directory), "--out", str(work / "imported")]) == 0
-    metrics = work / "m.jsonl"
-    assert main(["train", "--init-from", str(work / "imported"), "--mesh", "data=2,expert=2,pipe=2", "--zero", "3",
-                 "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--checkpoint-dir", str(work / "run"),
-                 "--save-every", "2", "--metrics", str(metrics)]) == 0
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return reference, directory, work / "run", rows
+    run, rows = imported_and_trained(directory, work, "data=2,expert=2,pipe=2", "--zero", "3")
+    return reference, directory, run, rows
 
 
 @needs_torch

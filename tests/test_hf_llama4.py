@@ -31,7 +31,7 @@ from jaxpar.models.moe import MoeLlama
 from jaxpar.train.state import init_state
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, torch, torch_logits,
                      transformers)
-from test_hf_export import assert_generate_and_eval_equal_the_exports, unchanged
+from test_hf_export import assert_generate_and_eval_equal_the_exports, imported_and_trained, unchanged
 
 slow = pytest.mark.slow
 VOCAB = 300
@@ -130,13 +130,8 @@ def trained(saved, tmp_path_factory):
     metrics rows)."""
     reference, directory = saved
     work = tmp_path_factory.mktemp("llama4-run")
-    assert main(["import-hf", str(directory), "--out", str(work / "imported")]) == 0
-    metrics = work / "m.jsonl"
-    assert main(["train", "--init-from", str(work / "imported"), "--mesh", "data=2,expert=2,pipe=2", "--zero", "3",
-                 "--steps", "2", "--batch-size", "8", "--seq-len", "16", "--checkpoint-dir", str(work / "run"),
-                 "--save-every", "2", "--metrics", str(metrics)]) == 0
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return reference, directory, work / "run", rows
+    run, rows = imported_and_trained(directory, work, "data=2,expert=2,pipe=2", "--zero", "3")
+    return reference, directory, run, rows
 
 
 @needs_torch

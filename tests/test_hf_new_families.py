@@ -25,7 +25,7 @@ from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
                      torch_logits, transformers)
-from test_hf_export import assert_generate_and_eval_equal_the_exports, unchanged
+from test_hf_export import assert_generate_and_eval_equal_the_exports, imported_and_trained, unchanged
 
 slow = pytest.mark.slow
 VOCAB = 300
@@ -133,13 +133,8 @@ def trained(saved, tmp_path_factory):
     family, reference, directory = saved
     work = tmp_path_factory.mktemp(f"{family}-run")
     mesh, options = ROUND_TRIPS[family]
-    assert main(["import-hf", str(directory), "--out", str(work / "imported")]) == 0
-    metrics = work / "m.jsonl"
-    assert main(["train", "--init-from", str(work / "imported"), "--mesh", mesh, *options, "--steps", "2",
-                 "--batch-size", "8", "--seq-len", "16", "--checkpoint-dir", str(work / "run"),
-                 "--save-every", "2", "--metrics", str(metrics)]) == 0
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return family, reference, directory, work / "run", rows
+    run, rows = imported_and_trained(directory, work, mesh, *options)
+    return family, reference, directory, run, rows
 
 
 @needs_torch
