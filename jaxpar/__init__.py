@@ -9,7 +9,7 @@ if not (_root / "jaxpar" / "models").exists() and (_root / "models" / "__init__.
     __path__.append(str(_root))
 del _Path, _root
 
-from jaxpar.core import gpu_profile
+from jaxpar.core import compile_cache, gpu_profile
 from jaxpar.core.mesh import AXES, MeshSpec, make_mesh, parse_mesh
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import DEFAULT_RULES, LogicalArray
@@ -62,10 +62,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
 
 
+compile_cache.use_default()  # compiled steps kept across runs (jaxpar.compile_cache.use(DIR | "off") to change)
+
 __all__ = [
     "AXES", "BatchStream", "DEFAULT_RULES", "DataSpec", "LogicalArray", "MeshSpec", "MoEConfig", "Plan",
     "PlanOptionUnused", "Stack", "Stages", "TrainState", "active_plan", "batch_stream", "causal_attention",
-    "column_parallel", "constrain", "describe", "embedding_lookup", "enter_tensor_region", "gpu_profile",
+    "column_parallel", "compile_cache", "constrain", "describe", "embedding_lookup", "enter_tensor_region", "gpu_profile",
     "init_state", "lora", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss", "pipelined_loss",
     "place_state", "row_parallel", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
     "to_natural_order", "to_pipeline_order", "token_positions", "vocab_parallel_cross_entropy",

@@ -42,6 +42,9 @@ TRAIN_FLAGS = {
                        "(default: UTF-8 bytes); with a .npy from `jaxpar tokenize`, check that it was made with it"),
     "tensorboard": (str, "also write loss, lr, grad norm, tokens/s, MFU and memory as TensorBoard scalars here"),
     "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.planner.devices) lacks the device"),
+    "compile_cache": (str, "keep compiled steps in this directory, so that a restarted, resumed or repeated run loads "
+                           "its step instead of compiling it; off: never (default: $JAXPAR_COMPILE_CACHE, else "
+                           "~/.cache/jaxpar/xla)"),
     "skip_bad_records": (bool, "train without a document source's bad records (malformed JSON, missing fields, unknown "
                                "chat roles) instead of refusing it; start-up says how many are left out"),
 }
@@ -327,6 +330,8 @@ def _add_hf_commands(sub) -> None:
     for command in (evaluate, generate):
         command.add_argument("--tokenizer", default=None,
                              help="a Hugging Face tokenizer.json or a SentencePiece .model (default: UTF-8 bytes)")
+    for command in (evaluate, generate):
+        command.add_argument("--compile-cache", default=None, help=TRAIN_FLAGS["compile_cache"][1])
     for command in (imp, evaluate, generate):
         command.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose (default 8)")
         command.add_argument("--json", action="store_true", help="print one JSON object only")
@@ -361,15 +366,19 @@ def _hf_command(args: argparse.Namespace) -> int:
 
             result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype, args.merge)
         elif args.command == "eval":
+            from jaxpar.core import compile_cache
             from jaxpar.run.evaluate import evaluate_checkpoint
             from jaxpar.run.generate import generation_plan
 
+            compile_cache.use(args.compile_cache)
             result = evaluate_checkpoint(args.checkpoint_dir, generation_plan(args.mesh), args.data, args.seq_len,
                                          args.batch_size, args.step, tokenizer=args.tokenizer, packing=args.packing,
                                          skip_bad_records=args.skip_bad_records)
         else:
+            from jaxpar.core import compile_cache
             from jaxpar.run.generate import generate_from_checkpoint
 
+            compile_cache.use(args.compile_cache)
             result = generate_from_checkpoint(
                 args.checkpoint_dir, args.prompt, args.mesh, args.max_new_tokens, args.temperature, args.top_p,
                 args.seed, args.eos, args.tokenizer, args.step, use_cache=not args.no_cache, chat=args.chat)

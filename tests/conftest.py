@@ -1,6 +1,9 @@
-"""Force 8 CPU devices before jax is imported, so every strategy is tested on one machine."""
+"""Force 8 CPU devices before jax is imported, so every strategy is tested on one machine; keep compiled programs in
+one persistent cache for the whole run."""
 
 import os
+import shutil
+import tempfile
 
 # The tests check layouts, collectives, memory and numbers, not the speed of generated code, and
 # XLA:CPU spends about half of each compile in LLVM's optimisation passes. Level 0 skips them: the
@@ -9,6 +12,22 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Many test files and the processes they start compile the same small steps. One compile cache for the whole run
+# (every xdist worker and every subprocess inherits the directory; jaxpar.core.compile_cache reads it) loads a step
+# that another test already compiled. .ci/run gives a fresh directory, so CI pays what a fresh machine pays;
+# without one the session makes its own and removes it at the end. Tests compile small programs: a lower threshold
+# than jaxpar's 0.5 s keeps them too.
+CACHE_ENV = "JAXPAR_COMPILE_CACHE"
+SESSION_CACHE = None
+if CACHE_ENV not in os.environ:
+    SESSION_CACHE = os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="jaxpar-test-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+
+def pytest_sessionfinish(session):
+    if SESSION_CACHE is not None and not hasattr(session.config, "workerinput"):  # the controller made it
+        shutil.rmtree(SESSION_CACHE, ignore_errors=True)

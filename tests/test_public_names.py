@@ -15,7 +15,8 @@ import jaxpar
 PUBLIC = {
     "jaxpar": [
         "AXES", "BatchStream", "DataSpec", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack",
-        "Stages", "TrainState", "active_plan", "batch_stream", "causal_attention", "column_parallel", "constrain", "describe",
+        "Stages", "TrainState", "active_plan", "batch_stream", "causal_attention", "column_parallel", "compile_cache", "constrain",
+        "describe",
         "embedding_lookup", "enter_tensor_region", "gpu_profile", "init_state", "lora", "make_mesh", "make_train_step",
         "moe_ffn", "parse_mesh", "pipeline_loss", "pipelined_loss", "place_state", "row_parallel", "scan_layers",
         "state_to_natural_order", "state_to_pipeline_order", "to_natural_order", "to_pipeline_order",

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from jaxpar.core import zero_layout
+from jaxpar.core import compile_cache, zero_layout
 from jaxpar.parallel import attention_kernels
 from jaxpar.planner import inspect as inspect_lib
 from jaxpar.run.training import (
@@ -134,10 +134,12 @@ def train_with_progress(run: Run, console: Console) -> int:
         task = progress.add_task("train", total=run.config.steps, completed=start, loss=float("nan"), tps=0.0, ms=0.0,
                                  mfu=mfu_text(run, None), epoch=epochs(start))
         try:
+            compiles = compile_cache.Watch()
             for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
-                if not losses:  # the step is traced now: say what the attention got
-                    chosen = "; ".join(attention_kernels.choices(run.step_fn.used))
+                if not losses:  # the step is traced and compiled now: say what the attention got, and where the
+                    chosen = "; ".join(attention_kernels.choices(run.step_fn.used))  # compiled step came from
                     progress.console.print(f"[bold]attention[/] {escape(chosen)}")
+                    progress.console.print(f"[bold]step[/] {escape(compiles.source() or 'compiled')}")
                 losses.append(row["loss"])
                 times.append(row["step_time_s"])
                 progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],

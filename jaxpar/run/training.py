@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxpar.core import compile_cache
 from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.interop import base_weights
@@ -68,6 +69,7 @@ class TrainConfig:
     tensorboard: str | None = None  # also write the metrics as TensorBoard scalars into this directory
     peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
     skip_bad_records: bool = False  # train without a document source's bad records instead of refusing the source
+    compile_cache: str | None = None  # compiled steps kept here (or "off"); None: jaxpar.core.compile_cache's default
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
@@ -203,6 +205,7 @@ def _with_epoch_steps(config: TrainConfig, batches) -> TrainConfig:
 
 def prepare(config: TrainConfig, plan: Plan) -> Run:
     """Build and check everything a run needs; raises ValueError on any bad input."""
+    compile_cache.use(config.compile_cache)
     name, saved, hf_config = config.model, {}, None
     if config.init_from:  # the model is the one the weights belong to; [model] fields may still override
         from jaxpar.interop.hf import saved_hf_config, saved_model_config
