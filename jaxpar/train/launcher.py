@@ -219,7 +219,7 @@ def _report(ranks: list[Rank], dead: Rank, killed: tuple[list[int], str], checkp
     own_end = dead.process.returncode > 0 or -dead.process.returncode not in (signal.SIGKILL, signal.SIGTERM)
     errors = dead.error_lines() if reason is None and own_end else []
     if errors:
-        lines += [f"  its stderr ended with:     ({dead.err})", *(f"    {line}" for line in errors)]
+        lines += [f"  its stderr ended with:    ({dead.err})", *(f"    {line}" for line in errors)]
     return "\n".join([*lines, f"  resume with:              {shlex.join(resume)}"])
 
 
