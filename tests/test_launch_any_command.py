@@ -215,3 +215,24 @@ def test_a_checkpointing_loop_that_exits_with_an_error_is_reported_and_restarted
     death = next(event for event in events if event["event"] == "death")
     assert death["checkpoint"] == 4 and death["cause"] == "rank 1 exited with code 3"
     print(f"{death['time'] - float((tmp_path / 'exited').read_text()):.2f} s from the rank's exit to the report")
+
+
+def test_a_configuration_error_on_one_rank_after_initialize_ends_the_job_with_its_message(tmp_path):
+    """`jaxpar train` on 2 processes whose rank 1 alone is given --mesh data=16 (through `bash -c`): rank 1 finds it
+    after joining the job, while rank 0 goes on to wait for it; the launch ends with rank 1's one line and exit 2
+    (it printed the error, then stayed in jax's shutdown barrier: no report and no exit at 300 s)."""
+    from conftest import FAST_COMPILE
+
+    train = (f"exec {sys.executable} -m jaxpar.cli train --devices 2 --steps 2 --batch-size 8 --seq-len 32 "
+             '--mesh data=$([ "$JAX_PROCESS_ID" = 1 ] && echo 16 || echo 4)')
+    command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "2", "--",
+               "bash", "-c", train]
+    began = time.monotonic()
+    done = subprocess.run(command, env={**os.environ, "XLA_FLAGS": FAST_COMPILE}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: mesh data=16 has 16 devices but 4 are available"), \
+        done.stderr[-3000:]
+    assert "jaxpar launch" not in done.stderr and "resume with" not in done.stderr
+    print(f"{time.monotonic() - began:.1f} s from the launch to its end")

@@ -27,8 +27,14 @@ EXITS = textwrap.dedent(f"""
     spec = importlib.util.spec_from_file_location("rank_report", {rank_report.__file__!r})
     rank_report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rank_report)
-    rank_report.watch_exit()
     mode = sys.argv[1]
+    if mode == "main":  # the usual `sys.exit(main())`: its sys.exit is looked up before main() joins the job
+        def main():
+            rank_report.watch_exit()
+            threading.Thread(target=time.sleep, args=(60,)).start()
+            return 2
+        sys.exit(main())
+    rank_report.watch_exit()
     if mode == "caught":  # a sys.exit that is caught is not the end; the program ends normally
         try:
             sys.exit(3)
@@ -56,12 +62,14 @@ EXITS = textwrap.dedent(f"""
     ("raise", 1, "stepping\nclosed\n", "ValueError: boom\n"),
     ("message", 1, "stepping\nclosed\n", "my_train: bad data\n"),
     ("caught", 0, "went on\n", ""),
+    ("main", 2, "", ""),
 ])
 def test_an_error_ends_a_joined_rank_at_once_with_its_code(mode, code, out, err):
     """The code of sys.exit(n) or of an uncaught exception, printed as Python prints it, `with` blocks closed, but
     not held by a non-daemon thread (nor, in a real rank, by jax's shutdown barrier); a caught sys.exit is not it."""
     began = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", EXITS, mode], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "JAX_COORDINATOR_ADDRESS": "localhost:1"}  # in a job: sys.exit watched from the import on
+    done = subprocess.run([sys.executable, "-c", EXITS, mode], capture_output=True, text=True, timeout=90, env=env)
     assert (done.returncode, done.stdout) == (code, out), done.stderr
     assert done.stderr == err if not err else done.stderr.endswith(err) and done.stderr.count(err) == 1, done.stderr
     assert time.monotonic() - began < 30  # the non-daemon thread sleeps 60 s

@@ -15,11 +15,10 @@ import socket
 import sys
 from pathlib import Path
 
-from jaxpar.train.rank_report import heartbeat, show_life, watch_exit  # noqa: F401 (heartbeat: the public name)
+from jaxpar.train.rank_report import CLUSTER_ENV, heartbeat, show_life, watch_exit  # noqa: F401 (heartbeat: public)
 
 LOST_RANKS_ENV = "JAXPAR_TEST_LOST_RANKS"  # a test hook: these ranks of the first start, once dead, never come back
 PREEMPTED_MARKER = "PREEMPTED"  # written into --checkpoint-dir by a preemption save; the Slurm recipe requeues on it
-CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
 
 GOOGLE_PCI_VENDOR = "0x1ae0"  # a Cloud TPU VM's chips; its pod is found by jax through the metadata server

@@ -27,7 +27,20 @@ HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # the rank writes its step there after 
 CHECKPOINT = "checkpoint"  # what the sign of life says while the main thread reads or writes a checkpoint
 CHECKPOINT_MODULES = ("jaxpar.train.checkpoint", "orbax.")  # a frame of these on the main thread's stack: checkpoint
 
+CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
+
 _told: dict = {"step": None}  # what this rank has told the launcher: its last step, its checkpoint directory
+_seen: dict = {}  # how this process is ending: the code of its last sys.exit, an uncaught exception's code
+
+
+def _recording_exit(code=None, *, _exit=sys.exit):
+    """sys.exit, which also keeps its code for watch_exit."""
+    _seen["exit"] = code
+    _exit(code)
+
+
+if any(name in os.environ for name in CLUSTER_ENV):  # a rank of a job: watched from `import jaxpar` on, so that
+    sys.exit = _recording_exit  # `sys.exit(main())`, whose sys.exit is looked up before main() joins, is seen
 
 
 def alive_file(beat) -> Path:
@@ -84,25 +97,20 @@ def watch_exit() -> None:
     """From now on, a non-zero exit of this process (an uncaught exception: 1; `sys.exit(n)`: n) flushes its output
     and ends it at once with that code, skipping jax's distributed shutdown (see the module docstring).
 
-    The code is known from `sys.excepthook` and from `sys.exit`, watched here; whether that `sys.exit` ended the
-    program (rather than being caught) from where the outermost frame stopped: not at a return. A bare
-    `raise SystemExit(n)` is not seen and exits as Python does."""
+    The code is known from `sys.excepthook` and from `sys.exit`, watched here (from `import jaxpar` on in a job);
+    whether that `sys.exit` ended the program, rather than being caught, from where the outermost frame stopped:
+    not at a return. A bare `raise SystemExit(n)` is not seen and exits as Python does."""
     frame = sys._getframe()
     while frame.f_back is not None:
         frame = frame.f_back
-    outermost, seen = frame, {}
-    previous_exit, previous_hook = sys.exit, sys.excepthook
-
-    def exit(code=None):
-        seen["exit"] = code
-        previous_exit(code)
+    outermost, previous_hook = frame, sys.excepthook
 
     def excepthook(kind, value, traceback):
-        seen["uncaught"] = 130 if issubclass(kind, KeyboardInterrupt) else 1
+        _seen["uncaught"] = 130 if issubclass(kind, KeyboardInterrupt) else 1
         previous_hook(kind, value, traceback)
 
     def at_shutdown() -> None:  # threading's, before non-daemon threads are joined and atexit's handlers run
-        code = seen.get("uncaught") or (_exit_code(seen["exit"]) if "exit" in seen and _raised(outermost) else 0)
+        code = _seen.get("uncaught") or (_exit_code(_seen["exit"]) if "exit" in _seen and _raised(outermost) else 0)
         if code:
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -111,7 +119,9 @@ def watch_exit() -> None:
                     pass
             os._exit(code)
 
-    sys.exit, sys.excepthook = exit, excepthook
+    if sys.exit is not _recording_exit:
+        sys.exit = _recording_exit
+    sys.excepthook = excepthook
     threading._register_atexit(at_shutdown)
 
 
