@@ -12,8 +12,6 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import jaxpar.distributed
@@ -36,17 +34,8 @@ SCRIPT = textwrap.dedent("""
     if jax.process_index() == 1 and (sys.argv[1] == "die" or (sys.argv[1] == "die-once" and first_try)):
         open(sys.argv[2], "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
-    if jax.process_index() == 1 and sys.argv[1] in ("exit-3", "raise"):  # an error of one's own after initialize
-        open(sys.argv[2], "w").write(repr(time.time()))
-        if sys.argv[1] == "raise":
-            raise ValueError("boom on rank 1 after step 3")
-        sys.exit(3)
     if sys.argv[1] == "die":
         time.sleep(60)  # rank 0 would wait for its dead peer; the launcher ends it
-    if sys.argv[1] in ("exit-3", "raise"):
-        print(float(total), flush=True)
-        jax.jit(jax.shard_map(lambda a: jax.lax.psum(jnp.sum(a), "data"), mesh=mesh, in_specs=P("data"),
-                              out_specs=P()))(x).block_until_ready()  # rank 0 waits on its peer in a collective
 """)
 
 # A loop of one's own with jaxpar.checkpoint, stepping until a preemption notice, which every rank must agree on.
@@ -90,8 +79,9 @@ LOOP = textwrap.dedent("""
             checkpoints.save(step + 1, state, data_state={"next": step + 1})
             print(f"step {step + 1}", flush=True)
             if once and step + 1 == 5 and jax.process_index() == 1 and not os.path.exists(sys.argv[3]):
+                print("my_loop: the data ran out at step 5", file=sys.stderr, flush=True)
                 open(sys.argv[3], "w").write(repr(time.time()))
-                sys.exit(3)
+                sys.exit(3)  # rank 0 goes on to step 6 and waits on rank 1 in its collectives
             if checkpoints.reached_preemption(step + 1):
                 print(f"preempted: step {step + 1} saved", flush=True)
                 break
@@ -126,25 +116,6 @@ def test_a_killed_rank_of_a_script_is_reported_as_for_jaxpar_train(tmp_path):
     assert "no process of the job remains" in report
     assert f"resume with:              jaxpar launch -n 2 --devices-per-process 2 --log-dir {tmp_path / 'logs'} -- " \
            f"{sys.executable} {tmp_path / 'my_train.py'} die {tmp_path / 'died'}" in report
-
-
-@pytest.mark.parametrize("mode, code, said", [("exit-3", 3, None), ("raise", 1, "ValueError: boom on rank 1")])
-def test_a_rank_that_ends_with_an_error_after_initialize_ends_the_job_with_its_code(tmp_path, mode, code, said):
-    """`sys.exit(3)` or an uncaught exception on rank 1 after `initialize()`, rank 0 waiting on it in a collective:
-    the launch ends with the rank's own code within seconds (it stayed in jax's distributed shutdown barrier, alive,
-    until a heartbeat ended it with 137), and the report shows the rank's last error lines."""
-    done = _launch(tmp_path, mode)
-    assert done.returncode == code, done.stderr[-3000:]
-    report = done.stderr[done.stderr.index("jaxpar launch: rank 1"):]
-    assert f"rank 1 exited with code {code}" in report
-    assert "last step it completed:   3" in report and "no process of the job remains" in report
-    assert (said is None) == ("its stderr ended with:" not in report), report
-    assert said is None or said in report
-    death = next(json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()
-                 if json.loads(line)["event"] == "death")
-    exit_to_report_s = death["time"] - float((tmp_path / "died").read_text())
-    print(f"{mode}: {exit_to_report_s:.2f} s from the rank's exit to the launcher's report")
-    assert exit_to_report_s < 10, exit_to_report_s  # measured: ~1.5 s (1 s of it the waiting rank's SIGTERM grace)
 
 
 def test_a_script_that_dies_is_restarted(tmp_path):
@@ -197,8 +168,10 @@ def test_initialize_alone_joins_nothing(monkeypatch):
 
 def test_a_checkpointing_loop_that_exits_with_an_error_is_reported_and_restarted_from_its_checkpoint(tmp_path):
     """A loop of one's own saving with `jaxpar.checkpoint.Checkpoints` every 2 steps, `sys.exit(3)` on rank 1 after
-    step 5: the report names the rank's code and the last complete checkpoint (the directory told through the
-    heartbeat; it said "none (no --checkpoint-dir...)"), and the restart resumes from it and finishes."""
+    step 5 (after `initialize()`; rank 0 waits on it in a collective): the launch reports the rank's own code within
+    seconds (it stayed in jax's distributed shutdown barrier until a 60 s heartbeat ended it with 137), its last
+    error lines, and the last complete checkpoint (the directory told through the heartbeat; it said "none (no
+    --checkpoint-dir...)"); the restart resumes from it ("from the start", it said) and finishes."""
     script = tmp_path / "my_loop.py"
     script.write_text(LOOP)
     command = [sys.executable, "-m", "jaxpar.cli", "launch", "-n", "2", "--devices-per-process", "2",
@@ -208,13 +181,17 @@ def test_a_checkpointing_loop_that_exits_with_an_error_is_reported_and_restarted
     assert done.returncode == 0, done.stderr[-3000:]
     report = done.stderr[done.stderr.index("jaxpar launch: rank 1"):]
     assert "rank 1 exited with code 3" in report and "last step it completed:   5" in report
+    assert f"its stderr ended with:    ({tmp_path / 'logs' / 'rank1.err'})" in report
+    assert "\n    my_loop: the data ran out at step 5\n" in report
     assert f"last complete checkpoint: step 4 in {tmp_path / 'ck'}" in report
     assert "jaxpar launch: restart 1 of 1, from step 4" in report
     assert "resumed at step 4" in done.stdout and done.stdout.rstrip().endswith("step 8")
     events = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
     death = next(event for event in events if event["event"] == "death")
     assert death["checkpoint"] == 4 and death["cause"] == "rank 1 exited with code 3"
-    print(f"{death['time'] - float((tmp_path / 'exited').read_text()):.2f} s from the rank's exit to the report")
+    exit_to_report_s = death["time"] - float((tmp_path / "exited").read_text())
+    print(f"{exit_to_report_s:.2f} s from the rank's exit to the launcher's report")
+    assert exit_to_report_s < 10, exit_to_report_s  # measured: 1.1 to 1.9 s (1 s: the waiting rank's SIGTERM grace)
 
 
 def test_a_configuration_error_on_one_rank_after_initialize_ends_the_job_with_its_message(tmp_path):
