@@ -126,6 +126,11 @@ def describe_exit(rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code}"
 
 
+def _read_checkpoints_soon() -> None:
+    """Import what last_complete_checkpoint reads with (orbax: about 1 s), so that a death's report does not wait."""
+    import jaxpar.train.checkpoint  # noqa: F401
+
+
 def told_checkpoints(ranks: list[Rank]) -> str | None:
     """The checkpoint directory a rank told through its heartbeat (jaxpar.checkpoint.Checkpoints), if any did."""
     for rank in ranks:
@@ -250,6 +255,7 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
     smaller and says how, or raises ValueError saying why it cannot.
     """
     record = _Events(events)
+    threading.Thread(target=_read_checkpoints_soon, daemon=True).start()  # while the ranks start, not after a death
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
             ranks = start_ranks()
