@@ -221,8 +221,9 @@ def _report(ranks: list[Rank], dead: Rank, killed: tuple[list[int], str], checkp
         f"  the other ranks:          {ended}" + (f"; SIGKILLed {killed[1]}: {killed[0]}" if killed[0] else ""),
         f"  no process of the job remains",
     ]
-    own_end = dead.process.returncode > 0 or -dead.process.returncode not in (signal.SIGKILL, signal.SIGTERM)
-    errors = dead.error_lines() if reason is None and own_end else []
+    code = dead.process.returncode  # the end it came to by itself, not a kill; rank 0's stderr is on the console
+    own_end = code > 0 or (code < 0 and -code not in (signal.SIGKILL, signal.SIGTERM))
+    errors = dead.error_lines() if reason is None and own_end and dead.rank else []
     if errors:
         lines += [f"  its stderr ended with:    ({dead.err})", *(f"    {line}" for line in errors)]
     return "\n".join([*lines, f"  resume with:              {shlex.join(resume)}"])
