@@ -19,7 +19,8 @@ checksum of every array checked on restore (`CorruptCheckpoint`; `restore()` fal
 sets it aside, as `jaxpar train` does); SIGTERM (a scheduler's preemption notice) turning the next `save` into a
 forced one and `reached_preemption` true, agreed by every process; and `data_state`, any JSON value the loop
 wants back with the step (a data loader's position, grain's `iterator.get_state()` decoded). Under
-`jaxpar launch`, each `save` call also tells the launcher the step completed (`jaxpar.distributed.heartbeat`).
+`jaxpar launch`, each `save` call also tells the launcher the step completed (`jaxpar.distributed.heartbeat`),
+and opening the directory tells it where the checkpoints are (its reports and restarts name the last complete one).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from jaxpar.core.plan import Plan
 from jaxpar.train.checkpoint import Checkpoints as _Directory
 from jaxpar.train.checkpoint import CorruptCheckpoint
 from jaxpar.train.distributed import heartbeat, is_leader
+from jaxpar.train.rank_report import tell_checkpoints
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState
 
@@ -58,6 +60,8 @@ class Checkpoints:
                                      read_only=read_only)
         self.directory = self._directory.directory
         self._preemption = None if read_only else Preemption().__enter__()
+        if not read_only:
+            tell_checkpoints(self.directory)  # under `jaxpar launch`: its reports and restarts name our last one
         self._agreed: tuple[int, bool] | None = None  # the last step asked about, and the answer (asked once)
 
     def latest_step(self) -> int | None:

@@ -170,13 +170,17 @@ def test_no_checkpoint_directory_reads_as_none(tmp_path):
     assert last_complete_checkpoint(str(tmp_path / "missing")) is None
 
 
-# A rank that SIGKILLs itself the first `deaths` times it is started (counted in a file), then finishes.
+# A rank that SIGKILLs itself the first `deaths` times it is started (counted in a file), then finishes; it dies
+# once rank 0 has counted the same start (or after 10 s), so that the whole job's restarts are what is counted.
 FLAKY = """
-import os, signal, sys
+import os, signal, sys, time
 from pathlib import Path
 count = Path(sys.argv[1]); started = int(count.read_text()) + 1 if count.exists() else 1
 count.write_text(str(started))
 if started <= int(sys.argv[2]):
+    first, deadline = Path(sys.argv[1].replace("count" + os.environ["RANK"], "count0")), time.monotonic() + 10
+    while (not first.exists() or first.read_text() != str(started)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -184,7 +188,7 @@ if started <= int(sys.argv[2]):
 def flaky_job(tmp_path, deaths):
     commands = [[sys.executable, "-c", FLAKY, str(tmp_path / f"count{rank}"), str(deaths if rank else 0)]
                 for rank in (0, 1)]
-    return lambda: start(commands, [dict(os.environ)] * 2, tmp_path / "logs")
+    return lambda: start(commands, [{**os.environ, "RANK": str(rank)} for rank in (0, 1)], tmp_path / "logs")
 
 
 def test_max_restarts_starts_the_job_again_after_a_death(tmp_path, capfd):
@@ -519,7 +523,7 @@ def test_a_rank_that_cannot_come_back_restarts_the_job_on_fewer(tmp_path, capfd)
         counts.append(n)
         commands = [[sys.executable, "-c", FLAKY, str(tmp_path / f"count{rank}-{len(events_of)}"), str(int(rank == 3))]
                     for rank in range(n)]
-        return start(commands, [dict(os.environ)] * n, tmp_path / "logs")
+        return start(commands, [{**os.environ, "RANK": str(rank)} for rank in range(n)], tmp_path / "logs")
 
     events_of = []  # one entry per run below: its ranks count their starts apart
     events = tmp_path / "events.jsonl"

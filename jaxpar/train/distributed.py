@@ -9,16 +9,16 @@ multi-process path is exercised without a cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
-import threading
-import time
 from pathlib import Path
+
+from jaxpar.train.rank_report import CLUSTER_ENV, heartbeat, show_life, watch_exit  # noqa: F401 (heartbeat: public)
 
 LOST_RANKS_ENV = "JAXPAR_TEST_LOST_RANKS"  # a test hook: these ranks of the first start, once dead, never come back
 PREEMPTED_MARKER = "PREEMPTED"  # written into --checkpoint-dir by a preemption save; the Slurm recipe requeues on it
-CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES")
 
 
 GOOGLE_PCI_VENDOR = "0x1ae0"  # a Cloud TPU VM's chips; its pod is found by jax through the metadata server
@@ -29,15 +29,6 @@ def _on_cloud_tpu() -> bool:
     return any(path.read_text().strip() == GOOGLE_PCI_VENDOR for path in Path("/sys/bus/pci/devices").glob("*/vendor"))
 
 
-def heartbeat(step: int) -> None:
-    """Under `jaxpar launch`, tell the launcher that this rank completed `step`: its death reports' "last step it
-    completed" and the clock of `--heartbeat-s` (a no-op elsewhere)."""
-    from jaxpar.train.launcher import HEARTBEAT_ENV
-
-    if HEARTBEAT_ENV in os.environ:
-        Path(os.environ[HEARTBEAT_ENV]).write_text(str(step))
-
-
 def initialize() -> bool:
     """Join the multi-process runtime when launched as part of one; True if it did (or had already).
 
@@ -45,7 +36,9 @@ def initialize() -> bool:
     JAX_PROCESS_ID), else found by jax's own cluster detection: Slurm, Open MPI, a TPU pod (GKE's
     TPU_WORKER_HOSTNAMES, or a Cloud TPU VM's metadata). Call it before anything else uses jax.
     A coordinator port that cannot be bound is a ValueError of one line (the port and how to choose another),
-    not jax's traceback: the rank exits 2 and the others end with it (`jaxpar launch`, srun --kill-on-bad-exit)."""
+    not jax's traceback: the rank exits 2 and the others end with it (`jaxpar launch`, srun --kill-on-bad-exit).
+    Once joined, a non-zero exit (an uncaught exception, `sys.exit(n)`) ends the process at once with its code
+    (rank_report.watch_exit): its peers, waiting in a collective, would keep it in jax's shutdown barrier."""
     import jax
 
     if jax.distributed.is_initialized():
@@ -72,6 +65,7 @@ def initialize() -> bool:
         from jax._src.distributed import global_state  # the address jax chose (Slurm: from the job id)
 
         raise ValueError(_port_in_use(str(global_state.coordinator_address).rsplit(":", 1)[-1])) from None
+    watch_exit()  # an error from here on ends this rank at once with its code, not in jax's shutdown barrier
     return True
 
 
@@ -99,23 +93,6 @@ def check_port(port: int | None) -> None:
             probe.bind(("::" if probe.family == socket.AF_INET6 else "", port))
         except OSError:
             raise ValueError(_port_in_use(port)) from None
-
-
-def show_life(every_s: float = 0.5) -> None:
-    """Under `jaxpar launch`, touch this rank's sign-of-life file from a thread, which runs on while the main thread
-    waits in a collective but not when the process hangs: the launcher names the hung rank, not its waiting peers."""
-    from jaxpar.train.launcher import HEARTBEAT_ENV, alive_file
-
-    if HEARTBEAT_ENV not in os.environ:
-        return
-    path = alive_file(os.environ[HEARTBEAT_ENV])
-
-    def beat() -> None:
-        while True:
-            path.touch()
-            time.sleep(every_s)
-
-    threading.Thread(target=beat, daemon=True, name="jaxpar-alive").start()
 
 
 def is_leader() -> bool:
@@ -158,85 +135,122 @@ def host_devices_env(env: dict, count: int) -> dict:
     return {**env, "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])}
 
 
-def launch_local(num_processes: int, devices_per_process: int, argv: list[str], *, grace_s: float = 30.0,
-                 log_dir: str | None = None, max_restarts: int = 0, resume: list[str] = (),
-                 heartbeat_s: float | None = None, coordinator_port: int | None = None,
-                 min_processes: int | None = None, any_command: bool = False) -> int:
-    """Run `jaxpar <argv>` as `num_processes` cooperating processes on this machine, supervised (train/launcher.py).
+@dataclasses.dataclass
+class LaunchOptions:
+    """What `jaxpar launch` runs and how (launch_local), checked as a whole before anything starts.
 
-    `any_command`: `argv` is a command of its own (`python my_train.py ...`), run as it is; each rank finds the
-    job in its environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID; `initialize` reads them)
-    and `devices_per_process` host devices in XLA_FLAGS. Its restarts are its own to resume (a `--checkpoint-dir`
-    in it is read for the report), and it reports its steps through `jaxpar.checkpoint` or `heartbeat`.
+    `argv`: `jaxpar <argv>`, or with `any_command` a command of its own (`python my_train.py ...`), run as it is;
+    each rank finds the job in its environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
+    `initialize` reads them) and `devices_per_process` host devices in XLA_FLAGS. Its restarts are its own to
+    resume, and it tells its steps and checkpoint directory through `jaxpar.checkpoint` or `heartbeat`.
+    `log_dir`: every rank's stdout/stderr (default `<checkpoint-dir>/logs` when the command has a
+    --checkpoint-dir). `resume`: the command line printed as the way to resume after a death. `max_restarts`:
+    deaths followed by a restart. `heartbeat_s`: no step for that long (after the first; before it, no sign of
+    life) ends the job as a death, naming the hung rank (None: 10x the slowest step seen, at least 60 s; 0: off).
+    `coordinator_port`: rank 0's port (default JAX_COORDINATOR_PORT, else a free one). `min_processes`: a rank
+    that cannot come back (on one machine only by the test hook LOST_RANKS_ENV) restarts the job on fewer
+    processes, down to this, with a smaller data axis and more gradient accumulation (launcher.shrunk).
+    """
 
-    Rank 0 prints to the console; every rank's stdout/stderr goes to `log_dir`
-    (default `<checkpoint-dir>/logs` when the command has a --checkpoint-dir).
-    `resume` is the command line printed as the way to resume after a death;
-    `max_restarts` deaths are followed by a restart, which resumes from --checkpoint-dir.
-    `heartbeat_s`: no step for that long (after the first) ends the job as a death, naming the hung rank
-    (None: 10x the slowest step seen, at least 60 s; 0: off). `coordinator_port`: rank 0's port (default a free one).
-    `min_processes`: a rank that cannot come back (on one machine only by the test hook LOST_RANKS_ENV) restarts the
-    job on fewer processes, down to this, with a smaller data axis and more gradient accumulation (launcher.shrunk).
-    Every rank writes its step to `<log-dir>/rankN.beat` (a temporary directory without one): the launcher's
-    exact "last step", and how it tells a configuration error (exit 2 before any step) from a death.
+    num_processes: int
+    devices_per_process: int
+    argv: list[str]
+    grace_s: float = 30.0
+    log_dir: str | None = None
+    max_restarts: int = 0
+    resume: list[str] = ()
+    heartbeat_s: float | None = None
+    coordinator_port: int | None = None
+    min_processes: int | None = None
+    any_command: bool = False
+
+    def __post_init__(self):
+        import shutil
+
+        from jaxpar.train import launcher
+
+        self.argv, self.resume = list(self.argv), list(self.resume)
+        n = self.num_processes
+        if n < 1 or self.devices_per_process < 1:
+            raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {n}, "
+                             f"{self.devices_per_process}")
+        if not self.argv:
+            raise ValueError("launch needs a command: `jaxpar launch -n 2 -- python my_train.py` or "
+                             "`... train --mesh ...`")
+        for name, value in (("--grace-s", self.grace_s), ("--max-restarts", self.max_restarts)):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.heartbeat_s is not None and self.heartbeat_s < 0:
+            raise ValueError(f"--heartbeat-s must be >= 0 (0: off), got {self.heartbeat_s}")
+        self.checkpoint_dir = launcher.checkpoint_dir_of(self.argv)
+        if self.max_restarts and self.checkpoint_dir is None and not self.any_command:
+            raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
+        if self.any_command and shutil.which(self.argv[0]) is None:
+            raise ValueError(f"launch: command {self.argv[0]!r} not found (neither on PATH nor an executable file)")
+        if self.any_command and self.min_processes is not None:
+            raise ValueError(f"--min-processes shrinks a `jaxpar train` layout; {self.argv[0]!r} is a command of its "
+                             "own")
+        if self.min_processes is not None and not 1 <= self.min_processes <= n:
+            raise ValueError(f"--min-processes must be between 1 and -n {n}, got {self.min_processes}")
+        if self.min_processes is not None and not self.max_restarts:
+            raise ValueError("--min-processes needs --max-restarts: the job restarts on the processes left")
+        if self.coordinator_port is None and os.environ.get("JAX_COORDINATOR_PORT"):
+            self.coordinator_port = _port_of(os.environ["JAX_COORDINATOR_PORT"])
+        check_port(self.coordinator_port)
+        if self.log_dir is None and self.checkpoint_dir is not None:
+            self.log_dir = str(Path(self.checkpoint_dir) / "logs")
+
+
+def _port_of(text: str) -> int:
+    """JAX_COORDINATOR_PORT as a port number, or a ValueError naming it."""
+    if not text.strip().isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"JAX_COORDINATOR_PORT={text!r} is not a port number (1-65535)")
+    return int(text)
+
+
+def launch_local(num_processes: int, devices_per_process: int, argv: list[str], **options) -> int:
+    """Run `jaxpar <argv>` (or a command of its own) as `num_processes` cooperating processes on this machine,
+    supervised (train/launcher.py); `options` are LaunchOptions' (checked there, before anything starts).
+
+    Every rank writes its step to `<log-dir>/rankN.beat` (a temporary directory without one, which also keeps the
+    output of ranks other than 0 for the report): the launcher's exact "last step", and how it tells a
+    configuration error (exit 2 before any step) from a death.
     """
     import shutil
     import tempfile
 
     from jaxpar.train import launcher
 
-    if num_processes < 1 or devices_per_process < 1:
-        raise ValueError(f"launch needs processes >= 1 and devices per process >= 1, got {num_processes}, {devices_per_process}")
-    if not argv:
-        raise ValueError("launch needs a command: `jaxpar launch -n 2 -- python my_train.py` or `... train --mesh ...`")
-    if grace_s < 0:
-        raise ValueError(f"--grace-s must be >= 0, got {grace_s}")
-    checkpoint_dir = launcher.checkpoint_dir_of(argv)
-    if max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if max_restarts and checkpoint_dir is None and not any_command:
-        raise ValueError("--max-restarts needs --checkpoint-dir in the command: a restart resumes from it")
-    if any_command and shutil.which(argv[0]) is None:
-        raise ValueError(f"launch: command {argv[0]!r} not found (neither on PATH nor an executable file)")
-    if any_command and min_processes is not None:
-        raise ValueError(f"--min-processes shrinks a `jaxpar train` layout; {argv[0]!r} is a command of its own")
-    if log_dir is None and checkpoint_dir is not None:
-        log_dir = str(Path(checkpoint_dir) / "logs")
-    if heartbeat_s is not None and heartbeat_s < 0:
-        raise ValueError(f"--heartbeat-s must be >= 0 (0: off), got {heartbeat_s}")
-    beat_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="jaxpar-beats-"))
-    check_port(coordinator_port)
-    if min_processes is not None and not 1 <= min_processes <= num_processes:
-        raise ValueError(f"--min-processes must be between 1 and -n {num_processes}, got {min_processes}")
-    if min_processes is not None and not max_restarts:
-        raise ValueError("--min-processes needs --max-restarts: the job restarts on the processes left")
-    job = {"processes": num_processes, "argv": list(argv)}  # what the next (re)start runs: a shrink changes it
+    job = LaunchOptions(num_processes, devices_per_process, argv, **options)
+    log_dir = None if job.log_dir is None else Path(job.log_dir)
+    beat_dir = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix="jaxpar-beats-"))
+    now = {"processes": num_processes, "argv": job.argv}  # what the next (re)start runs: a shrink changes it
     lost = {int(r) for r in os.environ.get(LOST_RANKS_ENV, "").split(",") if r}
 
     def start_ranks() -> list:
-        address = f"localhost:{coordinator_port or _free_port()}"  # a fresh coordinator for every (re)start
-        n = job["processes"]
-        if any_command:
-            command, env = job["argv"], host_devices_env(dict(os.environ), devices_per_process)
+        address = f"localhost:{job.coordinator_port or _free_port()}"  # a fresh coordinator for every (re)start
+        n = now["processes"]
+        if job.any_command:
+            command, env = now["argv"], host_devices_env(dict(os.environ), devices_per_process)
         else:
-            command = [sys.executable, "-m", "jaxpar.cli", *job["argv"], "--devices", str(devices_per_process)]
+            command = [sys.executable, "-m", "jaxpar.cli", *now["argv"], "--devices", str(devices_per_process)]
             env = os.environ
         envs = [{**env, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
                  "JAX_PROCESS_ID": str(rank)} for rank in range(n)]
-        return launcher.start([command] * n, envs, None if log_dir is None else Path(log_dir), beat_dir)
+        return launcher.start([command] * n, envs, log_dir, beat_dir)
 
     def shrink(left: int) -> str | None:
         """The largest count from `left` down to min_processes that the layout shrinks to; None without the option."""
-        if min_processes is None:
+        if job.min_processes is None:
             return None
-        job["processes"], job["argv"], change = launcher.shrink_to(argv, num_processes, left, min_processes)
+        now["processes"], now["argv"], change = launcher.shrink_to(job.argv, num_processes, left, job.min_processes)
         return change
 
     try:
-        return launcher.run(start_ranks, max_restarts=max_restarts, grace_s=grace_s, checkpoint_dir=checkpoint_dir,
-                            resume=resume, heartbeat_s=heartbeat_s,
-                            events=None if log_dir is None else Path(log_dir) / "events.jsonl",
-                            lost=lambda rank: job["processes"] == num_processes and rank in lost, shrink=shrink)
+        return launcher.run(start_ranks, max_restarts=job.max_restarts, grace_s=job.grace_s,
+                            checkpoint_dir=job.checkpoint_dir, resume=job.resume, heartbeat_s=job.heartbeat_s,
+                            events=None if log_dir is None else log_dir / "events.jsonl",
+                            lost=lambda rank: now["processes"] == num_processes and rank in lost, shrink=shrink)
     finally:
         if log_dir is None:
-            shutil.rmtree(beat_dir, ignore_errors=True)  # the temporary heartbeat directory
+            shutil.rmtree(beat_dir, ignore_errors=True)  # the temporary heartbeats and logs

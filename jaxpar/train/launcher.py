@@ -11,11 +11,15 @@ stops within the grace period; a second Ctrl-C kills everything at once.
 With `max_restarts`, a death starts the job again (it resumes from its checkpoints).
 
 Every rank writes its step to its heartbeat file after each step (run/training.py)
-and touches a sign of life twice a second from a thread (distributed.py), which a
+and touches a sign of life twice a second from a thread (rank_report.py), which a
 rank waiting in a collective keeps doing and a hung (stopped, wedged) rank does
 not. When no step comes for `heartbeat_s` (default: 10 times the slowest step
-seen, at least a minute) the job is ended, and the rank named is the one without
-a sign of life: the hung one, not the peers waiting on it.
+seen, at least a minute; time in checkpoint code is neither a step nor a silence)
+the job is ended, and the rank named is the one without a sign of life: the hung
+one, not the peers waiting on it. Before its first step (start-up, compilation) a
+rank is judged by its sign of life alone, for as long. A rank that ends with an
+error ends at once with its own code, also after jax.distributed.initialize()
+(rank_report.watch_exit), and the report shows its last error lines.
 
 Exit codes: 0 when every rank exited 0 (also after a forwarded SIGTERM whose
 save completed); 2 for a configuration error found before any step; otherwise
@@ -25,83 +29,22 @@ it (the shell's convention: 137 for SIGKILL).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
-HEARTBEAT_ENV = "JAXPAR_HEARTBEAT_FILE"  # the rank writes its step there after every step; `.alive` beside it: life
+from jaxpar.train.rank_report import HEARTBEAT_ENV, alive_file  # noqa: F401 (the launcher's names for them)
+from jaxpar.train.ranks import RANK_OUTPUT_ENV, Rank, start  # noqa: F401
+
 CONFIGURATION_ERROR = 2  # `jaxpar` exits 2 on a bad command line or configuration (cli.py), found before training
 DEATH_GRACE_S = 1.0  # survivors of a death get this long after SIGTERM before SIGKILL (they wait on a dead peer)
 LIFE_S = 3.0  # a rank whose sign of life (touched every 0.5 s) is older than this is hung, not waiting
 MIN_HEARTBEAT_S, SLOWEST_STEPS = 60.0, 10  # the default heartbeat: 10x the slowest step seen, at least a minute
-
-
-def alive_file(beat: Path) -> Path:
-    """Where a rank's sign of life goes, beside its heartbeat file."""
-    return Path(beat).with_suffix(".alive")
-
-
-@dataclasses.dataclass
-class Rank:
-    """One started process of the job, with where its output goes, its heartbeat and when it ended."""
-
-    rank: int
-    process: subprocess.Popen
-    logs: tuple[Path, ...] = ()
-    copiers: tuple[threading.Thread, ...] = ()  # rank 0's output to the console and its logs
-    ended_at: float | None = None  # when the process ended, by a thread waiting on it: deaths are told apart by order
-    heartbeat: Path | None = None  # holds the last step this rank completed; its mtime is when
-    last_step: int | None = None
-    slowest_step_s: float = 0.0  # the longest time between two of its steps (the first, which compiles, not counted)
-
-    def __post_init__(self):
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def _watch(self) -> None:
-        self.process.wait()
-        self.ended_at = time.monotonic()
-
-    def alive(self) -> bool:
-        return self.ended_at is None
-
-    def step(self) -> int | None:
-        """The last step this rank completed, from its heartbeat file (None before its first)."""
-        self.observe()
-        return self.last_step
-
-    def observe(self) -> None:
-        """Read the heartbeat: the last step, and the slowest step so far (for the default heartbeat)."""
-        try:
-            stat, step = self.heartbeat.stat(), int(self.heartbeat.read_text())
-        except (AttributeError, FileNotFoundError, ValueError):  # no file yet, or caught mid-rewrite
-            return
-        if step != self.last_step:
-            if self.last_step is not None:
-                self.slowest_step_s = max(self.slowest_step_s, stat.st_mtime - self._stepped_at)
-            self.last_step, self._stepped_at = step, stat.st_mtime
-
-    def silent_for(self) -> float | None:
-        """Seconds since this rank's last step, or None before its first (start-up and compilation are not timed)."""
-        return _age(self.heartbeat)
-
-    def lifeless_for(self) -> float | None:
-        """Seconds since this rank last showed a sign of life, or None if it never did (no thread: not judged)."""
-        return None if self.heartbeat is None else _age(alive_file(self.heartbeat))
-
-
-def _age(path: Path | None) -> float | None:
-    try:
-        return time.time() - path.stat().st_mtime
-    except (AttributeError, FileNotFoundError):
-        return None
 
 
 def checkpoint_dir_of(argv: list[str]) -> str | None:
@@ -176,76 +119,23 @@ def shrink_to(argv: list[str], processes: int, left: int, minimum: int) -> tuple
     raise ValueError(why)
 
 
-def _parent_death_signal():
-    """Linux's prctl(PR_SET_PDEATHSIG, SIGKILL), looked up before any fork (dlopen is not safe in a forked child)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG: the kernel kills the rank if the launcher dies
-
-
-def _tee(source, console, log) -> None:
-    for line in iter(source.readline, b""):
-        console.buffer.write(line)
-        console.flush()
-        log.write(line)
-        log.flush()
-    source.close()
-    log.close()
-
-
-def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, beat_dir: Path | None = None) -> list[Rank]:
-    """Start one process per command. Rank 0 prints to the console (and its logs); the others to their logs only.
-
-    Each rank runs in its own session, so a terminal's Ctrl-C reaches the launcher
-    alone, and the launcher decides what the ranks get. With `beat_dir`, each rank
-    is told (HEARTBEAT_ENV) to write its step to `beat_dir/rankN.beat` after every step.
-    """
-    for directory in (log_dir, beat_dir):
-        if directory is not None:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-    _die_with_parent = _parent_death_signal()  # so even a SIGKILLed launcher leaves no orphan
-    ranks = []
-    for rank, (command, env) in enumerate(zip(commands, envs, strict=True)):
-        beat = None if beat_dir is None else Path(beat_dir) / f"rank{rank}.beat"
-        if beat is not None:
-            for stale in (beat, alive_file(beat)):  # a restart's clock starts at its own first step
-                stale.unlink(missing_ok=True)
-            env = {**env, HEARTBEAT_ENV: str(beat)}
-        if log_dir is None:
-            quiet = subprocess.DEVNULL if rank else None
-            process = subprocess.Popen(command, env=env, stdout=quiet, stderr=quiet, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
-            ranks.append(Rank(rank, process, heartbeat=beat))
-            continue
-        logs = (log_dir / f"rank{rank}.out", log_dir / f"rank{rank}.err")
-        files = [path.open("ab") for path in logs]
-        if rank:
-            env = {**env, RANK_OUTPUT_ENV: "1"}
-            process = subprocess.Popen(command, env=env, stdout=files[0], stderr=files[1], start_new_session=True,
-                                       preexec_fn=_die_with_parent)
-            for file in files:
-                file.close()  # the child holds its own copies
-        else:
-            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
-            copiers = tuple(threading.Thread(target=_tee, args=streams, daemon=True) for streams in
-                            ((process.stdout, sys.stdout, files[0]), (process.stderr, sys.stderr, files[1])))
-            for copier in copiers:
-                copier.start()
-            ranks.append(Rank(rank, process, logs, copiers, heartbeat=beat))
-            continue
-        ranks.append(Rank(rank, process, logs, heartbeat=beat))
-    return ranks
-
-
 def describe_exit(rank: int, code: int) -> str:
     """One line naming the rank and how it ended, so a user sees which process took the job down."""
     if code < 0:
         return f"rank {rank} was killed by {signal.Signals(-code).name}"
     return f"rank {rank} exited with code {code}"
+
+
+def _read_checkpoints_soon() -> None:
+    """Import what last_complete_checkpoint reads with (orbax: about 1 s), so that a death's report does not wait."""
+    import jaxpar.train.checkpoint  # noqa: F401
+
+
+def told_checkpoints(ranks: list[Rank]) -> str | None:
+    """The checkpoint directory a rank told through its heartbeat (jaxpar.checkpoint.Checkpoints), if any did."""
+    for rank in ranks:
+        rank.observe()
+    return next((r.checkpoints for r in ranks if r.checkpoints), None)
 
 
 def last_complete_checkpoint(directory: str | None) -> int | None:
@@ -330,9 +220,13 @@ def _report(ranks: list[Rank], dead: Rank, killed: tuple[list[int], str], checkp
         f"  last complete checkpoint: {where}",
         f"  the other ranks:          {ended}" + (f"; SIGKILLed {killed[1]}: {killed[0]}" if killed[0] else ""),
         f"  no process of the job remains",
-        f"  resume with:              {shlex.join(resume)}",
     ]
-    return "\n".join(lines)
+    code = dead.process.returncode  # the end it came to by itself, not a kill; rank 0's stderr is on the console
+    own_end = code > 0 or (code < 0 and -code not in (signal.SIGKILL, signal.SIGTERM))
+    errors = dead.error_lines() if reason is None and own_end and dead.rank else []
+    if errors:
+        lines += [f"  its stderr ended with:    ({dead.err})", *(f"    {line}" for line in errors)]
+    return "\n".join([*lines, f"  resume with:              {shlex.join(resume)}"])
 
 
 def _exit_code(code: int) -> int:
@@ -362,11 +256,13 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
     smaller and says how, or raises ValueError saying why it cannot.
     """
     record = _Events(events)
+    threading.Thread(target=_read_checkpoints_soon, daemon=True).start()  # while the ranks start, not after a death
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
             ranks = start_ranks()
             record("start", attempt=attempt, pids=[r.process.pid for r in ranks])
             code, restartable, outcome = _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
+            checkpoint_dir = checkpoint_dir or told_checkpoints(ranks)  # a script's own, through its heartbeat
             if restartable:
                 record("death", **outcome)
             if not restartable or signals.stop_requested or attempt == max_restarts:
@@ -425,13 +321,19 @@ def default_heartbeat_s(ranks: list[Rank]) -> float:
 
 
 def _hung(ranks: list[Rank], heartbeat_s: float | None) -> tuple[Rank, str] | None:
-    """When a live rank has made no step for the heartbeat: the rank to blame, and why.
+    """When a live rank has made no step for the heartbeat, or shown no sign of life for as long: the rank to
+    blame, and why.
 
     Ranks in one job step together, so a hung rank silences its waiting peers too: the one named is the rank
-    without a sign of life (hung), else the one furthest behind."""
+    without a sign of life (hung), else the one furthest behind. Before a rank's first step (start-up,
+    compilation, which are not timed) only its sign of life is judged."""
     for rank in ranks:
         rank.observe()
     limit = default_heartbeat_s(ranks) if heartbeat_s is None else heartbeat_s
+    lifeless = max((r for r in ranks if r.alive()), key=lambda r: r.lifeless_for() or 0, default=None)
+    if limit and lifeless is not None and (lifeless.lifeless_for() or 0) > limit and lifeless.step() is None:
+        return lifeless, (f"rank {lifeless.rank} hung before its first step: no sign of life for "
+                          f"{lifeless.lifeless_for():.0f} s (heartbeat {limit:g} s)")
     if not limit or not any(r.alive() and (r.silent_for() or 0) > limit for r in ranks):
         return None
     live = [r for r in ranks if r.alive() and r.step() is not None]
@@ -462,9 +364,14 @@ def _configuration_error(ranks: list[Rank], failed: Rank) -> tuple[int, bool, di
     _signal_all(ranks, signal.SIGKILL)
     _reap(ranks)
     if ranks[0].process.returncode != CONFIGURATION_ERROR:  # rank 0 did not print it: show the failing rank's
-        lines = [l for path in failed.logs[1:] if path.is_file() for l in path.read_text(errors="replace").splitlines()]
-        print(next((l for l in reversed(lines) if l.startswith("error:")),
-                   f"error: rank {failed.rank} exited with code 2 before its first step"), file=sys.stderr, flush=True)
+        lines = failed.error_lines()
+        own = [line for line in lines if line.startswith("error: ")]  # jaxpar's one line, when it is jaxpar
+        if own:
+            print(own[-1], file=sys.stderr, flush=True)
+        else:
+            print("\n".join([f"error: rank {failed.rank} exited with code 2 before its first step" +
+                             (f"; its stderr ended with ({failed.err}):" if lines else " (no error output)"),
+                             *(f"  {line}" for line in lines)]), file=sys.stderr, flush=True)
     return CONFIGURATION_ERROR, False, {"cause": "configuration error (exit 2 before any step)"}
 
 
@@ -476,6 +383,7 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
     stop: no) and how it ended, for the events file."""
     try:
         while True:
+            checkpoint_dir = checkpoint_dir or told_checkpoints(ranks)  # one's own script tells it once it opens it
             dead = min((r for r in ranks if not r.alive() and r.process.returncode), key=lambda r: r.ended_at,
                        default=None)  # the first to die: its peers may fail after it (a lost collective)
             if dead is not None and dead.process.returncode == CONFIGURATION_ERROR and dead.step() is None:
