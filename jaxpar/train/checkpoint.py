@@ -25,7 +25,13 @@ fails it, or whose files cannot be read, raises `CorruptCheckpoint`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import shutil
+import sys
+import threading
+import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -38,7 +44,7 @@ from jaxpar.core.plan import Plan
 from jaxpar.parallel import offload
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
-from jaxpar.train.checksums import checksums, listing, mismatches
+from jaxpar.train.checksums import checksums, listing, mismatches, structure_difference
 from jaxpar.train.orbax_noise import quiet_orbax
 from jaxpar.train.run_config import model_changes
 from jaxpar.train.state import ModelDef, TrainState, abstract_state
@@ -52,6 +58,7 @@ TEMPORARY = ".orbax-checkpoint-tmp"  # how Orbax marks a step directory still be
 MASTER = "master"
 CHECKSUMS = "checksums"  # meta key: `item/path` -> checksum of each saved array (see `checksums`)
 SET_ASIDE = ".corrupted"  # suffix of a damaged step directory that a training run moved out of its way
+STRUCTURE_ERROR = "tree structures do not match"  # Orbax's words for a target whose containers differ
 READ_ERRORS = (ValueError, OSError, KeyError, RuntimeError, TypeError, EOFError)  # what damaged files raise
 
 
@@ -97,6 +104,53 @@ def _filled(state: TrainState) -> list[str]:
     return [item for item in ARRAY_ITEMS if jax.tree.leaves(getattr(state, item))]
 
 
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the directories not yet closed, finished at interpreter exit
+
+
+def _finish_open_ones(at_exit: bool = False) -> None:
+    """Finish the saves in flight of every directory left open (a loop that never closed it, or Ctrl-C).
+
+    A `save` that returned is a promise: left to interpreter exit, Orbax's commit finds Python's thread pools shut
+    ("cannot schedule new futures after shutdown") and leaves the step half-written. An uncaught exception (Ctrl-C's
+    KeyboardInterrupt too) finishes them before Python starts shutting down; a script's plain end does so in
+    threading's exit hooks, which run before the pools shut, except on Python >= 3.12, where no thread may start
+    by then: those saves are abandoned, said so. A second Ctrl-C while finishing abandons what is pending too.
+    Abandoned saves leave no half-written directory."""
+    for directory in list(_OPEN):
+        if at_exit and sys.version_info >= (3, 12):
+            # the commit threads' own failures (Orbax's, through absl), which the line below replaces
+            logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
+            with contextlib.suppress(Exception):
+                directory.wait()  # until the commit thread has failed: then nothing writes into what is removed
+            if directory.abandon():
+                print(f"warning: Checkpoints(directory={str(directory.directory)!r}) was left open at exit: its save "
+                      "in flight could not finish (Python >= 3.12 starts no thread at exit) and was removed; close "
+                      "it (`with Checkpoints(...)`, or close() in a finally)", file=sys.stderr, flush=True)
+            continue
+        try:
+            directory.wait()
+            directory.close()
+        except KeyboardInterrupt:
+            directory.abandon()
+            print(f"warning: interrupted while finishing the checkpoint saves in flight in {directory.directory}; "
+                  "the unfinished ones were removed", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _finish_open_ones_at_exit() -> None:
+    """Install `_finish_open_ones` in the excepthook (before shutdown starts) and in threading's exit hooks, where it
+    runs before concurrent.futures' own (registered at its import, which Orbax's import did: they run last
+    registered first). `atexit` would run after it: too late."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        previous(kind, value, traceback)
+        _finish_open_ones()
+
+    sys.excepthook = excepthook
+    threading._register_atexit(functools.partial(_finish_open_ones, at_exit=True))  # noqa: SLF001
+
+
 class Checkpoints:
     """A run's checkpoint directory: async saves every `save_every` steps, the newest `keep` kept.
 
@@ -135,6 +189,9 @@ class Checkpoints:
             item_handlers={**{item: handler() for item in ARRAY_ITEMS}, "meta": ocp.JsonCheckpointHandler()},
         )
         self.read_only = read_only
+        if not read_only:
+            _finish_open_ones_at_exit()
+            _OPEN.add(self)
         try:
             if read_only and self.latest_step() is None:
                 raise ValueError(f"checkpoint directory {str(self.directory)!r} holds no complete checkpoint")
@@ -166,17 +223,20 @@ class Checkpoints:
                 f"overwrite them. Differences: {'; '.join(changed)}. Use another --checkpoint-dir."
             )
 
-    def _remove_half_written(self) -> None:
+    def _remove_half_written(self) -> bool:
         """Delete the steps a crash left half-written, now rather than in Orbax's background sweep.
 
         One process deletes; the others reach their first save only after every
         process has passed Orbax's barrier at the start of a save.
         """
         if jax.process_index() != 0 or not self.directory.is_dir():
-            return
+            return False
+        removed = False
         for path in self.directory.iterdir():
             if TEMPORARY in path.name and path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
+                shutil.rmtree(path, ignore_errors=True)
+                removed = True
+        return removed
 
     # -- what is there --------------------------------------------------------
 
@@ -314,12 +374,49 @@ class Checkpoints:
         return _where_they_lie(convert, state, compiled)
 
     def check_fits(self, target: TrainState, step: int | None = None) -> None:
-        """Raise ValueError listing every array whose path, shape or dtype differs from the target state's."""
+        """Raise ValueError naming every array whose path, shape or dtype differs from the target state's."""
         step = self._step(step)
-        wrong = [line for item in ARRAY_ITEMS
-                 for line in mismatches({item: self._array_metadata(step, item)}, {item: getattr(target, item)})]
-        if wrong:
-            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
+        self._refuse_misfit(step, {item: getattr(target, item) for item in ARRAY_ITEMS})
+
+    def _refuse_misfit(self, step: int, trees: dict, saved: dict | None = None) -> None:
+        """Raise ValueError if the arrays saved at `step` are not the target `trees`' (`saved`: read if not given).
+
+        A difference in the parameters (or variables) lists every array; one in the optimizer's state alone is one
+        line naming where it first differs, for it is a good checkpoint of another optimizer."""
+        saved = saved or {item: self._array_metadata(step, item) for item in trees}
+        wrong = {item: mismatches({item: saved[item]}, {item: tree}) for item, tree in trees.items()}
+        if any(item != "opt_state" or line.startswith(f"opt_state/{MASTER}/") for item in wrong for line in wrong[item]):
+            lines = [line for item in trees for line in wrong[item]]
+            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(lines)}")
+        if wrong.get("opt_state"):
+            where = structure_difference(saved["opt_state"], trees["opt_state"], "opt_state") or wrong["opt_state"][0]
+            raise ValueError(self._other_optimizer(step, f"{where}; {len(wrong['opt_state'])} arrays differ"))
+
+    def _other_optimizer(self, step: int, where: str) -> str:
+        return (f"checkpoint step {step} in {self.directory} does not fit the model's optimizer: the optimizer's "
+                f"state tree differs at {where} (the parameters fit: it was saved with another optimizer or precision)")
+
+    def _read_arrays(self, step: int, trees: dict):
+        """The items of `trees` (abstract targets) that hold arrays, read from `step` onto their shardings and
+        verified: (restored, the items read). Containers that differ while every array agrees (adamw's state read
+        as adam's: one empty part fewer) make Orbax fail; they are named as a misfit, never as damage."""
+        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                  for item, tree in trees.items() if jax.tree.leaves(tree)}
+        try:
+            restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        except CorruptCheckpoint as error:
+            if STRUCTURE_ERROR not in str(error):
+                raise
+            for item in arrays:
+                where = structure_difference(self._array_metadata(step, item), trees[item], item)
+                if where and item == "opt_state":
+                    raise ValueError(self._other_optimizer(step, where)) from None
+                if where:
+                    raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model: "
+                                     f"{where}") from None
+            raise
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        return restored, arrays
 
     def restore(self, model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan,
                 step: int | None = None) -> tuple[TrainState, dict]:
@@ -343,12 +440,7 @@ class Checkpoints:
         if isinstance(target.opt_state, precision.MasterState) and not saved_master:
             return self._restore_into_master(step, target)
         self.check_fits(target, step)
-        arrays = {
-            item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
-            for item, tree in ((item, getattr(target, item)) for item in _filled(target))
-        }
-        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
-        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        restored, arrays = self._read_arrays(step, {item: getattr(target, item) for item in _filled(target)})
         counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
         items = {item: restored[item] if item in arrays else getattr(target, item) for item in ARRAY_ITEMS}
         return TrainState(**items, step=counter), restored.meta
@@ -360,14 +452,10 @@ class Checkpoints:
         scaled = isinstance(target.opt_state, precision.ScaledState)
         inner = target.opt_state.inner if scaled else target.opt_state
         legacy = {MASTER: target.params, "inner": inner, "loss_scale": target.opt_state.loss_scale if scaled else None}
-        wrong = mismatches({"opt_state": saved}, {"opt_state": legacy})
-        if wrong:
-            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
         trees = {"opt_state": legacy, **({"variables": target.variables} if "variables" in _filled(target) else {})}
-        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
-                  for item, tree in trees.items()}
-        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
-        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        self._refuse_misfit(step, trees, {**{item: self._array_metadata(step, item) for item in trees},
+                                          "opt_state": saved})
+        restored, arrays = self._read_arrays(step, trees)
         opt = restored["opt_state"]
         opt_state = precision.ScaledState(opt["inner"], opt["loss_scale"]) if scaled else opt["inner"]
         counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
@@ -382,14 +470,8 @@ class Checkpoints:
         saved_opt = precision.ScaledState(opt.inner, opt.loss_scale) if scaled else opt.inner
         trees = {"params": opt.master, "opt_state": saved_opt,
                  **({"variables": target.variables} if "variables" in _filled(target) else {})}
-        wrong = [line for item, tree in trees.items()
-                 for line in mismatches({item: self._array_metadata(step, item)}, {item: tree})]
-        if wrong:
-            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
-        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
-                  for item, tree in trees.items() if jax.tree.leaves(tree)}
-        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
-        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        self._refuse_misfit(step, trees)
+        restored, arrays = self._read_arrays(step, trees)
         master = restored["params"]
         inner = restored["opt_state"] if "opt_state" in arrays else saved_opt
         inner, loss_scale = (inner.inner, inner.loss_scale) if scaled else (inner, None)
@@ -423,7 +505,19 @@ class Checkpoints:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
+        _OPEN.discard(self)
         self._manager.close()
+
+    def abandon(self) -> bool:
+        """Give up the saves in flight (at exit, interrupted): their half-written step directories removed. True if
+        there were some."""
+        _OPEN.discard(self)
+        removed = self._remove_half_written()
+        for _ in range(20 if removed else 0):  # TensorStore's own threads may still be writing into it: until it stays gone
+            time.sleep(0.25)
+            if not self._remove_half_written():
+                break
+        return removed
 
     def __enter__(self) -> "Checkpoints":
         return self
