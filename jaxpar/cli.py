@@ -412,6 +412,13 @@ def _subcommands() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxpar.core.spelling import as_flags
+
+    with as_flags():  # errors from the layers below name this command line's flags, not the API's arguments
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         from jaxpar.train.distributed import launch_local

@@ -115,7 +115,7 @@ def test_documents_get_bos_and_eos_once(sources, word_tokenizer):
 def test_text_field(tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
     assert training_streams(str(tmp_path / "c.jsonl"), None, 256, text_field="body")[0][1].tobytes() == b"hello"
-    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(it has 'body'\); choose the field with --text-field"):
+    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(it has 'body'\); choose the field with DataSpec\(text_field=\.\.\.\)"):
         training_streams(str(tmp_path / "c.jsonl"), None, 256)
 
 

@@ -41,6 +41,7 @@ import optax
 import orbax.checkpoint as ocp
 
 from jaxpar.core.plan import Plan
+from jaxpar.core.spelling import name as option_name
 from jaxpar.parallel import offload
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
@@ -220,7 +221,7 @@ class Checkpoints:
         if changed:
             raise ValueError(
                 f"{self.directory} holds checkpoints of another model (step {step}); refusing to "
-                f"overwrite them. Differences: {'; '.join(changed)}. Use another --checkpoint-dir."
+                f"overwrite them. Differences: {'; '.join(changed)}. Use another {option_name('checkpoint_dir')}."
             )
 
     def _remove_half_written(self) -> bool:
