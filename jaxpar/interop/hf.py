@@ -543,14 +543,30 @@ def load_params(path, model, plan, step: int | None = None) -> dict:
         base_weights.check(checkpoints.metadata(step)["config"], f"checkpoint step {step} in {checkpoints.directory}")
         saved = checkpoints._array_metadata(step, "params")
         # a LoRA run's adapters, read whole (they are small) and folded into their weights: W + (alpha / r) A B
-        adapted = lora.with_saved_adapters(saved, target, jax.sharding.NamedSharding(plan.mesh, jax.P()))
+        whole = jax.sharding.NamedSharding(plan.mesh, jax.P())
+        adapted = _with_saved_codes(saved, lora.with_saved_adapters(saved, target, whole), whole)
         wrong = mismatches(saved, adapted, dtypes=False)
         if wrong:
             raise ValueError(f"checkpoint step {step} in {path} does not fit the model:{listing(wrong)}")
         read = ocp.args.PyTreeRestore(adapted, restore_args=ocp.checkpoint_utils.construct_restore_args(adapted),
                                       partial_restore=True)
         params = lora.fold(checkpoints._read(step, ocp.args.Composite(params=read))["params"])
-        return jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), params, target)
+        return jax.tree.map(lambda a, t: jax.device_put(a.astype(t.dtype), t.sharding), params, target)
+
+
+def _with_saved_codes(saved, adapted, sharding):
+    """`adapted` with the codes and scales a QLoRA checkpoint holds for its frozen weights (`name`,
+    `name_quant_scales`) in place of those weights, placed by `sharding` (whole: 4 or 8 bits a value); `lora.fold`
+    dequantizes them into the weights the adapters were trained on."""
+    if not isinstance(saved, dict) or not isinstance(adapted, dict):
+        return adapted
+    out = {key: _with_saved_codes(saved.get(key), value, sharding) for key, value in adapted.items()}
+    for key in saved:
+        base = key.removesuffix(quantized_base.SCALES) if isinstance(key, str) else None
+        if base != key and base in adapted:
+            for name in (base, key):
+                out[name] = jax.ShapeDtypeStruct(tuple(saved[name].shape), saved[name].dtype, sharding=sharding)
+    return out
 
 
 def export_hf(path, out, step: int | None = None, dtype: str = "float32", merge: bool = False) -> dict:
