@@ -243,3 +243,13 @@ def test_the_merged_export_of_a_qlora_checkpoint_dequantizes_its_base(tmp_path, 
         from_checkpoint, from_export = (json.loads(line) for line in capsys.readouterr().out.splitlines()[-2:])
         key = "eval_loss" if command[0] == "eval" else "tokens"
         np.testing.assert_allclose(from_checkpoint[key], from_export[key], rtol=1e-5)
+
+
+def test_the_readme_states_the_block_size():
+    from pathlib import Path
+
+    from jaxpar.parallel.quantize import BLOCK
+
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"The block size is {BLOCK} (int8's too): every matrix's last dimension must be a multiple of {BLOCK}" \
+        in readme
