@@ -357,7 +357,7 @@ def _hf_command(args: argparse.Namespace) -> int:
             from jaxpar.train import distributed
 
             distributed.initialize()  # under `jaxpar launch`, each process writes its share of the tensors
-            from jaxpar.interop.hf import export_hf
+            from jaxpar.interop.hf_write import export_hf
 
             result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype, args.merge)
         elif args.command == "eval":

@@ -228,7 +228,7 @@ def test_the_merged_export_of_a_qlora_checkpoint_dequantizes_its_base(tmp_path, 
         k = base("wk", layer).reshape(CONFIG.d_model, -1).T  # frozen and not adapted: the codes alone
         np.testing.assert_allclose(merged[f"model.layers.{layer}.self_attn.k_proj.weight"], k, rtol=0, atol=1e-7)
 
-    from jaxpar.interop.hf import load_params
+    from jaxpar.interop.saved_weights import load_params
     from jaxpar.run.generate import generation_plan
     from jaxpar.train.state import describe
 

@@ -174,7 +174,7 @@ def generate_from_checkpoint(path, prompts: Sequence[str], mesh: str | None = No
     assistant's header after it, and generation stops at the template's end-of-turn token (unless `eos`
     names another): the reply a model instruction-tuned on that template gives.
     """
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, saved_weights
     from jaxpar.models import model_factory
     from jaxpar.train.state import describe
 
@@ -188,7 +188,7 @@ def generate_from_checkpoint(path, prompts: Sequence[str], mesh: str | None = No
         eos = config_eos(path) if eos is None else eos
     plan = generation_plan(mesh)
     model = describe(model_factory(name, cfg, 0))
-    params = hf.load_params(path, model, plan, step)
+    params = saved_weights.load_params(path, model, plan, step)
     generator = Generator(model, cfg, params, plan, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, eos=eos, use_cache=use_cache)
     new, stats = generator(prompt_ids, seed)

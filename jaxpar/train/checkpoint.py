@@ -250,13 +250,14 @@ class Checkpoints:
 
     def metadata(self, step: int | None = None) -> dict:
         """The JSON saved with `step` (default the newest): step, data position, seeds, config."""
-        step = self._step(step)
+        step = self.resolve_step(step)
         meta = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"step {step} in {self.directory} is not a jaxpar checkpoint (no {FORMAT} metadata)")
         return meta
 
-    def _step(self, step: int | None) -> int:
+    def resolve_step(self, step: int | None = None) -> int:
+        """`step` if saved complete, else ValueError listing the saved steps; None: the newest."""
         steps = self.steps()
         if not steps:
             raise ValueError(f"checkpoint directory {str(self.directory)!r} holds no complete checkpoint")
@@ -316,12 +317,27 @@ class Checkpoints:
         self._manager.reload()
         return target
 
+    def read_arrays(self, step: int | None, trees: dict, partial: bool = False) -> dict:
+        """{item: tree} of the arrays saved at `step` (None: the newest), each read straight into the shards of
+        `trees` ({item: a tree of jax.ShapeDtypeStruct with shardings, or numpy arrays' shapes}); `partial`: the
+        trees may hold only some of an item's arrays. What export and `jaxpar generate` read a checkpoint with;
+        unverified (the checksums cover whole items: `restore` checks them). Damaged files: CorruptCheckpoint."""
+        step = self.resolve_step(step)
+        reads = {item: ocp.args.PyTreeRestore(tree, partial_restore=partial,
+                                              restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                 for item, tree in trees.items()}
+        restored = self._read(step, ocp.args.Composite(**reads))
+        return {item: restored[item] for item in reads}
+
     def _read(self, step: int, args: ocp.args.Composite):
         with self._reading(step):
             return self._manager.restore(step, args=args)
 
-    def _array_metadata(self, step: int, item: str):
-        """Shapes and dtypes of an array item as saved ({} if the step has none: an empty optimizer state)."""
+    def saved_arrays(self, step: int | None, item: str):
+        """An array item as saved at `step` (None: the newest), without reading it: a tree of Orbax's ArrayMetadata
+        (shape, dtype, and the file it lies in: `directory`, `name`); {} if the step has none (an empty optimizer
+        state)."""
+        step = self.resolve_step(step)
         with self._reading(step):
             saved = self._manager.item_metadata(step).get(item)
         return {} if saved is None else saved.tree
@@ -376,7 +392,7 @@ class Checkpoints:
 
     def check_fits(self, target: TrainState, step: int | None = None) -> None:
         """Raise ValueError naming every array whose path, shape or dtype differs from the target state's."""
-        step = self._step(step)
+        step = self.resolve_step(step)
         self._refuse_misfit(step, {item: getattr(target, item) for item in ARRAY_ITEMS})
 
     def _refuse_misfit(self, step: int, trees: dict, saved: dict | None = None) -> None:
@@ -384,7 +400,7 @@ class Checkpoints:
 
         A difference in the parameters (or variables) lists every array; one in the optimizer's state alone is one
         line naming where it first differs, for it is a good checkpoint of another optimizer."""
-        saved = saved or {item: self._array_metadata(step, item) for item in trees}
+        saved = saved or {item: self.saved_arrays(step, item) for item in trees}
         wrong = {item: mismatches({item: saved[item]}, {item: tree}) for item, tree in trees.items()}
         if any(item != "opt_state" or line.startswith(f"opt_state/{MASTER}/") for item in wrong for line in wrong[item]):
             lines = [line for item in trees for line in wrong[item]]
@@ -409,7 +425,7 @@ class Checkpoints:
             if STRUCTURE_ERROR not in str(error):
                 raise
             for item in arrays:
-                where = structure_difference(self._array_metadata(step, item), trees[item], item)
+                where = structure_difference(self.saved_arrays(step, item), trees[item], item)
                 if where and item == "opt_state":
                     raise ValueError(self._other_optimizer(step, where)) from None
                 if where:
@@ -427,14 +443,14 @@ class Checkpoints:
         whole on one device, whatever plan saved it. The checkpoint's natural
         layer order becomes `plan`'s (jaxpar.pipeline.layer_order) once read and verified.
         """
-        state, meta = self._restore(self._step(step), abstract_state(model, optimizer, plan))
+        state, meta = self._restore(self.resolve_step(step), abstract_state(model, optimizer, plan))
         if layer_order.reorders(plan):
             state = self._reordered(state, model, optimizer, plan, to_natural=False)
         return state, meta
 
     def _restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
         """The state saved at `step` read onto the shardings of `target` (an abstract state)."""
-        saved_optimizer = self._array_metadata(step, "opt_state")
+        saved_optimizer = self.saved_arrays(step, "opt_state")
         saved_master = isinstance(saved_optimizer, dict) and MASTER in saved_optimizer
         if saved_master and not isinstance(target.opt_state, precision.MasterState):
             return self._restore_with_master(step, target, saved_optimizer)
@@ -454,7 +470,7 @@ class Checkpoints:
         inner = target.opt_state.inner if scaled else target.opt_state
         legacy = {MASTER: target.params, "inner": inner, "loss_scale": target.opt_state.loss_scale if scaled else None}
         trees = {"opt_state": legacy, **({"variables": target.variables} if "variables" in _filled(target) else {})}
-        self._refuse_misfit(step, trees, {**{item: self._array_metadata(step, item) for item in trees},
+        self._refuse_misfit(step, trees, {**{item: self.saved_arrays(step, item) for item in trees},
                                           "opt_state": saved})
         restored, arrays = self._read_arrays(step, trees)
         opt = restored["opt_state"]
@@ -487,9 +503,9 @@ class Checkpoints:
         """The parameters saved at `step` as whole host numpy arrays, for export: the exact fp32 weights
         under bf16/fp16 (the master of an older checkpoint), else the parameters as held. A LoRA run's frozen
         weights have no master: they come as held."""
-        step = self._step(step)
-        optimizer = self._array_metadata(step, "opt_state")
-        trees = {"params": self._array_metadata(step, "params")}
+        step = self.resolve_step(step)
+        optimizer = self.saved_arrays(step, "opt_state")
+        trees = {"params": self.saved_arrays(step, "params")}
         if isinstance(optimizer, dict) and MASTER in optimizer:
             trees = {"params": _without(trees["params"], optimizer[MASTER]), "opt_state": {MASTER: optimizer[MASTER]}}
         if not any(jax.tree.leaves(tree) for tree in trees.values()):
