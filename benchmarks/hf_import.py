@@ -26,7 +26,7 @@ def write_random_hf(directory: Path, cfg, seed: int = 0) -> int:
     import jax
     import numpy as np
 
-    from jaxpar.interop import hf, hf_config
+    from jaxpar.interop import hf, hf_config, hf_write, safetensors_reader
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
     (directory / hf_config.HF_CONFIG).write_text(json.dumps(hf_config.config_to_hf(cfg, "bfloat16"), indent=2))
@@ -43,11 +43,12 @@ def write_random_hf(directory: Path, cfg, seed: int = 0) -> int:
         for name in names:
             values = rng.standard_normal(shapes[name], dtype=np.float32) * 0.02
             tensors[name] = 1.0 + values if name.endswith("norm.weight") else values
-        hf._save(tensors, bf16, directory / file, {"format": "pt"})
+        hf_write._save(tensors, bf16, directory / file, {"format": "pt"})
         total += sum(a.size * 2 for a in tensors.values())
         weight_map.update({name: file for name in names})
         del tensors
-    (directory / hf.INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / safetensors_reader.INDEX_FILE).write_text(json.dumps(index))
     return total
 
 

@@ -21,6 +21,11 @@ forced one and `reached_preemption` true, agreed by every process; and `data_sta
 wants back with the step (a data loader's position, grain's `iterator.get_state()` decoded). Under
 `jaxpar launch`, each `save` call also tells the launcher the step completed (`jaxpar.distributed.heartbeat`),
 and opening the directory tells it where the checkpoints are (its reports and restarts name the last complete one).
+
+Close it (`with`, or `close()` in a `finally`): that waits for the saves in flight. One left open is finished when
+the script dies of an uncaught exception (Ctrl-C too) and, on Python 3.11, at its end; Python >= 3.12 starts no
+thread at exit, so there the save in flight is removed, said so (`jaxpar.train.checkpoint`). A checkpoint of another
+optimizer is refused in one line naming where its state tree differs, never called damaged nor set aside.
 """
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ def _hf_command(args: argparse.Namespace) -> int:
             from jaxpar.train import distributed
 
             distributed.initialize()  # under `jaxpar launch`, each process writes its share of the tensors
-            from jaxpar.interop.hf import export_hf
+            from jaxpar.interop.hf_write import export_hf
 
             result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype, args.merge)
         elif args.command == "eval":
@@ -421,6 +421,13 @@ def _subcommands() -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxpar.core.spelling import as_flags
+
+    with as_flags():  # errors from the layers below name this command line's flags, not the API's arguments
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         from jaxpar.train.distributed import launch_local

@@ -9,7 +9,7 @@ models' (a stable public name).
     jaxpar.inspect.show(report)                                     # the tables `jaxpar inspect` prints
 
 `report` is the JSON `jaxpar inspect --json` prints, less the model's name: `collectives` (per device per step,
-one row per kind and mesh axes: calls, buffers, bytes and ring traffic, loops' trip counts multiplied in),
+one row per kind and mesh axes: `count` (calls), `buffers`, `bytes` and ring `traffic`, loops' trip counts multiplied in),
 `memory` (XLA's per-device arguments, outputs, temp, total), `flops` (XLA's cost analysis) and `matmul_flops`
 (every dot counted as often as it runs), `process_axes` (the mesh axes crossing hosts), `pipeline` (bubble,
 residual ring) under `pipe` > 1, and `attention` (the implementation each attention call got) for a jaxpar step.

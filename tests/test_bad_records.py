@@ -261,7 +261,7 @@ def test_bad_records_are_left_out_in_place_and_counted(tmp_path):
     documents = records.LazyDocuments(str(path), None)
     assert len(documents) == 9 and len(documents.bad) == 3
     assert documents.bad[0].endswith("line 3 is not JSON (Unterminated string starting at: column 10)")
-    assert documents.bad[2].endswith("line 10 has no field 'text' (it has 'body'); choose the field with --text-field")
+    assert documents.bad[2].endswith("line 10 has no field 'text' (it has 'body'); choose the field with DataSpec(text_field=...)")
     texts = [bytes(d.tokens.astype(np.uint8)).decode().strip() for d in documents.documents(0, 9)]
     assert texts == [f"document number {i}" for i in (0, 1, 3, 4, 5, 6, 8, 10, 11)]
     assert documents.index.name(2) == f"--data {str(path)!r} line 4"  # names stay the file's lines

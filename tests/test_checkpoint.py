@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxpar.interop import hf
+from jaxpar.interop import saved_weights
 from jaxpar.train.checkpoint import Checkpoints
 from jaxpar.cli import main
 from jaxpar.interop.export import export, load_model, load_params
@@ -155,7 +155,7 @@ def test_interleaved_state_is_saved_in_natural_order_and_restores_onto_any_plan(
         restored = {name: a.restore(model, OPTIMIZER, plan)[0] for name, plan in plans.items()}
     again = jax.tree.map(np.array_equal, copy_state(restored["interleaved"]), held)
     assert all(jax.tree.leaves(again)), f"the interleaved plan's state did not come back as it held it: {again}"
-    initial = hf.initial_state(written, model, OPTIMIZER, interleaved)  # `jaxpar train --init-from`
+    initial = saved_weights.initial_state(written, model, OPTIMIZER, interleaved)  # `jaxpar train --init-from`
     same = jax.tree.map(np.array_equal, to_natural_order(copy_state(initial.params), model.logical, interleaved),
                         natural.params)
     assert all(jax.tree.leaves(same)), f"--init-from did not put the layers in the plan's order: {same}"

@@ -103,6 +103,21 @@ def test_document_sources_read_the_same_documents(sources):
         assert stream.tobytes() == "\n\n".join(DOCS).encode()  # bytes: documents separated by a blank line
 
 
+def test_documents_without_a_tokenizer_are_what_the_readme_says(sources):
+    """No BOS/EOS among 256 byte ids: each document is its bytes and a blank line, the source's last without one,
+    whether packed as documents or read as one stream for windows."""
+    from pathlib import Path
+
+    from jaxpar.data.records import LazyDocuments
+
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert ('Without a tokenizer there is no BOS or EOS (all 256 byte ids are bytes): a document is its UTF-8 bytes '
+            'followed by a blank line, `"\\n\\n"` (the last of a source excepted)') in readme
+    packed = [bytes(d.tokens.astype(np.uint8)) for d in LazyDocuments(str(sources[0]), None).documents(0, 3)]
+    assert packed == [b"first document\n\n", b"the second one\n\n", b"a third"]
+    assert training_streams(str(sources[0]), None, 256)[0][1].tobytes() == b"".join(packed)
+
+
 def test_documents_get_bos_and_eos_once(sources, word_tokenizer):
     path, vocab = word_tokenizer
     ids = training_streams(str(sources[0]), str(path), 64)[0][1].tolist()
@@ -115,7 +130,7 @@ def test_documents_get_bos_and_eos_once(sources, word_tokenizer):
 def test_text_field(tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
     assert training_streams(str(tmp_path / "c.jsonl"), None, 256, text_field="body")[0][1].tobytes() == b"hello"
-    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(it has 'body'\); choose the field with --text-field"):
+    with pytest.raises(ValueError, match=r"line 1 has no field 'text' \(it has 'body'\); choose the field with DataSpec\(text_field=\.\.\.\)"):
         training_streams(str(tmp_path / "c.jsonl"), None, 256)
 
 

@@ -106,10 +106,11 @@ def test_bad_records_and_ids_are_refused_at_start_up(tmp_path, files, capsys):
     lines = [json.dumps({"text": f"doc {i}"}) for i in range(6)]
     lines[2] = '{"text": "cut off'
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=r"line 3 is not JSON .*--skip-bad-records$"):
+    with pytest.raises(ValueError, match=r"line 3 is not JSON .*: DataSpec\(skip_bad_records=True\)$"):
         batch_stream(DataSpec(str(path)), Plan.create("data=8"), BATCH, 4, VOCAB)
     stream = batch_stream(DataSpec(str(path), skip_bad_records=True), Plan.create("data=8"), BATCH, 4, VOCAB)
-    assert len(stream.batches.source) == 5 and "training without 1 bad record" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert len(stream.batches.source) == 5 and "DataSpec(skip_bad_records=True): training without 1 bad record" in err
     with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 100\).*the first is token"):
         batch_stream(DataSpec(files["tokens"]), Plan.create("data=8"), BATCH, SEQ, 100)
 
@@ -134,3 +135,28 @@ def test_the_readme_data_example_runs_as_written():
     assert namespace["saved"] == {"position": 10, "seed": 0, "order": "windows",
                                   "drawn_by": "numpy default_rng([seed, step]) per step"}
     assert namespace["stream"].position == 10 and namespace["batch"]["inputs"].shape == (8, 128)
+
+
+def test_the_api_is_answered_in_its_own_words_and_the_command_line_in_flags(tmp_path, files):
+    """DataSpec's arguments, never flags the caller has not got; the same errors under `jaxpar.cli.main` name flags.
+    And a foreign dict given to set_state is told what it lacks by name."""
+    from jaxpar.core.spelling import as_flags
+
+    (tmp_path / "b.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
+    plan = Plan.create("data=8")
+    with pytest.raises(ValueError, match=r"has no field 'text' \(it has 'body'\); choose the field with "
+                                         r"DataSpec\(text_field=\.\.\.\)"):
+        batch_stream(DataSpec(str(tmp_path / "b.jsonl")), plan, BATCH, 4, VOCAB)
+    with pytest.raises(ValueError, match=r"^DataSpec\(packing=\.\.\.\) must be one of documents, windows, got 'rows'"):
+        batch_stream(DataSpec(files["tokens"], packing="rows"), plan, BATCH, SEQ, VOCAB)
+    with pytest.raises(ValueError, match=r"token file: .* use DataSpec\(packing='windows'\), or"):
+        batch_stream(DataSpec(files["tokens"], packing="documents"), plan, BATCH, SEQ, VOCAB)
+    with as_flags():
+        with pytest.raises(ValueError, match=r"^--packing must be one of documents, windows, got 'rows'"):
+            batch_stream(DataSpec(files["tokens"], packing="rows"), plan, BATCH, SEQ, VOCAB)
+        with pytest.raises(ValueError, match=r"choose the field with --text-field; .*: --skip-bad-records$"):
+            batch_stream(DataSpec(str(tmp_path / "b.jsonl")), plan, BATCH, 4, VOCAB)
+    stream = batch_stream(DataSpec(files["tokens"], epochs=True), plan, BATCH, SEQ, VOCAB)
+    with pytest.raises(ValueError, match=r"^set_state: the data state given has no 'seed', 'order' \(it has "
+                                         r"\['position', 'windows_seen'\]\); give it what BatchStream.get_state"):
+        stream.set_state({"position": 3, "windows_seen": 48})

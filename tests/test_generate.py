@@ -91,6 +91,36 @@ def test_generate_and_eval_commands(tmp_path, capsys, model_and_params):
     assert report["eval_tokens"] > 0 and np.isclose(report["eval_ppl"], np.exp(report["eval_loss"]))
 
 
+def test_generate_stops_at_the_configs_eos_ids_and_shows_ids_past_the_bytes(tmp_path, capsys, model_and_params):
+    """As transformers does, the config's `eos_token_id` (one or several) ends a sequence by default; without a
+    tokenizer an id that is no byte is shown as `<id>`, never dropped."""
+    import dataclasses
+
+    from jaxpar.run.generate import text_codec
+    from jaxpar.train.checkpoint import Checkpoints
+    from jaxpar.train.state import TrainState
+
+    _, params = model_and_params
+
+    def generated(hf_config):
+        directory = tmp_path / str(len(list(tmp_path.iterdir())))
+        model = {"name": "tiny", "config": dataclasses.asdict(CFG), "hf_config": hf_config}
+        with Checkpoints(directory, config={"model": model}) as checkpoints:
+            checkpoints.save(1, TrainState(params, {}, np.int32(1)), force=True)
+        assert main(["generate", "--checkpoint-dir", str(directory), "--prompt", "The ", "--max-new-tokens", "6",
+                     "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    free = generated({})
+    row = free["tokens"][0]
+    assert free["eos"] is None and len(set(row[:3])) == 3, row  # three distinct tokens to stop at the third
+    stopped = generated({"eos_token_id": [299 if row[2] != 299 else 298, row[2]]})
+    assert stopped["tokens"][0] == row[:3] + [stopped["eos"][0]] * 3
+    _, decode = text_codec(None, CFG.vocab)
+    assert stopped["completions"][0] == decode(row[:2])
+    assert decode([72, 105, 299, 0xC3, 0xA9, 256]) == "Hi<299>\u00e9<256>"
+
+
 @pytest.mark.parametrize("command", ["train", "import-hf", "eval", "generate", "export", "tokenize"])
 def test_help_renders(command, capsys):
     with pytest.raises(SystemExit) as exit_:

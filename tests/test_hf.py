@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_write, safetensors_reader, saved_weights
 from jaxpar.models.llama import Llama, LlamaConfig
 
 try:  # only the tests against transformers need torch (absent on the Python >= 3.12 CI leg)
@@ -113,7 +113,7 @@ def test_logits_match_transformers_both_ways(case, tmp_path):
     with nnx.use_eager_sharding(False):
         ours = Llama(cfg, nnx.Rngs(7))
     ours.final_norm[...] = ours.final_norm[...] * 1.3
-    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     back = relative(torch_logits(exported, TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))
     assert back <= 1e-5, back
@@ -141,8 +141,8 @@ def test_loading_reads_each_shard_onto_the_plan(tmp_path, monkeypatch):
     cfg = LlamaConfig(vocab=250, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, d_ff=96)
     with nnx.use_eager_sharding(False):
         source = nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(3))))
-    hf.write_hf(source, cfg, tmp_path / "hf", max_shard_bytes=100_000)
-    assert (tmp_path / "hf" / hf.INDEX_FILE).is_file()
+    hf_write.write_hf(source, cfg, tmp_path / "hf", max_shard_bytes=100_000)
+    assert (tmp_path / "hf" / safetensors_reader.INDEX_FILE).is_file()
     loaded_cfg, whole = hf.load_hf_params(tmp_path / "hf")
     assert loaded_cfg == dataclasses.replace(cfg, seq_len=loaded_cfg.seq_len)
     plan = Plan.create("data=4,tensor=2", zero=3)
@@ -157,7 +157,7 @@ def test_loading_reads_each_shard_onto_the_plan(tmp_path, monkeypatch):
                         lambda self, name, *index: reads.append((name, original(self, name, *index))) or reads[-1][1])
     _, sharded = hf.load_hf_params(tmp_path / "hf", cfg, shardings)
     for path, array, target, expected, written in zip(
-            hf._flat_paths(sharded), jax.tree.leaves(sharded), jax.tree.leaves(shardings), jax.tree.leaves(whole),
+            hf.flat_paths(sharded), jax.tree.leaves(sharded), jax.tree.leaves(shardings), jax.tree.leaves(whole),
             jax.tree.leaves(source)):
         assert array.sharding == target, path
         np.testing.assert_array_equal(np.asarray(array), expected)
@@ -172,11 +172,12 @@ def test_loading_reads_each_shard_onto_the_plan(tmp_path, monkeypatch):
     embed_reads = [a.size for name, a in reads if name == "model.embed_tokens.weight"]
     assert max(embed_reads) < 250 * 64
     # what --init-from, eval and generate call: the same, and a model of another shape is refused by name
-    for array, expected in zip(jax.tree.leaves(hf.load_params(tmp_path / "hf", model, plan)), jax.tree.leaves(whole)):
+    loaded = saved_weights.load_params(tmp_path / "hf", model, plan)
+    for array, expected in zip(jax.tree.leaves(loaded), jax.tree.leaves(whole)):
         np.testing.assert_array_equal(np.asarray(array), expected)
     other = describe(model_factory("tiny", dataclasses.replace(cfg, d_ff=128), 0))
     with pytest.raises(ValueError, match=r"blocks/w_up: saved float32\[2, 64, 96\], model float32\[2, 64, 128\]"):
-        hf.load_params(tmp_path / "hf", other, plan)
+        saved_weights.load_params(tmp_path / "hf", other, plan)
 
 
 def test_bfloat16_safetensors_read_and_written(tmp_path):
@@ -185,7 +186,7 @@ def test_bfloat16_safetensors_read_and_written(tmp_path):
                       tie_embeddings=True)
     with nnx.use_eager_sharding(False):
         source = nnx.to_pure_dict(nnx.state(Llama(cfg, nnx.Rngs(0))))
-    hf.write_hf(source, cfg, tmp_path / "bf16", dtype="bfloat16")
+    hf_write.write_hf(source, cfg, tmp_path / "bf16", dtype="bfloat16")
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     _, back = hf.load_hf_params(tmp_path / "bf16")
     rounded = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32), source)

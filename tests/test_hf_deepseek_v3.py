@@ -23,7 +23,7 @@ import family_strategies
 import reference as reference_lib
 from helpers import copy_state, single_device_plan
 from jaxpar.cli import main
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_write
 from jaxpar.models.deepseek import DeepseekV3
 from jaxpar.train.state import init_state
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, torch, torch_logits,
@@ -114,7 +114,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
     with nnx.use_eager_sharding(False):
         model = DeepseekV3(cfg, nnx.Rngs(7))
-    hf.write_hf(nnx.to_pure_dict(nnx.state(model)), cfg, tmp_path / "out")
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(model)), cfg, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == ("deepseek_v3", ["DeepseekV3ForCausalLM"])
     back = relative(torch_logits(reload(tmp_path / "out"), TOKENS), np.asarray(model.logits(jnp.asarray(TOKENS))))

@@ -146,19 +146,20 @@ def test_an_export_writes_what_training_changed_over_its_source_config():
 def test_export_reads_one_layer_at_a_time_and_writes_the_checkpoint(trained_mixtral, tmp_path, monkeypatch):
     """Every block export reads of a training checkpoint is one layer's (one expert's) tensor, never a stacked
     parameter; the files hold the checkpoint's parameters exactly (padded vocabulary rows dropped)."""
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, saved_weights
     from jaxpar.train.checkpoint import Checkpoints
 
     _, _, run = trained_mixtral
     blocks = []
-    opened = hf._tensorstore_parameter
+    opened = saved_weights._tensorstore_parameter
 
     def recording(saved):
         parameter = opened(saved)
-        return hf.SavedParameter(parameter.shape, lambda index: blocks.append((saved.name, parameter.read(index)))
-                                 or blocks[-1][1])
+        return saved_weights.SavedParameter(parameter.shape,
+                                            lambda index: blocks.append((saved.name, parameter.read(index)))
+                                            or blocks[-1][1])
 
-    monkeypatch.setattr(hf, "_tensorstore_parameter", recording)
+    monkeypatch.setattr(saved_weights, "_tensorstore_parameter", recording)
     assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
     stacked = [(name, block.shape) for name, block in blocks if name.startswith("blocks.")]
     assert stacked and all(shape[0] == 1 for _, shape in stacked)
@@ -169,8 +170,8 @@ def test_export_reads_one_layer_at_a_time_and_writes_the_checkpoint(trained_mixt
     with Checkpoints(run, read_only=True) as checkpoints:
         saved = checkpoints.read_params()
     _, written = hf.load_hf_params(tmp_path / "hf")
-    for path, expected in hf._flat_paths(saved).items():
-        got = hf._flat_paths(written)[path]
+    for path, expected in hf.flat_paths(saved).items():
+        got = hf.flat_paths(written)[path]
         if path in ("embedding", "head"):  # the padded vocabulary rows (head columns) are not exported
             rows = slice(0, 300)
             expected, got = (expected[rows], got[rows]) if path == "embedding" else (expected[:, rows], got[:, rows])
@@ -181,7 +182,7 @@ def test_block_checksums_add_up_to_the_saved_checksum():
     """The checksum export sums a layer at a time is `jaxpar.train.checksums`' of the whole array."""
     import jax.numpy as jnp
 
-    from jaxpar.interop.hf import _block_checksum
+    from jaxpar.interop.saved_weights import _block_checksum
     from jaxpar.train.checksums import checksums
 
     rng = np.random.default_rng(0)
@@ -198,11 +199,11 @@ def test_a_tensor_is_cast_and_written_a_few_rows_at_a_time(tmp_path, monkeypatch
     import jax.numpy as jnp
     from safetensors.numpy import load_file
 
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf_write
 
-    monkeypatch.setattr(hf, "WRITE_BYTES", 2 * 5 * 2)  # 2 rows of 5 bf16 values
+    monkeypatch.setattr(hf_write, "WRITE_BYTES", 2 * 5 * 2)  # 2 rows of 5 bf16 values
     array = np.random.default_rng(0).standard_normal((5, 7), np.float32).T  # 7 rows, not contiguous
-    with hf.SafetensorsFile(tmp_path / "t.safetensors", {"w": (7, 5)}, np.dtype(jnp.bfloat16), {}) as writer:
+    with hf_write.SafetensorsFile(tmp_path / "t.safetensors", {"w": (7, 5)}, np.dtype(jnp.bfloat16), {}) as writer:
         writer.write("w", array)
     got = load_file(tmp_path / "t.safetensors")["w"]
     assert got.tobytes() == np.ascontiguousarray(array.astype(jnp.bfloat16)).tobytes()
@@ -212,11 +213,11 @@ def test_a_tensor_is_cast_and_written_a_few_rows_at_a_time(tmp_path, monkeypatch
 def test_a_corrupted_parameter_stops_the_export_and_leaves_no_directory(trained_mixtral, tmp_path, monkeypatch,
                                                                        capsys):
     """A parameter whose blocks do not add up to its saved checksum is named, and nothing is left at --out."""
-    from jaxpar.interop import hf
+    from jaxpar.interop import saved_weights
 
     _, _, run = trained_mixtral
-    real = hf._Checksums.__init__
-    monkeypatch.setattr(hf._Checksums, "__init__", lambda self, saved, where: real(
+    real = saved_weights._Checksums.__init__
+    monkeypatch.setattr(saved_weights._Checksums, "__init__", lambda self, saved, where: real(
         self, {**saved, "params/blocks/moe/wq": (saved["params/blocks/moe/wq"] + 1) % 2**32}, where))
     assert main(["export", "--checkpoint-dir", str(run), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 2
     assert "params/blocks/moe/wq differs from the checksum" in capsys.readouterr().err
@@ -230,7 +231,7 @@ def test_export_of_a_zero1_bf16_run_writes_its_fp32_master(tmp_path):
     from flax import nnx
 
     from jaxpar.core.plan import Plan
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, hf_write
     from jaxpar.models.llama import Llama, LlamaConfig
     from jaxpar.run.training import TrainConfig, make_optimizer
     from jaxpar.train.checkpoint import Checkpoints
@@ -245,9 +246,9 @@ def test_export_of_a_zero1_bf16_run_writes_its_fp32_master(tmp_path):
     assert jax.tree.leaves(state.params)[0].dtype != np.float32  # the params are the bf16 casts
     with Checkpoints(tmp_path / "run", config=run_config(TrainConfig(), cfg, plan)) as checkpoints:
         checkpoints.save(1, state)
-    assert hf.export_hf(tmp_path / "run", tmp_path / "hf")["step"] == 1
+    assert hf_write.export_hf(tmp_path / "run", tmp_path / "hf")["step"] == 1
     _, written = hf.load_hf_params(tmp_path / "hf")
-    for path, expected in hf._flat_paths(master).items():
-        got = hf._flat_paths(written)[path]
+    for path, expected in hf.flat_paths(master).items():
+        got = hf.flat_paths(written)[path]
         rows = (slice(0, 250),) if path == "embedding" else (slice(None), slice(0, 250)) if path == "head" else ()
         np.testing.assert_array_equal(got[rows], np.asarray(expected)[rows], err_msg=path)

@@ -18,7 +18,7 @@ import reference as reference_lib
 from helpers import copy_state, max_relative_error, single_device_plan
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
-from jaxpar.interop import hf, hf_config, hf_families
+from jaxpar.interop import hf, hf_config, hf_families, hf_write
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.train.state import init_state, place_state
 from jaxpar.train.step import make_train_step
@@ -66,7 +66,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
     with nnx.use_eager_sharding(False):
         ours = Llama(cfg, nnx.Rngs(7))
-    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == (family, [FAMILIES[family][1]])
     exported = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "out").float().eval()
@@ -136,7 +136,7 @@ def test_qwen_sliding_windows_match_transformers(family, window_fields, tmp_path
                           torch_logits(reference, TOKENS))
     assert unwindowed > 1e-3, unwindowed
 
-    hf.write_hf(params, cfg, tmp_path / "out")
+    hf_write.write_hf(params, cfg, tmp_path / "out")
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (exported["use_sliding_window"], exported["sliding_window"]) == (True, 5)
     assert exported["layer_types"] == reference.config.layer_types

@@ -20,7 +20,7 @@ import reference as reference_lib
 from helpers import copy_state, max_relative_error, single_device_plan
 from jaxpar.cli import main
 from jaxpar.core.plan import Plan
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_write
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.train.state import init_state, place_state
@@ -90,7 +90,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
             leaf.set_value(leaf.get_value() + 0.2 * jax.random.normal(jax.random.key(len(path)), leaf.get_value().shape))
         elif path[-1] == "embedding":  # transformers' std 0.02, not 1: raw logits near the cap, not 100 times it
             leaf.set_value(0.02 * leaf.get_value())
-    hf.write_hf(nnx.to_pure_dict(state), cfg, tmp_path / "out")
+    hf_write.write_hf(nnx.to_pure_dict(state), cfg, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == (family, [FAMILIES[family][1]])
     exported = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "out").float().eval()

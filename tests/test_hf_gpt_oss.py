@@ -21,7 +21,7 @@ from flax import nnx
 
 import family_strategies
 from jaxpar.cli import main
-from jaxpar.interop import hf, hf_config, hf_gpt_oss
+from jaxpar.interop import hf, hf_config, hf_gpt_oss, hf_write
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
                      torch_logits, transformers)
@@ -108,7 +108,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
     with nnx.use_eager_sharding(False):
         ours = MoeLlama(cfg, nnx.Rngs(7))
-    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == ("gpt_oss", ["GptOssForCausalLM"])
     back = relative(torch_logits(reload(tmp_path / "out"), TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))
@@ -202,7 +202,7 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(saved, tmp_path):
     cfg, params = hf.load_hf_params(quantized)
     error = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), torch_logits(model, TOKENS))
     assert error <= 1e-5, error
-    hf.write_hf(params, cfg, tmp_path / "out", source=source)  # written unquantized, and said so
+    hf_write.write_hf(params, cfg, tmp_path / "out", source=source)  # written unquantized, and said so
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
     assert relative(torch_logits(reload(tmp_path / "out"), TOKENS), torch_logits(model, TOKENS)) <= 1e-5
 
@@ -256,7 +256,7 @@ def test_yarn_on_a_llama_matches_transformers_both_ways(tmp_path):
     assert relative(np.asarray(llama_model(cfg, params).logits(jnp.asarray(TOKENS))), theirs) <= 1e-5
     plain = llama_model(dataclasses.replace(cfg, rope_type="default"), params)
     assert relative(np.asarray(plain.logits(jnp.asarray(TOKENS))), theirs) > 1e-3
-    hf.write_hf(params, cfg, tmp_path / "out")
+    hf_write.write_hf(params, cfg, tmp_path / "out")
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     assert relative(torch_logits(back, TOKENS), theirs) <= 1e-6
 

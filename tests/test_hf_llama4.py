@@ -26,7 +26,7 @@ import reference as reference_lib
 import reference_llama4
 from helpers import copy_state, single_device_plan
 from jaxpar.cli import main
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_write
 from jaxpar.models.moe import MoeLlama
 from jaxpar.train.state import init_state
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, torch, torch_logits,
@@ -116,7 +116,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
     with nnx.use_eager_sharding(False):
         ours = MoeLlama(cfg, nnx.Rngs(7))
-    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == ("llama4_text", ["Llama4ForCausalLM"])
     back = relative(torch_logits(reload(tmp_path / "out"), TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))

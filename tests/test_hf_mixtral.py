@@ -19,7 +19,7 @@ from flax import nnx
 
 import family_strategies
 from jaxpar.cli import main
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_write
 from jaxpar.models.llama import Llama
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate,
@@ -101,7 +101,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
     with nnx.use_eager_sharding(False):
         ours = FAMILIES[family][2](cfg, nnx.Rngs(7))
-    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["model_type"], config["architectures"]) == (family, [FAMILIES[family][1]])
     back = relative(torch_logits(reload(family, tmp_path / "out"), TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import family_strategies
-from jaxpar.interop import hf, hf_config
+from jaxpar.interop import hf, hf_config, hf_write
 from jaxpar.models.moe import MoeLlama
 from test_hf import (TOKENS, assert_greedy_generation_equals_generate, needs_torch, relative, saved_family, torch,
                      torch_logits, transformers)
@@ -81,7 +81,7 @@ def test_logits_match_transformers_both_ways(saved, tmp_path):
 
     source = json.loads((directory / "config.json").read_text())
     ours = random_model(cfg)
-    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out", source=source)
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out", source=source)
     model, info = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
     back = relative(torch_logits(model.float().eval(), TOKENS), np.asarray(ours.logits(jnp.asarray(TOKENS))))
@@ -163,7 +163,7 @@ def test_llama4_dense_layers_match_transformers_both_ways(maverick, tmp_path):
 
     source = json.loads((directory / "config.json").read_text())
     ours = random_model(cfg)
-    hf.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out", source=source)
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(ours)), cfg, tmp_path / "out", source=source)
     back = relative(torch_logits(test_hf_llama4.reload(tmp_path / "out"), TOKENS),
                     np.asarray(ours.logits(jnp.asarray(TOKENS))))
     assert back <= 1e-5, back

@@ -1,4 +1,5 @@
-"""jaxpar's import graph, read from the source with `ast`: no cycle, and no import runs up a layer.
+"""jaxpar's import graph, read from the source with `ast`: no cycle, and no import runs up a layer; and the house's
+limits on size: no module over 600 lines, no function over 80.
 
 Every import counts, at module level, inside functions and under TYPE_CHECKING alike. A module's layer is
 the subpackage it lives in (`jaxpar.core.plan` is in `core`); the package root, `jaxpar.cli` and the public
@@ -107,3 +108,20 @@ def test_no_import_cycle():
 def test_the_graph_sees_imports_inside_functions():
     """The reader itself: a function-level import is an edge (cli imports most of jaxpar only inside functions)."""
     assert "jaxpar.run.training" in graph()["jaxpar.cli"]
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 600, 80  # one idea per file, a function read at a glance
+
+
+def test_no_module_is_over_600_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by what they do): {long}"
+
+
+def test_no_function_is_over_80_lines():
+    """From its `def` to its last line, nested functions counted in their outer one too."""
+    long = [f"{name}.{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
+            for name, path in modules().items() for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import jaxpar
@@ -47,6 +48,10 @@ def test_inspect_reads_a_users_step_gradient_all_reduce_and_memory():
     assert report["matmul_flops"] > 0 and report["mesh"] == {a: 8 if a == "data" else 1 for a in report["mesh"]}
     with pytest.raises(ValueError, match="pass plan= or mesh="):
         jaxpar.inspect.inspect_step(jax.jit(lambda x: x), rows)
+    console = Console(record=True, width=200)
+    jaxpar.inspect.show(report, console)
+    header = next(line for line in console.export_text().splitlines() if "kind" in line and "axes" in line)
+    assert header.replace("┃", " ").split() == list(reduced[0]), "show() names the columns as the JSON does"
 
 
 def test_metrics_rows_go_where_jaxpar_train_writes_them(tmp_path, capsys):

@@ -196,9 +196,10 @@ def test_weights_read_for_the_base_are_stored_as_their_codes():
     assert describe(build, lora.TRAINABLE).logical["blocks"]["wq"].dtype == np.uint8
 
 
-def test_the_merged_export_of_a_qlora_checkpoint_dequantizes_its_base(tmp_path):
+def test_the_merged_export_of_a_qlora_checkpoint_dequantizes_its_base(tmp_path, capsys):
     """`export --format hf --merge` of an NF4 run writes W + (alpha / r) A B with W the dequantized codes (numpy
-    here: the high nibble is the even value, the low the odd one, each level times its block's absmax)."""
+    here: the high nibble is the even value, the low the odd one, each level times its block's absmax). `eval` and
+    `generate` read the checkpoint as they read a LoRA one: the same weights as the merged export."""
     from safetensors.numpy import load_file
 
     from jaxpar.cli import main
@@ -226,3 +227,29 @@ def test_the_merged_export_of_a_qlora_checkpoint_dequantizes_its_base(tmp_path):
         np.testing.assert_allclose(merged[f"model.layers.{layer}.mlp.down_proj.weight"], down.T, rtol=0, atol=1e-6)
         k = base("wk", layer).reshape(CONFIG.d_model, -1).T  # frozen and not adapted: the codes alone
         np.testing.assert_allclose(merged[f"model.layers.{layer}.self_attn.k_proj.weight"], k, rtol=0, atol=1e-7)
+
+    from jaxpar.interop.saved_weights import load_params
+    from jaxpar.run.generate import generation_plan
+    from jaxpar.train.state import describe
+
+    plan, model = generation_plan("data=1"), describe(lambda: Llama(CONFIG, nnx.Rngs(0)))
+    read, exported = (jax.device_get(load_params(path, model, plan)) for path in (run, tmp_path / "hf"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), read, exported)
+    capsys.readouterr()
+    for command in (["eval", "--seq-len", "16", "--batch-size", "8"], ["generate", "--prompt", "hi", "--json",
+                                                                       "--max-new-tokens", "3"]):
+        assert main([command[0], "--checkpoint-dir", str(run), *command[1:]]) == 0, capsys.readouterr().err
+        assert main([command[0], "--checkpoint-dir", str(tmp_path / "hf"), *command[1:]]) == 0
+        from_checkpoint, from_export = (json.loads(line) for line in capsys.readouterr().out.splitlines()[-2:])
+        key = "eval_loss" if command[0] == "eval" else "tokens"
+        np.testing.assert_allclose(from_checkpoint[key], from_export[key], rtol=1e-5)
+
+
+def test_the_readme_states_the_block_size():
+    from pathlib import Path
+
+    from jaxpar.parallel.quantize import BLOCK
+
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert f"The block size is {BLOCK} (int8's too): every matrix's last dimension must be a multiple of {BLOCK}" \
+        in readme

@@ -49,6 +49,7 @@ from typing import Protocol
 import numpy as np
 from grain.python import IndexSampler, NoSharding
 
+from jaxpar.core.spelling import name as option_name
 from jaxpar.data.tokens import check_batch_vocab
 from jaxpar.data.packing import Document, as_batch, pack
 from jaxpar.data.shared_counts import SharedCounts
@@ -142,7 +143,8 @@ class BlockBatches:
                         f"--data {self.name!r}: block {block} (documents {lo}:{min(lo + self.block_documents, len(self.source))}) "
                         f"packs into {rows} rows by {where} but {self._counts[block]} by {self._counted_by[block]}; "
                         "the data (or --seq-len, --tokenizer) changed since, so saved steps would name other rows. "
-                        "Resume with the data the checkpoint was trained on, or use another --checkpoint-dir")
+                        "Resume with the data the checkpoint was trained on, or use another "
+                        f"{option_name('checkpoint_dir')}")
 
     def row_counts(self) -> list[int]:
         """The row count of every block known so far, -1 where unknown (what checkpoints keep)."""

@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 from grain.python import IndexSampler, NoSharding
 
+from jaxpar.core.spelling import name as option_name
 from jaxpar.data.tokens import check_batch_vocab
 
 TOKEN_FIELDS = ("inputs", "targets")  # int32 token ids, checked against the vocabulary per batch
@@ -158,5 +159,5 @@ def check_same_order(saved: dict, batches, origin: str) -> None:
     changed = [f"{k}: {saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
     if changed:
         raise ValueError(f"{origin} read its data in another order ({'; '.join(changed)}); its step names other rows "
-                         "in this run's order. Resume with the --data, --seq-len and --epochs it was saved with, or "
-                         "use another --checkpoint-dir")
+                         f"in this run's order. Resume with the {option_name('data')}, {option_name('seq_len')} and "
+                         f"{option_name('epochs')} it was saved with, or use another {option_name('checkpoint_dir')}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jaxpar.core.spelling import name as option_name
 from jaxpar.data.records import LazyDocuments, is_fine_tuning
 from jaxpar.data.tokenize import check_covers, encode_documents, load_tokenizer
 from jaxpar.data import sources
@@ -28,23 +29,25 @@ PACKINGS = ("documents", "windows")
 def packing_of(data: str | None, packing: str | None) -> str:
     """The run's packing: `packing` as given (checked against the data) or the default for the data."""
     if packing is not None and packing not in PACKINGS:
-        raise ValueError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        raise ValueError(f"{option_name('packing')} must be one of {', '.join(PACKINGS)}, got {packing!r}")
     entries = sources.parse_sources(data) if data is not None else [sources.Source(None)]
     tuning = [s.path for s in entries if s.path is not None and is_fine_tuning(s.path)]
     if len(entries) > 1:  # a mixture packs documents when any source holds documents (token files: pieces)
         if tuning and packing == "windows":
             raise ValueError(f"--data {data!r} mixes in fine-tuning records ({', '.join(tuning)}), trained on their "
-                             "completions only, which random windows cannot keep apart; use --packing documents")
+                             "completions only, which random windows cannot keep apart; use "
+                             f"{option_name('packing', 'documents')}")
         if packing is not None:
             return packing
         return "documents" if any(s.path is not None and _is_documents(Path(s.path)) for s in entries) else "windows"
     path = entries[0].path
     if tuning and packing == "windows":
         raise ValueError(f"--data {path!r} holds fine-tuning records, trained on their completions only, which random "
-                         "windows cannot keep apart; use --packing documents (the default for them)")
+                         f"windows cannot keep apart; use {option_name('packing', 'documents')} (the default for them)")
     if packing == "documents" and path is not None and Path(path).suffix in sources.TOKEN_SUFFIXES:
-        raise ValueError(f"--data {path!r} is a token file: it has no document boundaries to pack by; use --packing "
-                         "windows, or give the text as .jsonl / Parquet / a folder of text files")
+        raise ValueError(f"--data {path!r} is a token file: it has no document boundaries to pack by; use "
+                         f"{option_name('packing', 'windows')}, or give the text as .jsonl / Parquet / a folder of text "
+                         "files")
     if packing is not None:
         return packing
     return "documents" if path is not None and _is_documents(Path(path)) else "windows"

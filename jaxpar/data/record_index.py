@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.core.spelling import name as option_name
 from jaxpar.data import sources
 
 
@@ -117,7 +118,7 @@ class RecordIndex:
         names = getattr(self, "_names", None)
         if names is not None and self.field not in names:
             raise ValueError(f"{self.where} has no field {self.field!r} (it has {', '.join(map(repr, names))}); "
-                             "choose the field with --text-field")
+                             f"choose the field with {option_name('text_field')}")
 
     # JSON lines: byte offsets of the non-blank lines
     def _open_jsonl(self):

@@ -17,6 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jaxpar.core.spelling import name as option_name
 from jaxpar.data.tokens import TEXT_SUFFIXES
 
 DOCUMENT_SUFFIXES = (".jsonl", ".parquet")
@@ -80,7 +81,8 @@ def is_document_source(path: Path) -> bool:
 def text_of(record, text_field: str, where: str) -> str:
     if not isinstance(record, dict) or text_field not in record:
         fields = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{where} has no field {text_field!r} (it has {fields}); choose the field with --text-field")
+        raise ValueError(f"{where} has no field {text_field!r} (it has {fields}); choose the field with "
+                         f"{option_name('text_field')}")
     text = record[text_field]
     if not isinstance(text, str):
         raise ValueError(f"{where}: field {text_field!r} holds {type(text).__name__}, not text")

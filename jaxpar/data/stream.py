@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from jaxpar.core.plan import Plan
+from jaxpar.core.spelling import name as option_name
 from jaxpar.data import tokens as tokens_lib
 from jaxpar.data.prefetch import prefetched
 
@@ -113,10 +114,11 @@ def check_token_files(spec: DataSpec, vocab: int) -> None:
 
 def _refuse_epochs_for_mixture(spec: DataSpec) -> None:
     if spec.epochs:
-        raise ValueError(f"--epochs with a mixture (--data {spec.data!r}): each source runs through its own epochs "
+        raise ValueError(f"{option_name('epochs', True)} with a mixture ({option_name('data', spec.data)}): each "
+                         "source runs through its own epochs "
                          "at the pace of its weight (a source of weight w and R rows starts a new epoch every R / w "
                          "rows of the run), so the run has no one epoch count to stop at; give the run's length "
-                         "with --steps, and follow each source's epoch in the metrics' epoch/<source>")
+                         "in steps, and follow each source's epoch in the metrics' epoch/<source>")
 
 
 def document_sources(batches) -> list:
@@ -134,9 +136,11 @@ def refuse_or_skip_bad_records(batches, skip: bool, leader: bool = True, doing: 
             continue
         more = f" ({len(bad):,} bad records in all)" if len(bad) > 1 else ""
         if not skip:
-            raise ValueError(f"{bad[0]}{more}; fix the data, or {doing} without the bad records: --skip-bad-records")
+            raise ValueError(f"{bad[0]}{more}; fix the data, or {doing} without the bad records: "
+                             f"{option_name('skip_bad_records', True)}")
         if leader:
-            print(f"warning: --skip-bad-records: {doing.removesuffix('e')}ing without {len(bad):,} bad "
+            print(f"warning: {option_name('skip_bad_records', True)}: {doing.removesuffix('e')}ing without "
+                  f"{len(bad):,} bad "
                   f"record{'s' if len(bad) > 1 else ''} of --data {documents.path!r}; the first: {bad[0]}",
                   file=sys.stderr, flush=True)
 
@@ -196,10 +200,20 @@ class BatchStream:
             state["block_rows"] = self.batches.row_counts()
         return state
 
-    def set_state(self, state: dict, origin: str = "the saved data state") -> None:
-        """Continue from a `get_state()`; ValueError (naming `origin`) if it read its data in another order."""
+    def set_state(self, state: dict, origin: str | None = None) -> None:
+        """Continue from a `get_state()`; ValueError (naming `origin`) if it read its data in another order.
+
+        Given no `origin` (one's own loop), the state must hold what `get_state()` writes; a resumed `jaxpar train`
+        names its checkpoint, whose older steps may lack the order (all random windows then)."""
         from jaxpar.data.epochs import check_same_order
 
+        if origin is None:
+            origin = "the saved data state"
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            missing = [key for key in ("position", "seed", "order") if not isinstance(state, dict) or key not in state]
+            if missing:
+                raise ValueError(f"set_state: the data state given has no {', '.join(map(repr, missing))} (it has "
+                                 f"{keys}); give it what BatchStream.get_state() returned")
         check_same_order(state, self.batches, origin)
         self.learn_counts(state, origin)
         self.seek(int(state.get("position", 0)), self.stop)

@@ -26,7 +26,9 @@ import numpy as np
 
 from jaxpar.interop import hf_mixtral, peft_experts
 from jaxpar.interop.export import CONFIG_FILE, unflatten
-from jaxpar.interop.hf import SafetensorsFile, _numpy_dtype, _parameter_reader, saved_model_config
+from jaxpar.interop.hf import saved_model_config
+from jaxpar.interop.hf_write import SafetensorsFile, _numpy_dtype
+from jaxpar.interop.saved_weights import parameter_reader
 from jaxpar.interop.hf_config import is_hf_dir
 from jaxpar.interop.hf_families import blocks_path, jaxpar_shapes, layer_params, moe_family
 from jaxpar.interop.peft_experts import FUSED
@@ -83,7 +85,7 @@ def export_peft(path, out, step: int | None = None, dtype: str = "float32") -> d
         raise ValueError(f"export target {str(out)!r} already exists; choose another --out or remove it")
     _, cfg = saved_model_config(path)
     check_one_stack(cfg, "--format peft")
-    with _parameter_reader(path, cfg, step) as (read, saved_step, names):
+    with parameter_reader(path, cfg, step) as (read, saved_step, names):
         adapted = lora.adapted_names(names)
         if not adapted:
             raise ValueError(f"--format peft: {path} holds no LoRA adapters (train with --lora-rank)")

@@ -98,6 +98,8 @@ class Stack(nnx.Module):
     layer. Each layer's initial parameters come from its own split of `rngs`.
     Other variables (BatchNorm statistics, counters) are read per layer and
     written back as each layer leaves them; RNG streams are read per layer.
+    The stacked block is the attribute `layers`: `self.blocks = Stack(...)` puts a block's `up/kernel` at
+    `blocks/layers/up/kernel` in parameter paths, describe's listing and checkpoints (which keep it).
     """
 
     def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], count: int, *, rngs: nnx.Rngs):

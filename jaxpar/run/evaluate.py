@@ -112,7 +112,7 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
     split is the same (whole documents for a document source) and weighted the same; bad records are refused, or
     left out under `skip_bad_records`, as training does.
     """
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, saved_weights
     from jaxpar.models import model_factory
     from jaxpar.train.state import describe
 
@@ -123,7 +123,7 @@ def evaluate_checkpoint(path, plan, data: str | None = None, seq_len: int | None
                     batch_size, seq_len)
     mixture = isinstance(held, list)  # each source's own held-out part
     model = describe(model_factory(name, cfg, 0))
-    params = hf.load_params(path, model, plan, step)
+    params = saved_weights.load_params(path, model, plan, step)
     evaluator = (MixtureEvaluator(model, plan, held, seq_len, batch_size, max_batches) if mixture
                  else Evaluator(model, plan, held_out_batches(held, seq_len, batch_size, max_batches), batch_size))
     return {"path": str(path), **evaluator(params)}

@@ -49,21 +49,27 @@ def left_pad(prompts: Sequence[Sequence[int]], rows: int | None = None, pad: int
     return tokens, mask
 
 
+def end_ids(eos: int | Sequence[int] | None) -> list[int]:
+    """The ids that end a sequence: `eos` as an int or several (a config's `eos_token_id` may be a list)."""
+    return [] if eos is None else [int(eos)] if isinstance(eos, (int, np.integer)) else [int(e) for e in eos]
+
+
 def make_generate(model_def, cfg, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                  eos: int | None = None, use_cache: bool = True):
+                  eos: int | Sequence[int] | None = None, use_cache: bool = True):
     """A jittable (params, tokens, mask, key) -> new tokens [batch, max_new_tokens].
 
-    After a sequence emits `eos` it emits `eos` again until the end.
+    After a sequence emits one of the `eos` ids it emits the first of them until the end.
     """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    ends = end_ids(eos)
 
     def choose(logits, key, done):
         token = sample(logits, key, temperature, top_p)
-        if eos is None:
+        if not ends:
             return token, done
-        token = jnp.where(done, eos, token)
-        return token, done | (token == eos)
+        token = jnp.where(done, ends[0], token)
+        return token, done | jnp.isin(token, jnp.asarray(ends, jnp.int32))
 
     def with_cache(params, tokens, mask, key):
         model = model_def.merge(params)
@@ -163,11 +169,12 @@ def generate_from_checkpoint(path, prompts: Sequence[str], mesh: str | None = No
                              chat: bool = False) -> dict:
     """`jaxpar generate`: texts continuing `prompts` from a training checkpoint, export or HF directory.
 
+    Generation stops at `eos`, by default at the model config's `eos_token_id`(s), as transformers does.
     With `chat`, each prompt is a user message rendered by the tokenizer's chat template with the
     assistant's header after it, and generation stops at the template's end-of-turn token (unless `eos`
     names another): the reply a model instruction-tuned on that template gives.
     """
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, saved_weights
     from jaxpar.models import model_factory
     from jaxpar.train.state import describe
 
@@ -178,13 +185,15 @@ def generate_from_checkpoint(path, prompts: Sequence[str], mesh: str | None = No
     else:
         encode, decode = text_codec(tokenizer, cfg.vocab)
         prompt_ids = [encode(p) for p in prompts]
+        eos = config_eos(path) if eos is None else eos
     plan = generation_plan(mesh)
     model = describe(model_factory(name, cfg, 0))
-    params = hf.load_params(path, model, plan, step)
+    params = saved_weights.load_params(path, model, plan, step)
     generator = Generator(model, cfg, params, plan, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, eos=eos, use_cache=use_cache)
     new, stats = generator(prompt_ids, seed)
-    texts = [decode(row[: row.index(eos) if eos is not None and eos in row else len(row)]) for row in new]
+    ends = set(end_ids(eos))
+    texts = [decode(row[: next((i for i, t in enumerate(row) if t in ends), len(row))]) for row in new]
     return {"prompts": list(prompts), "completions": texts, "tokens": new, "prompt_tokens": prompt_ids,
             "eos": eos, **stats}
 
@@ -207,9 +216,37 @@ def chat_codec(tokenizer: str | None, vocab: int, prompts: Sequence[str]):
 
 
 def text_codec(tokenizer: str | None, vocab: int):
-    """(encode, decode) between text and token ids: UTF-8 bytes by default, a tokenizer.json or a SentencePiece .model."""
+    """(encode, decode) between text and token ids: UTF-8 bytes by default, a tokenizer.json or a SentencePiece .model.
+
+    Without a tokenizer an id that is no byte (a model of more than 256 ids) is shown as `<id>`, never dropped."""
     from jaxpar.data.tokenize import check_covers, load_tokenizer
 
     loaded = load_tokenizer(tokenizer)
     check_covers(loaded, vocab, "--tokenizer" if tokenizer else "byte tokens")
-    return (lambda text: [int(i) for i in loaded.encode([text])[0]]), loaded.decode
+    return (lambda text: [int(i) for i in loaded.encode([text])[0]]), loaded.decode if tokenizer else bytes_and_ids
+
+
+def bytes_and_ids(ids: Sequence[int]) -> str:
+    """Byte ids as UTF-8 text (runs decoded together, so a character of several bytes survives), others as `<id>`."""
+    out, run = [], bytearray()
+    for i in ids:
+        if 0 <= i < 256:
+            run.append(i)
+            continue
+        out += [run.decode("utf-8", errors="replace"), f"<{i}>"]
+        run = bytearray()
+    return "".join([*out, run.decode("utf-8", errors="replace")])
+
+
+def config_eos(path) -> int | list[int] | None:
+    """The end-of-sequence id(s) of the model at `path`: a Hugging Face directory's generation_config.json, else the
+    `eos_token_id` of the config.json its weights came from (a checkpoint's run config keeps it); None without one."""
+    import json
+    from pathlib import Path
+
+    from jaxpar.interop import hf
+
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file() and (eos := json.loads(generation.read_text()).get("eos_token_id")) is not None:
+        return eos
+    return (hf.saved_hf_config(path) or {}).get("eos_token_id")

@@ -216,7 +216,7 @@ def print_inspection(run: Run, console: Console, as_json: bool) -> int:
 def show_compiled(report: dict, console: Console) -> None:
     """A compiled step's figures (`jaxpar.planner.inspect.summary`, with `attention` when known) as tables."""
     table = Table(title="collectives per device per step")
-    for column in ("kind", "axes", "calls", "buffers", "bytes", "traffic"):
+    for column in ("kind", "axes", "count", "buffers", "bytes", "traffic"):  # the JSON's keys, in its words
         table.add_column(column, justify="right" if column not in ("kind", "axes") else "left")
     for row in report["collectives"]:
         table.add_row(row["kind"], ",".join(row["axes"]), str(row["count"]), str(row["buffers"]),

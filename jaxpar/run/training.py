@@ -142,13 +142,13 @@ class Run:
 
     def init(self) -> TrainState:
         if self.config.init_from and self.plan.lora_rank:  # the weights read are the base; adapters added here
-            from jaxpar.interop.hf import load_params
+            from jaxpar.interop.saved_weights import load_params
 
             base = describe(model_factory(self.config.model, self.model_config, self.config.seed))
             params = _joined(load_params(self.config.init_from, base, self.plan), self.adapter or {})
             return state_from_base(params, self.make_model, self.model, self.optimizer, self.plan)
         if self.config.init_from:
-            from jaxpar.interop.hf import initial_state
+            from jaxpar.interop.saved_weights import initial_state
 
             return initial_state(self.config.init_from, self.model, self.optimizer, self.plan)
         return init_state(self.make_model, self.optimizer, self.plan, lora.trainable_for(self.plan))[1]

@@ -25,7 +25,13 @@ fails it, or whose files cannot be read, raises `CorruptCheckpoint`.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import shutil
+import sys
+import threading
+import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -35,10 +41,11 @@ import optax
 import orbax.checkpoint as ocp
 
 from jaxpar.core.plan import Plan
+from jaxpar.core.spelling import name as option_name
 from jaxpar.parallel import offload
 from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
-from jaxpar.train.checksums import checksums, listing, mismatches
+from jaxpar.train.checksums import checksums, listing, mismatches, structure_difference
 from jaxpar.train.orbax_noise import quiet_orbax
 from jaxpar.train.run_config import model_changes
 from jaxpar.train.state import ModelDef, TrainState, abstract_state
@@ -52,6 +59,7 @@ TEMPORARY = ".orbax-checkpoint-tmp"  # how Orbax marks a step directory still be
 MASTER = "master"
 CHECKSUMS = "checksums"  # meta key: `item/path` -> checksum of each saved array (see `checksums`)
 SET_ASIDE = ".corrupted"  # suffix of a damaged step directory that a training run moved out of its way
+STRUCTURE_ERROR = "tree structures do not match"  # Orbax's words for a target whose containers differ
 READ_ERRORS = (ValueError, OSError, KeyError, RuntimeError, TypeError, EOFError)  # what damaged files raise
 
 
@@ -97,6 +105,53 @@ def _filled(state: TrainState) -> list[str]:
     return [item for item in ARRAY_ITEMS if jax.tree.leaves(getattr(state, item))]
 
 
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the directories not yet closed, finished at interpreter exit
+
+
+def _finish_open_ones(at_exit: bool = False) -> None:
+    """Finish the saves in flight of every directory left open (a loop that never closed it, or Ctrl-C).
+
+    A `save` that returned is a promise: left to interpreter exit, Orbax's commit finds Python's thread pools shut
+    ("cannot schedule new futures after shutdown") and leaves the step half-written. An uncaught exception (Ctrl-C's
+    KeyboardInterrupt too) finishes them before Python starts shutting down; a script's plain end does so in
+    threading's exit hooks, which run before the pools shut, except on Python >= 3.12, where no thread may start
+    by then: those saves are abandoned, said so. A second Ctrl-C while finishing abandons what is pending too.
+    Abandoned saves leave no half-written directory."""
+    for directory in list(_OPEN):
+        if at_exit and sys.version_info >= (3, 12):
+            # the commit threads' own failures (Orbax's, through absl), which the line below replaces
+            logging.getLogger("absl").addFilter(lambda record: record.levelno < logging.ERROR)
+            with contextlib.suppress(Exception):
+                directory.wait()  # until the commit thread has failed: then nothing writes into what is removed
+            if directory.abandon():
+                print(f"warning: Checkpoints(directory={str(directory.directory)!r}) was left open at exit: its save "
+                      "in flight could not finish (Python >= 3.12 starts no thread at exit) and was removed; close "
+                      "it (`with Checkpoints(...)`, or close() in a finally)", file=sys.stderr, flush=True)
+            continue
+        try:
+            directory.wait()
+            directory.close()
+        except KeyboardInterrupt:
+            directory.abandon()
+            print(f"warning: interrupted while finishing the checkpoint saves in flight in {directory.directory}; "
+                  "the unfinished ones were removed", file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _finish_open_ones_at_exit() -> None:
+    """Install `_finish_open_ones` in the excepthook (before shutdown starts) and in threading's exit hooks, where it
+    runs before concurrent.futures' own (registered at its import, which Orbax's import did: they run last
+    registered first). `atexit` would run after it: too late."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        previous(kind, value, traceback)
+        _finish_open_ones()
+
+    sys.excepthook = excepthook
+    threading._register_atexit(functools.partial(_finish_open_ones, at_exit=True))  # noqa: SLF001
+
+
 class Checkpoints:
     """A run's checkpoint directory: async saves every `save_every` steps, the newest `keep` kept.
 
@@ -135,6 +190,9 @@ class Checkpoints:
             item_handlers={**{item: handler() for item in ARRAY_ITEMS}, "meta": ocp.JsonCheckpointHandler()},
         )
         self.read_only = read_only
+        if not read_only:
+            _finish_open_ones_at_exit()
+            _OPEN.add(self)
         try:
             if read_only and self.latest_step() is None:
                 raise ValueError(f"checkpoint directory {str(self.directory)!r} holds no complete checkpoint")
@@ -163,20 +221,23 @@ class Checkpoints:
         if changed:
             raise ValueError(
                 f"{self.directory} holds checkpoints of another model (step {step}); refusing to "
-                f"overwrite them. Differences: {'; '.join(changed)}. Use another --checkpoint-dir."
+                f"overwrite them. Differences: {'; '.join(changed)}. Use another {option_name('checkpoint_dir')}."
             )
 
-    def _remove_half_written(self) -> None:
+    def _remove_half_written(self) -> bool:
         """Delete the steps a crash left half-written, now rather than in Orbax's background sweep.
 
         One process deletes; the others reach their first save only after every
         process has passed Orbax's barrier at the start of a save.
         """
         if jax.process_index() != 0 or not self.directory.is_dir():
-            return
+            return False
+        removed = False
         for path in self.directory.iterdir():
             if TEMPORARY in path.name and path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
+                shutil.rmtree(path, ignore_errors=True)
+                removed = True
+        return removed
 
     # -- what is there --------------------------------------------------------
 
@@ -189,13 +250,14 @@ class Checkpoints:
 
     def metadata(self, step: int | None = None) -> dict:
         """The JSON saved with `step` (default the newest): step, data position, seeds, config."""
-        step = self._step(step)
+        step = self.resolve_step(step)
         meta = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"step {step} in {self.directory} is not a jaxpar checkpoint (no {FORMAT} metadata)")
         return meta
 
-    def _step(self, step: int | None) -> int:
+    def resolve_step(self, step: int | None = None) -> int:
+        """`step` if saved complete, else ValueError listing the saved steps; None: the newest."""
         steps = self.steps()
         if not steps:
             raise ValueError(f"checkpoint directory {str(self.directory)!r} holds no complete checkpoint")
@@ -255,12 +317,27 @@ class Checkpoints:
         self._manager.reload()
         return target
 
+    def read_arrays(self, step: int | None, trees: dict, partial: bool = False) -> dict:
+        """{item: tree} of the arrays saved at `step` (None: the newest), each read straight into the shards of
+        `trees` ({item: a tree of jax.ShapeDtypeStruct with shardings, or numpy arrays' shapes}); `partial`: the
+        trees may hold only some of an item's arrays. What export and `jaxpar generate` read a checkpoint with;
+        unverified (the checksums cover whole items: `restore` checks them). Damaged files: CorruptCheckpoint."""
+        step = self.resolve_step(step)
+        reads = {item: ocp.args.PyTreeRestore(tree, partial_restore=partial,
+                                              restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                 for item, tree in trees.items()}
+        restored = self._read(step, ocp.args.Composite(**reads))
+        return {item: restored[item] for item in reads}
+
     def _read(self, step: int, args: ocp.args.Composite):
         with self._reading(step):
             return self._manager.restore(step, args=args)
 
-    def _array_metadata(self, step: int, item: str):
-        """Shapes and dtypes of an array item as saved ({} if the step has none: an empty optimizer state)."""
+    def saved_arrays(self, step: int | None, item: str):
+        """An array item as saved at `step` (None: the newest), without reading it: a tree of Orbax's ArrayMetadata
+        (shape, dtype, and the file it lies in: `directory`, `name`); {} if the step has none (an empty optimizer
+        state)."""
+        step = self.resolve_step(step)
         with self._reading(step):
             saved = self._manager.item_metadata(step).get(item)
         return {} if saved is None else saved.tree
@@ -314,12 +391,49 @@ class Checkpoints:
         return _where_they_lie(convert, state, compiled)
 
     def check_fits(self, target: TrainState, step: int | None = None) -> None:
-        """Raise ValueError listing every array whose path, shape or dtype differs from the target state's."""
-        step = self._step(step)
-        wrong = [line for item in ARRAY_ITEMS
-                 for line in mismatches({item: self._array_metadata(step, item)}, {item: getattr(target, item)})]
-        if wrong:
-            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
+        """Raise ValueError naming every array whose path, shape or dtype differs from the target state's."""
+        step = self.resolve_step(step)
+        self._refuse_misfit(step, {item: getattr(target, item) for item in ARRAY_ITEMS})
+
+    def _refuse_misfit(self, step: int, trees: dict, saved: dict | None = None) -> None:
+        """Raise ValueError if the arrays saved at `step` are not the target `trees`' (`saved`: read if not given).
+
+        A difference in the parameters (or variables) lists every array; one in the optimizer's state alone is one
+        line naming where it first differs, for it is a good checkpoint of another optimizer."""
+        saved = saved or {item: self.saved_arrays(step, item) for item in trees}
+        wrong = {item: mismatches({item: saved[item]}, {item: tree}) for item, tree in trees.items()}
+        if any(item != "opt_state" or line.startswith(f"opt_state/{MASTER}/") for item in wrong for line in wrong[item]):
+            lines = [line for item in trees for line in wrong[item]]
+            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(lines)}")
+        if wrong.get("opt_state"):
+            where = structure_difference(saved["opt_state"], trees["opt_state"], "opt_state") or wrong["opt_state"][0]
+            raise ValueError(self._other_optimizer(step, f"{where}; {len(wrong['opt_state'])} arrays differ"))
+
+    def _other_optimizer(self, step: int, where: str) -> str:
+        return (f"checkpoint step {step} in {self.directory} does not fit the model's optimizer: the optimizer's "
+                f"state tree differs at {where} (the parameters fit: it was saved with another optimizer or precision)")
+
+    def _read_arrays(self, step: int, trees: dict):
+        """The items of `trees` (abstract targets) that hold arrays, read from `step` onto their shardings and
+        verified: (restored, the items read). Containers that differ while every array agrees (adamw's state read
+        as adam's: one empty part fewer) make Orbax fail; they are named as a misfit, never as damage."""
+        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
+                  for item, tree in trees.items() if jax.tree.leaves(tree)}
+        try:
+            restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
+        except CorruptCheckpoint as error:
+            if STRUCTURE_ERROR not in str(error):
+                raise
+            for item in arrays:
+                where = structure_difference(self.saved_arrays(step, item), trees[item], item)
+                if where and item == "opt_state":
+                    raise ValueError(self._other_optimizer(step, where)) from None
+                if where:
+                    raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model: "
+                                     f"{where}") from None
+            raise
+        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        return restored, arrays
 
     def restore(self, model: ModelDef, optimizer: optax.GradientTransformation, plan: Plan,
                 step: int | None = None) -> tuple[TrainState, dict]:
@@ -329,26 +443,21 @@ class Checkpoints:
         whole on one device, whatever plan saved it. The checkpoint's natural
         layer order becomes `plan`'s (jaxpar.pipeline.layer_order) once read and verified.
         """
-        state, meta = self._restore(self._step(step), abstract_state(model, optimizer, plan))
+        state, meta = self._restore(self.resolve_step(step), abstract_state(model, optimizer, plan))
         if layer_order.reorders(plan):
             state = self._reordered(state, model, optimizer, plan, to_natural=False)
         return state, meta
 
     def _restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
         """The state saved at `step` read onto the shardings of `target` (an abstract state)."""
-        saved_optimizer = self._array_metadata(step, "opt_state")
+        saved_optimizer = self.saved_arrays(step, "opt_state")
         saved_master = isinstance(saved_optimizer, dict) and MASTER in saved_optimizer
         if saved_master and not isinstance(target.opt_state, precision.MasterState):
             return self._restore_with_master(step, target, saved_optimizer)
         if isinstance(target.opt_state, precision.MasterState) and not saved_master:
             return self._restore_into_master(step, target)
         self.check_fits(target, step)
-        arrays = {
-            item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
-            for item, tree in ((item, getattr(target, item)) for item in _filled(target))
-        }
-        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
-        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        restored, arrays = self._read_arrays(step, {item: getattr(target, item) for item in _filled(target)})
         counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
         items = {item: restored[item] if item in arrays else getattr(target, item) for item in ARRAY_ITEMS}
         return TrainState(**items, step=counter), restored.meta
@@ -360,14 +469,10 @@ class Checkpoints:
         scaled = isinstance(target.opt_state, precision.ScaledState)
         inner = target.opt_state.inner if scaled else target.opt_state
         legacy = {MASTER: target.params, "inner": inner, "loss_scale": target.opt_state.loss_scale if scaled else None}
-        wrong = mismatches({"opt_state": saved}, {"opt_state": legacy})
-        if wrong:
-            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
         trees = {"opt_state": legacy, **({"variables": target.variables} if "variables" in _filled(target) else {})}
-        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
-                  for item, tree in trees.items()}
-        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
-        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        self._refuse_misfit(step, trees, {**{item: self.saved_arrays(step, item) for item in trees},
+                                          "opt_state": saved})
+        restored, arrays = self._read_arrays(step, trees)
         opt = restored["opt_state"]
         opt_state = precision.ScaledState(opt["inner"], opt["loss_scale"]) if scaled else opt["inner"]
         counter = jax.device_put(jnp.asarray(restored.meta["step"], jnp.int32), target.step.sharding)
@@ -382,14 +487,8 @@ class Checkpoints:
         saved_opt = precision.ScaledState(opt.inner, opt.loss_scale) if scaled else opt.inner
         trees = {"params": opt.master, "opt_state": saved_opt,
                  **({"variables": target.variables} if "variables" in _filled(target) else {})}
-        wrong = [line for item, tree in trees.items()
-                 for line in mismatches({item: self._array_metadata(step, item)}, {item: tree})]
-        if wrong:
-            raise ValueError(f"checkpoint step {step} in {self.directory} does not fit the model:{listing(wrong)}")
-        arrays = {item: ocp.args.PyTreeRestore(tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree))
-                  for item, tree in trees.items() if jax.tree.leaves(tree)}
-        restored = self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore(), **arrays))
-        self._verify(step, restored.meta, {item: restored[item] for item in arrays})
+        self._refuse_misfit(step, trees)
+        restored, arrays = self._read_arrays(step, trees)
         master = restored["params"]
         inner = restored["opt_state"] if "opt_state" in arrays else saved_opt
         inner, loss_scale = (inner.inner, inner.loss_scale) if scaled else (inner, None)
@@ -404,9 +503,9 @@ class Checkpoints:
         """The parameters saved at `step` as whole host numpy arrays, for export: the exact fp32 weights
         under bf16/fp16 (the master of an older checkpoint), else the parameters as held. A LoRA run's frozen
         weights have no master: they come as held."""
-        step = self._step(step)
-        optimizer = self._array_metadata(step, "opt_state")
-        trees = {"params": self._array_metadata(step, "params")}
+        step = self.resolve_step(step)
+        optimizer = self.saved_arrays(step, "opt_state")
+        trees = {"params": self.saved_arrays(step, "params")}
         if isinstance(optimizer, dict) and MASTER in optimizer:
             trees = {"params": _without(trees["params"], optimizer[MASTER]), "opt_state": {MASTER: optimizer[MASTER]}}
         if not any(jax.tree.leaves(tree) for tree in trees.values()):
@@ -423,7 +522,19 @@ class Checkpoints:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
+        _OPEN.discard(self)
         self._manager.close()
+
+    def abandon(self) -> bool:
+        """Give up the saves in flight (at exit, interrupted): their half-written step directories removed. True if
+        there were some."""
+        _OPEN.discard(self)
+        removed = self._remove_half_written()
+        for _ in range(20 if removed else 0):  # TensorStore's own threads may still be writing into it: until it stays gone
+            time.sleep(0.25)
+            if not self._remove_half_written():
+                break
+        return removed
 
     def __enter__(self) -> "Checkpoints":
         return self

@@ -102,3 +102,57 @@ def listing(lines: list[str], limit: int = 24) -> str:
 
 def _show(entry: tuple[tuple[int, ...], str]) -> str:
     return f"{entry[1]}{list(entry[0])}"
+
+
+def _skeleton(tree):
+    """A tree's containers as Orbax saves them: dicts (named tuples by their fields), lists, "*" for an array, None
+    for an empty container (optax's EmptyState) or None."""
+    if tree is None:
+        return None
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        return "*"
+    if isinstance(tree, dict):
+        children = {str(k): v for k, v in tree.items()}
+    elif isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        children = list(tree)
+    else:  # a named tuple or another pytree node: its children by key, as jax names them
+        flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+        if all(isinstance(path[0], jax.tree_util.SequenceKey) for path, _ in flat):
+            children = [leaf for _, leaf in flat]
+        else:
+            children = {_key_name(path[0]): leaf for path, leaf in flat}
+    if isinstance(children, dict):
+        out = {k: _skeleton(v) for k, v in children.items()}
+        return {k: v for k, v in out.items() if v is not None} or None
+    out = [_skeleton(v) for v in children]
+    return out if any(v is not None for v in out) else None
+
+
+def _describe(node) -> str:
+    if node is None:
+        return "nothing"
+    if node == "*":
+        return "an array"
+    if isinstance(node, dict):
+        return f"{{{', '.join(sorted(node))}}}"
+    return f"a sequence of {len(node)}"
+
+
+def structure_difference(saved, target, path: str) -> str | None:
+    """Where a saved tree's containers first differ from the target's (as `path/...: saved X, here Y`), else None.
+
+    The arrays may all agree while the containers do not: adamw's state is adam's with one more empty part."""
+    return _first_difference(_skeleton(saved), _skeleton(target), path)
+
+
+def _first_difference(saved, target, path: str) -> str | None:
+    same_kind = type(saved) is type(target) and (not isinstance(saved, list) or len(saved) == len(target))
+    if not same_kind or (isinstance(saved, dict) and sorted(saved) != sorted(target)):
+        return f"{path}: saved {_describe(saved)}, here {_describe(target)}"
+    if isinstance(saved, dict):
+        pairs = [(f"{path}/{k}", saved[k], target[k]) for k in sorted(saved)]
+    elif isinstance(saved, list):
+        pairs = [(f"{path}/{i}", s, t) for i, (s, t) in enumerate(zip(saved, target))]
+    else:
+        return None
+    return next((d for p, s, t in pairs if (d := _first_difference(s, t, p)) is not None), None)
