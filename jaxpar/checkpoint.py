@@ -40,7 +40,6 @@ from jaxpar.core.plan import Plan
 from jaxpar.train.checkpoint import Checkpoints as _Directory
 from jaxpar.train.checkpoint import CorruptCheckpoint
 from jaxpar.train.distributed import heartbeat, is_leader
-from jaxpar.train.rank_report import tell_checkpoints
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState
 
@@ -65,8 +64,6 @@ class Checkpoints:
                                      read_only=read_only)
         self.directory = self._directory.directory
         self._preemption = None if read_only else Preemption().__enter__()
-        if not read_only:
-            tell_checkpoints(self.directory)  # under `jaxpar launch`: its reports and restarts name our last one
         self._agreed: tuple[int, bool] | None = None  # the last step asked about, and the answer (asked once)
 
     def latest_step(self) -> int | None:

@@ -47,6 +47,7 @@ from jaxpar.pipeline import layer_order
 from jaxpar.train import precision
 from jaxpar.train.checksums import checksums, listing, mismatches, structure_difference
 from jaxpar.train.orbax_noise import quiet_orbax
+from jaxpar.train.rank_report import tell_checkpoints
 from jaxpar.train.run_config import model_changes
 from jaxpar.train.state import ModelDef, TrainState, abstract_state
 
@@ -176,6 +177,7 @@ class Checkpoints:
         self._reorders: dict = {}
         if not read_only:
             self._remove_half_written()
+            tell_checkpoints(self.directory)  # under `jaxpar launch`: its reports and restarts name our last one
         handler = lambda: ocp.PyTreeCheckpointHandler(type_handler_registry=_type_handlers())  # noqa: E731
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
