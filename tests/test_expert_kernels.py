@@ -153,3 +153,59 @@ def test_tiled_layer_memory_follows_the_routed_rows_not_experts_times_tokens():
     tiled, buffered = compiled_temp("tiled", **shape), compiled_temp("buffered", **shape)
     assert tiled <= 1.5 * routed
     assert buffered > 4 * tiled
+
+
+MOE_RUN = """[model]
+name = "moe-tiny"
+d_model = 32
+head_dim = 8
+n_layers = 1
+moe_every = 1
+expert_d_ff = 32
+{extra}
+[train]
+steps = 2
+lr = 1e-2
+warmup = 1
+"""
+
+
+def test_cli_prints_the_moe_kernel_and_refuses_a_sorted_one_for_capacity_routing(tmp_path, capsys):
+    from jaxpar.cli import main
+
+    config = tmp_path / "moe.toml"
+    flags = ["--config", str(config), "--mesh", "data=2,expert=4", "--batch-size", "8", "--seq-len", "16"]
+    config.write_text(MOE_RUN.format(extra="dropless = true"))
+    assert main(["train", *flags]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "moe kernel tiled (auto: dropless, no native grouped matmul on XLA:CPU" in out
+    config.write_text(MOE_RUN.format(extra=""))
+    assert main(["train", *flags, "--moe-kernel", "tiled"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "moe_kernel='tiled' runs dropless routing, but this MoE layer routes with a capacity factor" in err
+
+
+def test_the_planner_counts_the_sorted_layer_and_fits_gpt_oss_20b_dropless_on_8_h100s():
+    """Without expert parallelism a dropless layer keeps its input (d per token) and a backward workspace of the
+    routed rows; over `expert` the capacity exchange's buffers (2 d per slot, E slots per token dropless)."""
+    from jaxpar.planner.activations import moe_mlp_values_per_token, sorted_moe_workspace
+    from jaxpar.planner.layout import Layout, Workload
+    from jaxpar.planner.model import Model, model_seq
+    from jaxpar.planner.search import default_batch, plan
+
+    model, seq = Model.named("gpt-oss-20b"), model_seq("gpt-oss-20b")
+    assert model.dropless
+    alone, over_expert = Layout(data=8), Layout(data=2, expert=4)
+    assert moe_mlp_values_per_token(model, alone, seq) == model.d_model
+    assert moe_mlp_values_per_token(model, over_expert, seq) == model.n_experts * (1 + 2 * model.d_model)
+    assert sorted_moe_workspace(model, alone, 1000) == 1000 * (12 * (model.n_experts + model.d_model) + 16 * 4)
+    assert sorted_moe_workspace(model, over_expert, 1000) == 0
+    best = plan(model, 8, Workload(default_batch(model, 8, seq), seq), "h100", "bf16").best
+    assert best is not None and best.fits and best.layout.expert == 1
+
+
+def test_a_forced_moe_kernel_on_a_model_without_experts_is_refused(capsys):
+    from jaxpar.cli import main
+
+    assert main(["train", "--model", "tiny", "--mesh", "data=8", "--moe-kernel", "tiled"]) == 2
+    assert "moe_kernel='tiled' but tiny has no MoE layers: drop --moe-kernel" in " ".join(capsys.readouterr().err.split())

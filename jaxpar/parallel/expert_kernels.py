@@ -50,6 +50,16 @@ def choose(dropless: bool, plan=None) -> tuple[str, str]:
                     "expand into a dense dot): each expert's sorted rows a tile at a time"
 
 
+def check_model(n_experts: int, dropless: bool, plan, name: str) -> None:
+    """A forced `moe_kernel` the model cannot take, refused before anything compiles: on a model without experts,
+    or a sorted kernel on a capacity-routed one."""
+    if plan.moe_kernel == "auto":
+        return
+    if not n_experts:
+        raise ValueError(f"moe_kernel={plan.moe_kernel!r} but {name} has no MoE layers: drop --moe-kernel")
+    choose(dropless, plan)
+
+
 def chosen(dropless: bool) -> str:
     """The kernel for a layer under the active plan, its choice marked in the trace."""
     name, why = choose(dropless)
