@@ -7,10 +7,12 @@ times its weight, back into the row it came from:
 
 - `tiled`: a scan over the experts, each running a loop over its own rows a
   tile at a time (the tile's rows gathered from the source, the expert's
-  weights the scan's slice). Nothing padded is kept: the forward keeps the
-  [rows, d] output only, and the backward (written out, `jax.custom_vjp`)
-  recomputes each tile's FFN, so its temp is the source-sized cotangent and
-  one tile's work. It runs on any backend.
+  weights the scan's slice). Nothing padded or sorted is materialised: the
+  forward's one buffer is its fp32 [source rows, d] output, and the backward
+  (written out, `jax.custom_vjp`) recomputes each tile's FFN, so its temp is
+  the source-sized cotangent, the weights' per-expert gradients and one
+  tile's work. Each expert's last tile computes up to tile - 1 padding rows,
+  masked. It runs on any backend.
 - `ragged`: the rows gathered in expert order and `jax.lax.ragged_dot` as
   the grouped matmul, differentiated by JAX. Where XLA has no native grouped
   matmul for the target (XLA:CPU) it expands into a dense dot over every
