@@ -6,9 +6,13 @@
   part of them that leaves the device ((expert - 1) / expert); the expert weights' bytes per
   device; the median step time;
 - the dropped-token fraction at capacity factor 1.0 and 1.25 (and dropless), at the first step and
-  after training, with the load-balancing loss that pushes the router towards even loads.
+  after training, with the load-balancing loss that pushes the router towards even loads;
+- one dropless MoE layer's compiled temp (forward + backward, XLA's memory analysis, nothing run) by
+  `moe_kernel` (buffered, tiled; ragged with --ragged) on one device, against the routed rows'
+  activations tokens x k x (d + f) x bytes (issue 57: E=128, k=8, d=512, f=256, 4,096 tokens, fp32).
 
     python benchmarks/experts.py [--model moe-tiny] [--batch-size 16] [--seq-len 64] [--steps 5] [--train-steps 20]
+    python benchmarks/experts.py --layer-only [--ragged]     # the layer's memory by kernel only
 """
 
 import argparse
@@ -95,6 +99,33 @@ def drops_row(config, capacity: float | None, batch_size: int, train_steps: int)
     }
 
 
+LAYER = {"n_experts": 128, "top_k": 8, "d_model": 512, "d_ff": 256, "tokens": 4096}
+
+
+def layer_memory_row(kernel: str, shape: dict) -> dict:
+    """Compiled temp bytes of value_and_grad of one dropless layer (params and input) under moe_kernel=`kernel`."""
+    from jaxpar.parallel import experts  # noqa: PLC0415
+
+    e, k, d, f, tokens = (shape[n] for n in ("n_experts", "top_k", "d_model", "d_ff", "tokens"))
+    cfg = experts.MoEConfig(e, top_k=k, dropless=True)
+    p = {"router": jax.ShapeDtypeStruct((d, e), np.float32), "expert_gate": jax.ShapeDtypeStruct((e, d, f), np.float32),
+         "expert_up": jax.ShapeDtypeStruct((e, d, f), np.float32),
+         "expert_down": jax.ShapeDtypeStruct((e, f, d), np.float32)}
+    x = jax.ShapeDtypeStruct((1, tokens, d), np.float32)
+
+    def objective(p, x):
+        y, stats = experts.moe_ffn(p, x, cfg)
+        return (y * y).sum() + stats["load_balance_loss"]
+
+    plan = Plan.create("data=1", devices=jax.devices()[:1], moe_kernel=kernel)
+    with plan.activate():
+        compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 1))).lower(p, x).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    routed = tokens * k * (d + f) * 4
+    return {"kernel": kernel, **shape, "temp_bytes": temp, "routed_rows_bytes": routed,
+            "temp_over_routed": round(temp / routed, 3)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="moe-tiny", choices=sorted(CONFIGS))
@@ -102,7 +133,14 @@ def main():
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per mesh")
     parser.add_argument("--train-steps", type=int, default=20, help="steps of the dropped-token runs")
+    parser.add_argument("--layer-only", action="store_true", help="only the MoE layer's memory by kernel")
+    parser.add_argument("--ragged", action="store_true", help="the layer's memory under moe_kernel=ragged as well")
     args = parser.parse_args()
+    kernels = ["buffered", "tiled"] + (["ragged"] if args.ragged else [])
+    layer = [layer_memory_row(kernel, LAYER) for kernel in kernels]
+    if args.layer_only:
+        print(json.dumps({"platform": jax.devices()[0].platform, "layer_memory": layer}, indent=1))
+        return
     config = dataclasses.replace(CONFIGS[args.model], seq_len=args.seq_len)
     report = {
         "model": args.model,
@@ -115,6 +153,7 @@ def main():
         "platform": jax.devices()[0].platform,
         "scaling": [scaling_row(config, expert, args.batch_size, args.steps) for expert in (1, 2, 4, 8)],
         "drops": [drops_row(config, capacity, args.batch_size, args.train_steps) for capacity in (1.0, 1.25, None)],
+        "layer_memory": layer,
     }
     print(json.dumps(report, indent=1))
 

@@ -198,6 +198,7 @@ DATA = batches(batch_size=8, seq_len=16)
 CONFIGS = {
     "capacity": MODEL,  # two MoE blocks, capacity factor 1.0
     "dropless": dataclasses.replace(MODEL, dropless=True, moe_every=2),  # a dense block, then a MoE block
+    "dropless-every": dataclasses.replace(MODEL, dropless=True),  # two dropless MoE blocks (one per pipeline stage)
 }
 
 
@@ -253,9 +254,13 @@ def test_two_all_to_alls_per_moe_layer_each_way_of_the_expected_bytes(mesh, mode
     _, _, _, compiled, plan = run_model(mode, mesh)
     ops = inspect.collective_ops(compiled, plan.mesh)
     all_to_alls = [op for op in ops if op.kind == "all-to-all"]
-    assert sum(op.count for op in all_to_alls) == 4 * cfg.n_moe_layers  # dispatch + combine, forward + backward
     assert {op.axes for op in all_to_alls} == {("expert",)}
     tokens_per_device = 8 * 16 // plan.axis_size("data", "expert")
+    if cfg.dropless:  # the tiled kernel (auto on CPU) sends each (group, expert)'s int32 row count once, forward
+        counts = [op for op in all_to_alls if op.bytes == tokens_per_device // 16 * E * 4]
+        assert sum(op.count for op in counts) == cfg.n_moe_layers
+        all_to_alls = [op for op in all_to_alls if op not in counts]
+    assert sum(op.count for op in all_to_alls) == 4 * cfg.n_moe_layers  # dispatch + combine, forward + backward
     factor = E / cfg.top_k if cfg.dropless else cfg.capacity_factor
     expected = cfg.top_k * tokens_per_device * D * factor * 4  # k * tokens * d_model * capacity factor * fp32
     assert {op.bytes for op in all_to_alls} == {expected}
@@ -284,6 +289,7 @@ def test_moe_layers_add_no_all_gather_to_the_dense_step():
 @pytest.mark.parametrize("mode,mesh,options", [
     ("capacity", "data=2,expert=2,tensor=2", ()),
     ("dropless", "data=2,expert=4", (("zero", 3),)),
+    ("dropless", "data=2,expert=2,tensor=2", (("zero", 3),)),  # the tiled kernel (auto) on expert + tensor + ZeRO-3
 ])
 def test_moe_composes_with_tensor_parallel_experts_and_zero(mode, mesh, options):
     assert_matches_reference(mode, mesh, **dict(options))
@@ -355,6 +361,13 @@ def test_moe_under_the_pipeline_matches_one_device_with_its_router_losses(schedu
     device. Each stage adds its own layers' router losses per microbatch; bubble slots are NaN so a leak shows."""
     with pipeline.bubble_fill(float("nan")):
         assert_matches_reference("capacity", "data=2,pipe=2,expert=2", schedule=schedule)
+
+
+def test_dropless_moe_under_the_pipeline_matches_one_device():
+    """The tiled dropless layer (moe_kernel auto on CPU) in 1F1B's explicit per-stage VJPs over pipe=2, with expert
+    and data; bubble slots are NaN so a leak shows."""
+    with pipeline.bubble_fill(float("nan")):
+        assert_matches_reference("dropless-every", "data=2,pipe=2,expert=2", schedule="1f1b")
 
 
 @pytest.mark.parametrize("fields,message", [

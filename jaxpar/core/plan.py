@@ -56,6 +56,8 @@ class Plan:
     context_form: how context-parallel attention gets its keys and values: all-gather or ring (jaxpar.parallel.attention).
     attention, attention_blocks: which implementation causal attention runs (jaxpar.parallel.attention_kernels) and
         flash attention's block lengths.
+    moe_kernel: which form dropless MoE layers' experts run in: buffered, tiled or ragged
+        (jaxpar.parallel.expert_kernels).
     loss_chunks: the cross-entropy over this many chunks of tokens, so that one chunk's logits exist at a
         time (jaxpar.parallel.loss_chunks); 0 picks them from the logits' size.
     schedule, microbatches, virtual_stages: the pipeline over `pipe` (jaxpar.pipeline.schedule);
@@ -99,6 +101,11 @@ class Plan:
     attention_blocks: str = dataclasses.field(
         default="", metadata={"help": "flash attention's (or a forced pallas/splash kernel's) query,key block "
                                       "lengths, e.g. 512,1024 (empty: the backend's)"},
+    )
+    moe_kernel: str = dataclasses.field(
+        default="auto", metadata={"help": "dropless MoE experts: auto (TPU: ragged, else tiled), buffered (room for "
+                                          "every token in every expert), tiled (sorted rows a tile at a time, memory "
+                                          "of the routed rows) or ragged (sorted rows through jax.lax.ragged_dot)"},
     )
     loss_chunks: int = dataclasses.field(
         default=0, metadata={"help": "token chunks the cross-entropy is computed in, each chunk's logits recomputed "
@@ -147,6 +154,7 @@ class Plan:
         options.check_choice("tensor_form", self.tensor_form)
         options.check_choice("context_form", self.context_form)
         options.check_choice("attention", self.attention)
+        options.check_choice("moe_kernel", self.moe_kernel)
         if not isinstance(self.rules, Mapping) or "batch" not in self.rules:
             raise ValueError(f"rules must be a mapping with a 'batch' rule (Plan.create converts pairs), got {self.rules!r}")
         for name, rule in self.rules.items():

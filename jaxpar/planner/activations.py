@@ -54,13 +54,36 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     return 4 * d / d_split + qkv + h * keys / t + h * vd / t + 3 * f / t
 
 
+def sorted_dropless(model: Model, layout: Layout) -> bool:
+    """Whether a MoE layer runs on its assignments sorted by expert with every expert's rows on the device: a
+    dropless model without expert parallelism, under `moe_kernel=auto` (tiled, or ragged on TPU:
+    jaxpar.parallel.expert_kernels), whose memory follows the routed rows. Over `expert` the exchange is still
+    the capacity buffers' (no ragged all-to-all on XLA:CPU), with the tiled kernel on the rows received."""
+    return bool(model.n_experts) and model.dropless and layout.expert == 1
+
+
 def moe_mlp_values_per_token(model: Model, layout: Layout, seq: int) -> float:
-    """What a MoE layer keeps per token in place of the dense MLP: the router's logits (E), and per
-    capacity slot (E C / group of them per token) the dispatched input and the combined output (2 d)
-    and the expert's gate, up and product (3 fe, split by t)."""
+    """What a MoE layer keeps per token in place of the dense MLP. Buffered (capacity routing): the router's
+    logits (E), and per capacity slot (E C / group of them per token) the dispatched input and the combined
+    output (2 d) and the expert's gate, up and product (3 fe, split by t). Dropless over `expert`: the slots
+    received and returned (2 d each), the tiled kernel recomputing each tile's hidden values. Sorted dropless:
+    the layer's input (d), its backward recomputing the routing and every tile."""
+    if sorted_dropless(model, layout):
+        return model.d_model
     group = model.group_size or seq
     slots = model.n_experts * capacity(model, group) / group
-    return model.n_experts + slots * (2 * model.d_model + 3 * model.expert_d_ff / layout.tensor)
+    hidden = 0 if model.dropless else 3 * model.expert_d_ff / layout.tensor
+    return model.n_experts + slots * (2 * model.d_model + hidden)
+
+
+def sorted_moe_workspace(model: Model, layout: Layout, tokens: float) -> float:
+    """Bytes one sorted dropless layer's backward keeps alive at once for `tokens` tokens: the router's fp32
+    logits, probabilities and their cotangent (3 E), the fp32 output accumulator, the rows' cotangent and the
+    tokens' (3 d), and per routed row (k of them per token) its token index, gate, sort key and gate cotangent
+    (4 x 4 bytes); each tile's own work is a tile's rows, negligible."""
+    if not sorted_dropless(model, layout):
+        return 0.0
+    return tokens * (4 * (3 * model.n_experts + 3 * model.d_model) + 16 * model.top_k)
 
 
 def scores_kept(layout: Layout, seq: int) -> int:

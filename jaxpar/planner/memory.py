@@ -15,7 +15,7 @@ import math
 
 from jaxpar.core import rules as rules_lib
 from jaxpar.parallel import loss_chunks
-from jaxpar.planner.activations import activation_bytes
+from jaxpar.planner.activations import activation_bytes, sorted_moe_workspace
 from jaxpar.planner.devices import Device
 from jaxpar.planner.layout import Layout, Workload, local_seq, microbatch_sequences, remat_policy, sharded_lookup
 from jaxpar.planner.model import Leaf, Model
@@ -179,14 +179,15 @@ def offloaded_bytes(layout: Layout, zero: int, params_at_rest: float, optimizer:
 def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
     """The largest transients of one microbatch: the fp32 logits and their gradient over the vocabulary
     shard (on each stage's share of positions under a pipeline; of one chunk of tokens when the loss is
-    computed in chunks, jaxpar.parallel.loss_chunks), and one layer's attention scores when
-    the backward pass recomputes them with remat. Context-parallel attention recomputes its scores too,
+    computed in chunks, jaxpar.parallel.loss_chunks), one layer's attention scores when
+    the backward pass recomputes them with remat, and a sorted dropless MoE layer's routing and row buffers. Context-parallel attention recomputes its scores too,
     but one layer's share of them is not alive at the step's peak (compiled temp at context 2 and 4)."""
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     columns = model.vocab // layout.tensor
     logits = 2 * 4 * b * s * columns / layout.pipe / loss_chunks.pick(int(b), int(s), columns)
     recomputed = remat_policy(layout, model) in ("full", "selective") and layout.context == 1
-    return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0)
+    experts = sorted_moe_workspace(model, layout, b * s)  # one sorted dropless MoE layer's backward
+    return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0) + experts
 
 
 def update_workspace(inv: Inventory, layout: Layout, z: int, grad_bytes: int) -> float:

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from jaxpar.core import compile_cache, zero_layout
-from jaxpar.parallel import attention_kernels
+from jaxpar.parallel import attention_kernels, expert_kernels
 from jaxpar.planner import inspect as inspect_lib
 from jaxpar.run.training import (
     Run,
@@ -139,6 +139,8 @@ def train_with_progress(run: Run, console: Console) -> int:
                 if not losses:  # the step is traced and compiled now: say what the attention got, and where the
                     chosen = "; ".join(attention_kernels.choices(run.step_fn.used))  # compiled step came from
                     progress.console.print(f"[bold]attention[/] {escape(chosen)}")
+                    for moe in expert_kernels.choices(run.step_fn.used):  # and what the MoE layers' experts got
+                        progress.console.print(f"[bold]moe kernel[/] {escape(moe)}")
                     progress.console.print(f"[bold]step[/] {escape(compiles.source() or 'compiled')}")
                 losses.append(row["loss"])
                 times.append(row["step_time_s"])
@@ -200,7 +202,8 @@ def inspection(run: Run) -> dict:
     compiled = run.step_fn.lower(state, batch).compile()
     summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
     return {"model": run.config.model, "params": run.model.param_count(),
-            "attention": attention_kernels.choices(run.step_fn.used), **summary}
+            "attention": attention_kernels.choices(run.step_fn.used),
+            **({"moe_kernel": moe} if (moe := expert_kernels.choices(run.step_fn.used)) else {}), **summary}
 
 
 def print_inspection(run: Run, console: Console, as_json: bool) -> int:

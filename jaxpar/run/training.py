@@ -23,7 +23,7 @@ from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.interop import base_weights
 from jaxpar.models import layer_pattern, model_config, model_factory
-from jaxpar.parallel import experts, lora, offload
+from jaxpar.parallel import expert_kernels, experts, lora, offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
@@ -230,6 +230,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     model = describe(make_model, trainable)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
     layer_pattern.check_pipeline_chunks(mcfg, plan.shape["pipe"], plan.virtual_stages)  # Gemma 2's pairs
+    expert_kernels.check_model(getattr(mcfg, "n_experts", 0), getattr(mcfg, "dropless", False), plan, name)
     if config.eval_every:
         from jaxpar.run.evaluate import check_evaluable
 
