@@ -136,10 +136,10 @@ def train_with_progress(run: Run, console: Console) -> int:
         try:
             compiles = compile_cache.Watch()
             for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
-                if not losses:  # the step is traced and compiled now: say what the attention got, and where the
-                    chosen = "; ".join(attention_kernels.choices(run.step_fn.used))  # compiled step came from
+                if not losses:  # traced and compiled now: what attention and the experts got, where the step came from
+                    chosen = "; ".join(attention_kernels.choices(run.step_fn.used))
                     progress.console.print(f"[bold]attention[/] {escape(chosen)}")
-                    for moe in expert_kernels.choices(run.step_fn.used):  # and what the MoE layers' experts got
+                    for moe in expert_kernels.choices(run.step_fn.used):
                         progress.console.print(f"[bold]moe kernel[/] {escape(moe)}")
                     progress.console.print(f"[bold]step[/] {escape(compiles.source() or 'compiled')}")
                 losses.append(row["loss"])
