@@ -19,7 +19,7 @@ def alone(batch) -> dict[str, np.ndarray]:
     """Rows [2b, seq]: row 2r the chosen document of pair r, 2r + 1 its rejected one, each from position 0."""
     seq = batch["inputs"].shape[1]
     out = {k: np.zeros((2 * len(batch["inputs"]), seq), np.asarray(batch[k]).dtype)
-           for k in ("inputs", "targets", "pair_sides")}
+           for k in ("inputs", "targets", "pair_sides", "reference_logps") if k in batch}
     for r, ids in enumerate(np.asarray(batch["segment_ids"])):
         for side in (1, 2):
             at = np.flatnonzero(ids == side)
@@ -46,19 +46,35 @@ def moe_token_losses(params, inputs, targets, cfg):
     return reference.token_losses(params, x, targets, cfg)
 
 
-def answer_logps(params, docs, cfg) -> jax.Array:
-    """[b, 2] summed log-probs of each pair's chosen and rejected answer."""
+def answer_token_logps(params, docs, cfg) -> jax.Array:
+    """[documents, seq] log-probs of each answer target (0 elsewhere)."""
     token_losses = moe_token_losses if hasattr(cfg, "n_experts") else dense_token_losses
     nll = token_losses(params, jnp.asarray(docs["inputs"]), jnp.asarray(docs["targets"]), cfg)
-    sums = jnp.sum(jnp.where(jnp.asarray(docs["pair_sides"]) > 0, -nll, 0.0), axis=-1)
-    return sums.reshape(-1, 2)
+    return jnp.where(jnp.asarray(docs["pair_sides"]) > 0, -nll, 0.0)
+
+
+def answer_logps(params, docs, cfg) -> jax.Array:
+    """[b, 2] summed log-probs of each pair's chosen and rejected answer."""
+    return jnp.sum(answer_token_logps(params, docs, cfg), axis=-1).reshape(-1, 2)
+
+
+def in_rows(values, batch) -> np.ndarray:
+    """[documents, seq] values of `alone(batch)`'s rows put back where their documents lie in the batch's rows."""
+    out = np.zeros(np.asarray(batch["inputs"]).shape, np.float32)
+    for r, ids in enumerate(np.asarray(batch["segment_ids"])):
+        for side in (1, 2):
+            at = np.flatnonzero(ids == side)
+            out[r, at] = np.asarray(values)[2 * r + side - 1, : at.size]
+    return out
 
 
 def dpo_loss(policy, reference_params, docs, cfg, beta):
     """(mean sigmoid DPO loss, {}) on `alone(batch)`; the reference's log-probs from `reference_params`, or, where
     None, the docs' `reference_logps` (the batch's, carried over)."""
     ours = answer_logps(policy, docs, cfg)
-    ref = jnp.asarray(docs["reference_logps"]) if reference_params is None else jax.lax.stop_gradient(
-        answer_logps(reference_params, docs, cfg))
+    if reference_params is None:
+        ref = jnp.sum(jnp.asarray(docs["reference_logps"]), axis=-1).reshape(-1, 2)
+    else:
+        ref = jax.lax.stop_gradient(answer_logps(reference_params, docs, cfg))
     delta = (ours[:, 0] - ref[:, 0]) - (ours[:, 1] - ref[:, 1])
     return jnp.mean(-jax.nn.log_sigmoid(beta * delta)), {}

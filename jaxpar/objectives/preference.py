@@ -9,7 +9,7 @@ to the objective (`sequences.reducing`), which sums each answer's log-probs
 and takes the per-pair loss. Rows are whole pairs, so a plan splits the batch
 by rows and the mean over pairs is the mean of the ranks' means.
 
-DPO's reference: the batch's `reference_logps` [b, 2] where present (computed
+DPO's reference: the batch's `reference_logps` [b, s] where present (computed
 once, `--precompute-reference`), else, under LoRA, the same module with every
 adapter's scale set to 0: the frozen base, no second copy of it.
 """
@@ -24,7 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.objectives import dpo, orpo, simpo
-from jaxpar.objectives.sequences import REFERENCE, SIDES, answer_sums, reducing
+from jaxpar.core.trace import active_plan
+from jaxpar.objectives.sequences import (REFERENCE, SIDES, answer_sums, pipeline_stages, pipeline_value, reducing,
+                                         side_sums, whole)
 from jaxpar.parallel import documents, lora
 
 NAMES = ("dpo", "simpo", "orpo")
@@ -70,44 +72,53 @@ class Preference:
         return "document" if self.name == "orpo" else "answer" if self.sft_weight else None
 
     def __call__(self, module, batch):
-        reference = batch.get(REFERENCE) if isinstance(batch, Mapping) else None
-        if self.needs_reference and reference is None:
-            reference = reference_logps(adapters_off(module), batch)
+        reference = None  # per-row sums [b, 2] of the in-step reference (under LoRA: the adapters off)
+        if self.needs_reference and not (isinstance(batch, Mapping) and REFERENCE in batch):
+            if pipeline_planned():
+                raise ValueError("under a pipeline (pipe > 1) DPO's reference log-probs must come with the data: "
+                                 "train with --precompute-reference")
+            reference = reference_logps(adapters_off(module), batch, per_token=False)
         metrics = {}
 
         def reduce(losses, weights, order):
-            loss, found = self.pairs_loss(*answer_sums(losses, order(batch[SIDES])), reference, losses, weights)
-            metrics.update(found)
-            return loss
+            sides = order(documents.get(SIDES))
+            sums = whole(answer_sums(losses, sides))
+            if reference is None and self.needs_reference:
+                ref = whole(side_sums(order(documents.get(REFERENCE)), sides))
+            else:
+                ref = None if reference is None else (reference[:, 0], reference[:, 1])
+            pairs, sft, found = self.pairs_loss(*sums, ref)
+            nll = _nll(losses, weights) if sft else None
+            if pipeline_stages() == 1:  # inside a pipeline's scans the figures cannot leave the head
+                metrics.update(found, **({} if nll is None else {"nll_loss": jax.lax.stop_gradient(nll)}))
+            return pipeline_value(pairs) + (0.0 if nll is None else sft * nll)
 
         loss, aux = _run(module, batch, reduce)
         return loss, {**aux, **metrics}
 
-    def pairs_loss(self, chosen, rejected, chosen_tokens, rejected_tokens, reference, losses, weights):
-        """(mean loss over the rows' pairs, metrics) from the answers' summed log-probs and token counts."""
-        extra = {}
+    def pairs_loss(self, chosen, rejected, chosen_tokens, rejected_tokens, reference):
+        """(mean loss over the rows' pairs, the weight of the chosen side's cross-entropy added to it, metrics), from
+        the answers' summed log-probs and token counts (and DPO's reference sums)."""
+        extra, sft = {}, 0.0
         if self.name == "dpo":
-            per_pair, good, bad = dpo.dpo_loss(chosen, rejected, reference[:, 0], reference[:, 1], self.beta,
-                                               self.dpo_loss, self.label_smoothing, chosen_tokens, rejected_tokens)
+            per_pair, good, bad = dpo.dpo_loss(chosen, rejected, *reference, self.beta, self.dpo_loss,
+                                               self.label_smoothing, chosen_tokens, rejected_tokens)
             loss = jnp.mean(per_pair)
         else:
-            chosen_mean, rejected_mean = chosen / jnp.maximum(chosen_tokens, 1.0), rejected / jnp.maximum(
-                rejected_tokens, 1.0)
+            chosen_mean = chosen / jnp.maximum(chosen_tokens, 1.0)
+            rejected_mean = rejected / jnp.maximum(rejected_tokens, 1.0)
             if self.name == "simpo":
                 per_pair, good, bad = simpo.simpo_loss(chosen_mean, rejected_mean, self.beta, self.simpo_gamma,
                                                        self.label_smoothing)
-                loss = jnp.mean(per_pair) + (self.sft_weight * _nll(losses, weights) if self.sft_weight else 0.0)
+                loss, sft = jnp.mean(per_pair), self.sft_weight
             else:
                 ratio, good, bad, log_odds = orpo.orpo_loss(chosen_mean, rejected_mean, self.beta)
-                nll = _nll(losses, weights)
-                loss = nll - jnp.mean(ratio)
-                extra = {"nll_loss": jax.lax.stop_gradient(nll), "log_odds_ratio": jnp.mean(ratio) / self.beta,
-                         "log_odds_chosen": jnp.mean(log_odds)}
+                loss, sft = -jnp.mean(ratio), 1.0
+                extra = {"log_odds_ratio": jnp.mean(ratio) / self.beta, "log_odds_chosen": jnp.mean(log_odds)}
         metrics = {"chosen_reward": jnp.mean(good), "rejected_reward": jnp.mean(bad),
                    "reward_margin": jnp.mean(good - bad), "reward_accuracy": jnp.mean((good > bad).astype(jnp.float32)),
                    **self._logps(chosen, rejected, chosen_tokens, rejected_tokens), **extra}
-        return loss, metrics
-
+        return loss, sft, metrics
 
     def _logps(self, chosen, rejected, chosen_tokens, rejected_tokens) -> dict:
         """The answers' log-probs the loss compares, as TRL logs them: summed (DPO) or per token (SimPO, ORPO)."""
@@ -115,6 +126,11 @@ class Preference:
             chosen, rejected = chosen / jnp.maximum(chosen_tokens, 1.0), rejected / jnp.maximum(rejected_tokens, 1.0)
         return {"chosen_logps": jnp.mean(jax.lax.stop_gradient(chosen)),
                 "rejected_logps": jnp.mean(jax.lax.stop_gradient(rejected))}
+
+
+def pipeline_planned() -> bool:
+    plan = active_plan()
+    return plan is not None and plan.shape.get("pipe", 1) > 1
 
 
 def _nll(losses, weights):
@@ -136,16 +152,23 @@ def _run(module, batch, reduce):
     return out, {}
 
 
-def reference_logps(module, batch) -> jax.Array:
-    """[b, 2] summed log-probs of each row's chosen and rejected answer under `module`, no gradient through them."""
+def reference_logps(module, batch, per_token: bool = True) -> jax.Array:
+    """The log-probs of the batch's answers under `module`, no gradient through them: per target [b, s] (0 off the
+    answers; what `--precompute-reference` carries with the data as REFERENCE), or per row [b, 2] (chosen, rejected
+    sums). Natural order: on a plan without context or pipe parallelism."""
+    plan = active_plan()
+    if plan is not None and (plan.shape.get("context", 1) > 1 or plan.shape.get("pipe", 1) > 1):
+        raise ValueError("reference log-probs are computed on a plan without context or pipe parallelism "
+                         f"(this one: {plan.shape}); compute them on the same devices over data")
     found = []
 
     def reduce(losses, weights, order):
-        chosen, rejected, _, _ = answer_sums(losses, order(batch[SIDES]))
-        found.append(jnp.stack([chosen, rejected], axis=-1))
+        sides = order(documents.get(SIDES))
+        found.append(jnp.where(sides > 0, -losses.astype(jnp.float32), 0.0) if per_token
+                     else jnp.stack(side_sums(-losses, sides), axis=-1))
         return jnp.zeros((), jnp.float32)
 
-    _run(module, batch, reduce)
+    _run(module, {k: v for k, v in batch.items() if k != REFERENCE}, reduce)
     if len(found) != 1:
         raise ValueError(f"the model's loss called jaxpar's cross-entropy {len(found)} times; a preference objective "
                          "needs it called once, on all of the batch's rows")
