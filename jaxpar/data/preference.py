@@ -22,6 +22,8 @@ from jaxpar.data import packing, records
 from jaxpar.data.packing import Document
 from jaxpar.data.tokenize import Tokenizer
 
+REFERENCE = "reference_logps"  # [b, s]: the reference's log-prob of each answer target (jaxpar.objectives)
+
 FIELDS = ("chosen", "rejected")
 SFT = (None, "answer", "document")  # what an objective's cross-entropy term trains on the chosen side
 
@@ -101,14 +103,42 @@ def read_pairs(path: str | Path, tokenizer: Tokenizer, seq_len: int, chat=None, 
     return pack_pairs(pairs, seq_len, sft, names)
 
 
-def batches(pairs: dict[str, np.ndarray], batch_size: int, seed: int = 0):
-    """Endless global batches of `batch_size` pairs, every pair once per epoch in an order shuffled by `seed`."""
-    n = len(pairs["inputs"])
-    if n < batch_size:
-        raise ValueError(f"{n} preference pairs cannot fill a batch of {batch_size}; lower --batch-size")
-    epoch = 0
-    while True:
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        for lo in range(0, n - batch_size + 1, batch_size):
-            yield {k: v[order[lo:lo + batch_size]] for k, v in pairs.items()}
-        epoch += 1
+class PreferenceBatches:
+    """Global batches of whole pairs (`read_pairs`' rows), every pair once per epoch in an order shuffled by `seed`
+    per epoch; batch `step` is a pure function of (seed, step). `reference` (REFERENCE per row, filled by
+    `--precompute-reference`) joins each batch's rows once set."""
+
+    def __init__(self, pairs: dict[str, np.ndarray], batch_size: int, seed: int = 0):
+        self.pairs, self.batch_size, self.seed = pairs, batch_size, seed
+        self.seq_len = pairs["inputs"].shape[1]
+        self.reference: np.ndarray | None = None
+        if len(self) < batch_size:
+            raise ValueError(f"{len(self)} preference pairs cannot fill a batch of {batch_size}; lower --batch-size")
+
+    def __len__(self) -> int:
+        return len(self.pairs["inputs"])
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self) // self.batch_size
+
+    def indices(self, step: int) -> np.ndarray:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+        return order[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def rows(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
+        at = self.indices(step)[lo:hi]
+        out = {k: v[at] for k, v in self.pairs.items()}
+        if self.reference is not None:
+            out[REFERENCE] = self.reference[at]
+        return out
+
+    def epoch_of(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+    def steps_for(self, epochs: float) -> int:
+        return max(1, int(np.ceil(epochs * self.steps_per_epoch)))
+
+    def order(self) -> dict:
+        return {"order": "preference pairs", "rows": len(self), "drawn_by": "numpy permutation(rows) per (seed, epoch)"}
