@@ -72,8 +72,11 @@ class Preference:
         return "document" if self.name == "orpo" else "answer" if self.sft_weight else None
 
     def __call__(self, module, batch):
+        if not isinstance(batch, Mapping) or SIDES not in batch:
+            raise ValueError(f"a {self.name} batch carries {SIDES} (which answer each target belongs to): pack the "
+                             "pairs with jaxpar.data.preference.pack_pairs")
         reference = None  # per-row sums [b, 2] of the in-step reference (under LoRA: the adapters off)
-        if self.needs_reference and not (isinstance(batch, Mapping) and REFERENCE in batch):
+        if self.needs_reference and REFERENCE not in batch:
             if pipeline_planned():
                 raise ValueError("under a pipeline (pipe > 1) DPO's reference log-probs must come with the data: "
                                  "train with --precompute-reference")

@@ -29,14 +29,11 @@ def objective_of(config, plan: Plan):
     options = {"beta": config.beta, "dpo_loss": config.dpo_loss, "label_smoothing": config.label_smoothing,
                "simpo_gamma": config.simpo_gamma, "sft_weight": config.sft_weight}
     defaults = {f.name: f.default for f in dataclasses.fields(Preference)}
-    if config.objective != "dpo":
-        for name in ("dpo_loss",):
-            if options[name] != defaults[name]:
-                raise ValueError(f"--{name.replace('_', '-')} acts on --objective dpo only, not {config.objective}")
-        if config.precompute_reference:
-            raise ValueError(f"--precompute-reference: {config.objective} has no reference model")
-    if config.objective != "simpo" and options["simpo_gamma"] != defaults["simpo_gamma"]:
-        raise ValueError(f"--simpo-gamma acts on --objective simpo only, not {config.objective}")
+    for name, owner in (("dpo_loss", "dpo"), ("simpo_gamma", "simpo")):
+        if config.objective != owner and options[name] != defaults[name]:
+            raise ValueError(f"--{name.replace('_', '-')} acts on --objective {owner} only, not {config.objective}")
+    if config.precompute_reference and config.objective != "dpo":
+        raise ValueError(f"--precompute-reference: {config.objective} has no reference model")
     objective = make(config.objective, **options)
     if isinstance(objective, Preference):
         if objective.needs_reference and not config.precompute_reference and not plan.lora_rank:
@@ -100,4 +97,3 @@ def precompute_reference(run) -> None:
         with plan.activate():
             out[at] = np.asarray(forward(params, batch))
     batches.reference = out
-    assert REFERENCE not in batches.pairs
