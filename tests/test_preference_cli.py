@@ -83,17 +83,16 @@ def tiny_chat_base(folder: Path) -> None:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(["<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"])
-    folder.mkdir()
+    cfg = LlamaConfig(vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=64)
+    with nnx.use_eager_sharding(False):
+        model = Llama(cfg, nnx.Rngs(0))
+    hf.write_hf(nnx.to_pure_dict(nnx.state(model)), cfg, folder)
     tok.save(str(folder / "tokenizer.json"))
     template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}<|end|>"
                 "{% else %}<|assistant|>{% generation %}{{ m.content }}<|end|>{% endgeneration %}{% endif %}"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                               "chat_template": template}))
-    cfg = LlamaConfig(vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=64)
-    with nnx.use_eager_sharding(False):
-        model = Llama(cfg, nnx.Rngs(0))
-    hf.write_hf(nnx.to_pure_dict(nnx.state(model)), cfg, folder)
 
 
 def test_the_readmes_lora_dpo_on_a_chat_model_runs_and_reports_its_figures(tmp_path, capsys):
