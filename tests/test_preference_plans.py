@@ -1,7 +1,9 @@
 """DPO trains the same on every plan as a plain-JAX single-device reference (tests/reference_preference.py).
 
 Pairs packed two documents a row; full fine-tuning with the reference's log-probs carried in the batch, and LoRA
-with the reference the same weights with the adapters off. Two SGD steps; losses and parameters within 1e-5.
+with the reference the same weights with the adapters off (carried in the batch too under a pipeline). Two SGD
+steps; losses and parameters within 1e-5. On data=8 ZeRO-3, data=2,tensor=4, data=4,pipe=2 1F1B, an MoE on
+data=4,expert=2, and (LoRA) data=2,context=4.
 """
 
 import functools
@@ -116,7 +118,8 @@ CELLS = [("llama", False, "data=8", {"zero": 3}), ("llama", True, "data=8", {"ze
          ("llama", False, "data=2,tensor=4", {}), ("llama", True, "data=2,tensor=4", {}),
          ("mixtral", False, "data=4,expert=2", {}), ("mixtral", True, "data=4,expert=2", {}),
          ("llama", False, "data=4,pipe=2", {"schedule": "1f1b", "microbatches": 2}),
-         ("llama", True, "data=4,pipe=2", {"schedule": "1f1b", "microbatches": 2})]
+         ("llama", True, "data=4,pipe=2", {"schedule": "1f1b", "microbatches": 2}),
+         ("llama", True, "data=2,context=4", {})]
 
 
 @pytest.mark.parametrize("family,adapters,mesh,options", CELLS,

@@ -158,10 +158,10 @@ def _run(module, batch, reduce):
 def reference_logps(module, batch, per_token: bool = True) -> jax.Array:
     """The log-probs of the batch's answers under `module`, no gradient through them: per target [b, s] (0 off the
     answers; what `--precompute-reference` carries with the data as REFERENCE), or per row [b, 2] (chosen, rejected
-    sums). Natural order: on a plan without context or pipe parallelism."""
+    sums, on any plan without pipe). Per target in natural order: on a plan without context or pipe parallelism."""
     plan = active_plan()
-    if plan is not None and (plan.shape.get("context", 1) > 1 or plan.shape.get("pipe", 1) > 1):
-        raise ValueError("reference log-probs are computed on a plan without context or pipe parallelism "
+    if per_token and plan is not None and (plan.shape.get("context", 1) > 1 or plan.shape.get("pipe", 1) > 1):
+        raise ValueError("per-target reference log-probs are computed on a plan without context or pipe parallelism "
                          f"(this one: {plan.shape}); compute them on the same devices over data")
     found = []
 
