@@ -34,7 +34,7 @@ def records(path, count=16, change=None):
 
 @pytest.mark.parametrize("change,flags,message", [
     ({2: {"chosen": None}}, ["--lora-rank", "4"], "record 3 (line 3 of "),
-    ({2: {"chosen": None}}, ["--lora-rank", "4"], "has no 'chosen' (a preference record holds prompt, chosen and rejected"),
+    ({2: {"chosen": None}}, ["--lora-rank", "4"], "has no 'chosen' (a preference record holds prompt, chosen and"),
     ({4: {"prompt": "x" * 40}}, ["--lora-rank", "4"], "record 5 (line 5 of"),
     ({4: {"prompt": "x" * 40}}, ["--lora-rank", "4"], "more than a row of seq_len 32 + 1 holds"),
     ({}, [], "DPO without LoRA needs its reference's log-probs: add --precompute-reference"),

@@ -162,6 +162,6 @@ def test_simpo_and_orpo_match_trl(models, tmp_path, kind, options):
     names = [("chosen_reward", "rewards/chosen"), ("rejected_reward", "rewards/rejected"),
              ("reward_margin", "rewards/margins"), ("chosen_logps", "logps/chosen")]
     if kind == "orpo":
-        names += [("nll_loss", "nll_loss"), ("log_odds_ratio", "log_odds_ratio"), ("log_odds_chosen", "log_odds_chosen")]
+        names += [(name, name) for name in ("nll_loss", "log_odds_ratio", "log_odds_chosen")]
     for name, theirs in names:
         close(metrics[name], float(trl_metrics[theirs]), name)

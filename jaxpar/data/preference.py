@@ -61,7 +61,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 def pack_pairs(pairs: list[tuple[Document, Document]], seq_len: int, sft: str | None = None,
                names: list[str] | None = None) -> dict[str, np.ndarray]:
     """A batch [pairs, seq_len] of one pair a row; `sft` adds `loss_weights` for an objective's cross-entropy term on
-    the chosen side: on its answer ("answer": CPO/SimPO) or on its whole document, prompt included ("document": ORPO)."""
+    the chosen side: on its answer ("answer": CPO/SimPO) or its whole document, prompt included ("document": ORPO)."""
     if sft not in SFT:
         raise ValueError(f"sft {sft!r} is not one of {SFT}")
     rows = []

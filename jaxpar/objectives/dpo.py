@@ -1,4 +1,4 @@
-"""DPO and its losses (sigmoid, IPO, hinge, robust) on the summed log-probs of preference pairs, as TRL 1.16 computes them.
+"""DPO and its losses (sigmoid, IPO, hinge, robust) on preference pairs' summed log-probs, as TRL 1.16 has them.
 
 Rafailov et al. 2023 (sigmoid), Azar et al. 2023 (IPO, whose log-ratios TRL
 divides by the answers' token counts), SLiC's hinge, and robust DPO

@@ -67,7 +67,7 @@ def preference_stream(config, plan: Plan, objective: Preference) -> BatchStream:
 
 
 def batch_fields(run) -> dict:
-    """The dtype of each field of the run's batches (with the reference's log-probs that --precompute-reference adds)."""
+    """The dtype of each field of the run's batches (with the reference log-probs --precompute-reference adds)."""
     fields = {k: v.dtype for k, v in run.batches.rows(0, 0, 1).items()}
     return {**fields, REFERENCE: np.dtype(np.float32)} if run.config.precompute_reference else fields
 
