@@ -3,7 +3,8 @@
 One scalar per metric and step, under TensorBoard's usual groups: `train/loss`,
 `train/lr`, `train/grad_norm`, `perf/tokens_per_s`, `perf/step_time_s`,
 `perf/mfu` (only where MFU is meaningful), `memory/*` (only where the backend
-reports it), `eval/*`; a preference objective's `rewards/*` and `logps/*`. The JSON-lines `--metrics` file carries the same rows.
+reports it), `eval/*`; a preference objective's `rewards/*` and `logps/*`. The JSON-lines
+`--metrics` file carries the same rows.
 """
 
 from __future__ import annotations

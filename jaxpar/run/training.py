@@ -324,7 +324,7 @@ def changed_settings(position: dict, run: Run) -> list[str]:
     if not position.get("config"):
         return []
     saved, current = position["config"]["train"], run_config(run.config, run.model_config, run.plan)["train"]
-    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # a setting older checkpoints lack: its default
+    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # what an older checkpoint lacks
     return differences({k: saved.get(k, default[k]) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
 
 
