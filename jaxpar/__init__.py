@@ -27,6 +27,7 @@ from jaxpar.parallel.attention import positions as token_positions
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.experts import MoEConfig, moe_ffn
 from jaxpar.parallel import lora  # LoRA adapters on a model's weights: jaxpar.lora.apply(model, rank, ...)
+from jaxpar import objectives  # preference objectives (DPO, SimPO, ORPO) as a step's loss_fn: jaxpar.objectives.make
 from jaxpar.parallel.stack import Stack, scan_layers
 from jaxpar.parallel.tensor import (
     column_parallel,
@@ -68,7 +69,8 @@ __all__ = [
     "AXES", "BatchStream", "DEFAULT_RULES", "DataSpec", "LogicalArray", "MeshSpec", "MoEConfig", "Plan",
     "PlanOptionUnused", "Stack", "Stages", "TrainState", "active_plan", "batch_stream", "causal_attention",
     "column_parallel", "compile_cache", "constrain", "describe", "embedding_lookup", "enter_tensor_region", "gpu_profile",
-    "init_state", "lora", "make_mesh", "make_train_step", "moe_ffn", "parse_mesh", "pipeline_loss", "pipelined_loss",
+    "init_state", "lora", "make_mesh", "make_train_step", "moe_ffn", "objectives", "parse_mesh", "pipeline_loss",
+    "pipelined_loss",
     "place_state", "row_parallel", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
     "to_natural_order", "to_pipeline_order", "token_positions", "vocab_parallel_cross_entropy",
 ]

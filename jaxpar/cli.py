@@ -45,6 +45,17 @@ TRAIN_FLAGS = {
     "compile_cache": (str, "keep compiled steps in this directory, so that a restarted, resumed or repeated run loads "
                            "its step instead of compiling it; off: never (default: $JAXPAR_COMPILE_CACHE, else "
                            "~/.cache/jaxpar/xla)"),
+    "objective": (str, "train with a preference objective instead of next-token cross-entropy: dpo, simpo or orpo, on "
+                       "--data records with prompt, chosen and rejected (text or chat messages; TRL's format)"),
+    "beta": (float, "the objective's beta: DPO's KL strength (default 0.1), SimPO's reward scale (2.0), ORPO's odds-ratio "
+                    "weight lambda (0.1)"),
+    "dpo_loss": (str, "DPO's loss: sigmoid (default), ipo, hinge or robust (as TRL's loss_type)"),
+    "label_smoothing": (float, "robust DPO's chance that a preference was flipped (in [0, 0.5)); SimPO's label "
+                               "smoothing"),
+    "simpo_gamma": (float, "SimPO's target reward margin gamma (default 0.5)"),
+    "sft_weight": (float, "SimPO: add the chosen answers' cross-entropy with this weight (CPO's cpo_alpha; default 0)"),
+    "precompute_reference": (bool, "DPO: compute the reference's log-probs once from the initial weights (the base "
+                                   "under LoRA) and carry them with the data; needed without LoRA and under pipe > 1"),
     "skip_bad_records": (bool, "train without a document source's bad records (malformed JSON, missing fields, unknown "
                                "chat roles) instead of refusing it; start-up says how many are left out"),
 }

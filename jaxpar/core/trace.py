@@ -20,7 +20,10 @@ their own and nothing outlives the trace that set it:
 - `bubble_fill`: the value written into the pipeline's empty slots (tests fill
   them with NaN, so that a leak from a bubble cannot hide);
 - `documents`: the per-token extras of the rows being traced (segment ids,
-  positions, loss weights of packed documents; `jaxpar.parallel.documents`).
+  positions, loss weights of packed documents; `jaxpar.parallel.documents`);
+- `token_reduction`: what the cross-entropy makes of its per-token losses
+  instead of their weighted mean (a training objective over whole sequences,
+  `jaxpar.objectives`; None: the mean).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class Trace:
     train_state_layers: bool = False
     bubble_fill: float = 0.0
     documents: dict | None = None
+    token_reduction: Any = None  # (losses [b, s], weights or None, order) -> scalar; None: the weighted mean
 
 
 _trace: contextvars.ContextVar[Trace] = contextvars.ContextVar("jaxpar_trace", default=Trace())

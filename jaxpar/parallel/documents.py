@@ -13,7 +13,14 @@ on documents:
   document, and `attention.positions` returns the documents' positions;
 - `jaxpar.parallel.tensor.vocab_parallel_cross_entropy` weights each token;
 - a training step with LoRA dropout adds `lora_dropout_seeds`, one per token,
-  which its mask is drawn from (jaxpar.parallel.lora_dropout).
+  which its mask is drawn from (jaxpar.parallel.lora_dropout);
+- a preference batch adds `pair_sides` (which answer each target belongs to)
+  and may add `reference_logps` (the reference's log-prob of each target),
+  read by the objective the cross-entropy hands its losses to (jaxpar.objectives).
+
+`loss_weights`, `pair_sides` and `reference_logps` are laid out like the
+targets (`TARGET_FIELDS`): the loss head reads them, in the targets' order;
+the others are the inputs' and the layers read them.
 
 Arrays here are in the batch's natural sequence order and hold the same rows as
 the tokens the model is called with; the layers put them in context order.
@@ -28,7 +35,8 @@ import jax
 
 from jaxpar.core import trace
 
-FIELDS = ("segment_ids", "positions", "loss_weights", "lora_dropout_seeds")
+FIELDS = ("segment_ids", "positions", "loss_weights", "lora_dropout_seeds", "pair_sides", "reference_logps")
+TARGET_FIELDS = ("loss_weights", "pair_sides", "reference_logps")  # per target, read by the loss head
 
 
 def of_batch(batch) -> dict[str, jax.Array]:

@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core import options, usage, zero_layout
+from jaxpar.core import options, trace, usage, zero_layout
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel import bits, documents, lora_dropout, loss_chunks, tensor_explicit, vocab, zero
 from jaxpar.parallel.attention import context_order
@@ -191,6 +191,8 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     `softcap` c caps the logits to c * tanh(logits / c) (Gemma 2), elementwise
     on each vocabulary shard. The per-token losses are computed in chunks of
     tokens when the logits are large (`Plan.loss_chunks`, jaxpar.parallel.loss_chunks).
+    Within an objective over whole sequences (`jaxpar.objectives`: DPO's
+    per-answer log-probs) the per-token losses go to its reduction instead.
     """
     targets = context_order(targets, usage.CONTEXT_TARGETS)
     weights = _loss_weights(targets.shape)
@@ -222,6 +224,9 @@ def vocab_parallel_cross_entropy(x, w, targets, vocab_size: int | None = None, i
     local_columns = columns // ways(axes) if axes else columns
     plan = active_plan()
     losses = loss_chunks.token_losses(losses_of, x, targets, local_columns, plan.loss_chunks if plan else 0)
+    reduction = trace.current().token_reduction  # an objective over whole sequences (jaxpar.objectives)
+    if reduction is not None:
+        return reduction(losses, weights, lambda a: context_order(a, usage.CONTEXT_TARGETS))
     return _mean(losses, weights)
 
 

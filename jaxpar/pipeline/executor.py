@@ -35,8 +35,9 @@ summed over pipe once per step.
 A batch of packed documents (jaxpar.parallel.documents) is split into
 microbatches like the tokens: wherever a stage's layers are traced (a forward
 slot, the probes of their shapes) they see their microbatch's segment ids and
-positions, and the loss head its share of the positions' loss weights, put in
-context order with the targets (`pipe_axis.layer_documents`, `head_documents`).
+positions, and the loss head its share of the positions' loss weights (and a
+preference batch's answer sides and reference log-probs), put in context order
+with the targets (`pipe_axis.layer_documents`, `head_documents`).
 
 Layers may also return per-layer statistics (an MoE router's losses and
 metrics). Each stage sums its own layers' statistics per microbatch; they are
@@ -104,14 +105,13 @@ def loss(stages: Stages, embed_params, stacked, head_params, inputs: jax.Array, 
 
 
 def _documents(shape) -> dict:
-    """The traced batch's document fields (jaxpar.parallel.documents), the loss weights in the targets' order."""
+    """The traced batch's document fields (jaxpar.parallel.documents), those per target in the targets' order."""
     fields = documents.current()
     for name, value in fields.items():
         if value.shape != tuple(shape):
             raise ValueError(f"the batch's {name} {list(value.shape)} and its targets {list(shape)} differ in shape")
-    if "loss_weights" in fields:
-        fields = {**fields, "loss_weights": attention.context_order(fields["loss_weights"], usage.CONTEXT_TARGETS)}
-    return fields
+    return {name: attention.context_order(value, usage.CONTEXT_TARGETS) if name in documents.TARGET_FIELDS else value
+            for name, value in fields.items()}
 
 
 def _ordered_head(head: Callable) -> Callable:

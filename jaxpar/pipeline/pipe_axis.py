@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel import bits, zero
+from jaxpar.parallel import bits, documents, zero
 from jaxpar.parallel.constrain import varying_axes
 
 AXIS = "pipe"
@@ -81,14 +81,15 @@ def layer_documents(docs: dict, j) -> dict:
     Varying over pipe whatever j is (a slot's j is, a probe's constant 0 is not), so that the layers trace the
     same way, with the same residuals, in a probe and in every slot.
     """
-    return {name: varying(row_at(value, j), {AXIS}) for name, value in docs.items() if name != "loss_weights"}
+    return {name: varying(row_at(value, j), {AXIS}) for name, value in docs.items()
+            if name not in documents.TARGET_FIELDS}
 
 
 def head_documents(docs: dict, seq: int, stage, p: int) -> dict:
-    """What the loss head reads of its share of positions (docs laid out like the targets it gets): the loss weights."""
-    if "loss_weights" not in docs:
-        return {}
-    return {"loss_weights": targets_share(docs["loss_weights"], seq, stage, p)}
+    """What the loss head reads of its share of positions (docs laid out like the targets it gets): the fields per
+    target (loss weights; a preference batch's answer sides and reference log-probs)."""
+    return {name: targets_share(value, seq, stage, p) for name, value in docs.items()
+            if name in documents.TARGET_FIELDS}
 
 
 def stage_layers(params, entries: list):

@@ -14,6 +14,7 @@ from rich.table import Table
 from jaxpar.core import compile_cache, zero_layout
 from jaxpar.parallel import attention_kernels, expert_kernels
 from jaxpar.planner import inspect as inspect_lib
+from jaxpar.run import preference
 from jaxpar.run.training import (
     Run,
     changed_settings,
@@ -198,7 +199,10 @@ def inspection(run: Run) -> dict:
     """Compile one step on abstract inputs (no parameters allocated) and read it back."""
     state = abstract_state(run.model, run.optimizer, run.plan)
     shape = (run.config.batch_size, run.config.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, jax.numpy.int32, sharding=run.batch_sharding) for k in ("inputs", "targets")}
+    fields = {k: jax.numpy.int32 for k in ("inputs", "targets")}
+    if run.config.objective:  # a preference batch: the fields its objective reads (jaxpar.run.preference)
+        fields = preference.batch_fields(run)
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=run.batch_sharding) for k, dtype in fields.items()}
     compiled = run.step_fn.lower(state, batch).compile()
     summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
     return {"model": run.config.model, "params": run.model.param_count(),

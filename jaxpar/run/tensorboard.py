@@ -3,7 +3,8 @@
 One scalar per metric and step, under TensorBoard's usual groups: `train/loss`,
 `train/lr`, `train/grad_norm`, `perf/tokens_per_s`, `perf/step_time_s`,
 `perf/mfu` (only where MFU is meaningful), `memory/*` (only where the backend
-reports it), `eval/*`. The JSON-lines `--metrics` file carries the same rows.
+reports it), `eval/*`; a preference objective's `rewards/*` and `logps/*`. The JSON-lines
+`--metrics` file carries the same rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ GROUPS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "nonfinite_steps": "train/nonfinite_steps",
     "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
     "memory_bytes_in_use": "memory/bytes_in_use", "memory_peak_bytes_in_use": "memory/peak_bytes_in_use",
+    # preference objectives (jaxpar.objectives), under TRL's names
+    "chosen_reward": "rewards/chosen", "rejected_reward": "rewards/rejected", "reward_margin": "rewards/margins",
+    "reward_accuracy": "rewards/accuracies", "chosen_logps": "logps/chosen", "rejected_logps": "logps/rejected",
 }
 SKIPPED = ("step", "nonfinite", "saved", "preempted")  # bookkeeping, not curves
 

@@ -25,6 +25,7 @@ from jaxpar.interop import base_weights
 from jaxpar.models import layer_pattern, model_config, model_factory
 from jaxpar.parallel import expert_kernels, experts, lora, offload
 from jaxpar.pipeline.layer_order import to_natural_order
+from jaxpar.run import preference
 from jaxpar.planner import mfu as mfu_lib
 from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
@@ -36,7 +37,8 @@ from jaxpar.train.step import Step, make_train_step
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
 TRAJECTORY = ("steps", "epochs", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "clip", "seed", "data",
-              "tokenizer", "text_field", "packing")
+              "tokenizer", "text_field", "packing", "objective", "beta", "dpo_loss", "label_smoothing", "simpo_gamma",
+              "sft_weight", "precompute_reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,13 @@ class TrainConfig:
     peak_flops: float | None = None  # FLOP/s of one device for MFU, where jaxpar.planner.devices' table does not know it
     skip_bad_records: bool = False  # train without a document source's bad records instead of refusing the source
     compile_cache: str | None = None  # compiled steps kept here (or "off"); None: jaxpar.core.compile_cache's default
+    objective: str | None = None  # dpo, simpo, orpo (jaxpar.objectives); None: next-token cross-entropy
+    beta: float | None = None  # the objective's beta (None: its default, jaxpar.objectives.preference.DEFAULT_BETA)
+    dpo_loss: str = "sigmoid"  # sigmoid, ipo, hinge, robust
+    label_smoothing: float = 0.0  # robust DPO's chance of a flipped label; SimPO's label smoothing
+    simpo_gamma: float = 0.5  # SimPO's target margin
+    sft_weight: float = 0.0  # SimPO: the chosen answers' cross-entropy added with this weight (CPO's cpo_alpha)
+    precompute_reference: bool = False  # DPO: the reference's log-probs computed once and carried with the data
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "save_every", "keep"):
@@ -235,12 +244,16 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
         from jaxpar.run.evaluate import check_evaluable
 
         check_evaluable(name, mcfg)
-    data = batch_stream(data_spec(config), plan, config.batch_size, config.seq_len, mcfg.vocab, is_leader())
+    objective = preference.objective_of(config, plan) if config.objective else None
+    if objective is not None:
+        data = preference.preference_stream(config, plan, objective)
+    else:
+        data = batch_stream(data_spec(config), plan, config.batch_size, config.seq_len, mcfg.vocab, is_leader())
     if config.epochs is not None and config.checkpoint_dir:  # counts saved earlier spare tokenizing for the length
         _learn_counts_from_newest(data, config.checkpoint_dir)
     config = _with_epoch_steps(config, data.batches)
     optimizer = make_optimizer(config)
-    step_fn = make_train_step(model, lambda module, batch: module(batch), optimizer, plan)
+    step_fn = make_train_step(model, objective or (lambda module, batch: module(batch)), optimizer, plan)
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
     base = base_weights.record(config.init_from) if plan.lora_rank else None
@@ -315,7 +328,8 @@ def changed_settings(position: dict, run: Run) -> list[str]:
     if not position.get("config"):
         return []
     saved, current = position["config"]["train"], run_config(run.config, run.model_config, run.plan)["train"]
-    return differences({k: saved.get(k) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
+    default = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # what an older checkpoint lacks
+    return differences({k: saved.get(k, default[k]) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
 
 
 def compiled_in_step(run: Run, state: TrainState, start: int):
@@ -351,6 +365,8 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
         lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
     outputs = Outputs(config.metrics, config.tensorboard, start)
     evaluator = _evaluator(run)
+    if config.precompute_reference and start < config.steps:
+        preference.precompute_reference(run)
     step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
     run.data.seek(start, config.steps)
     try:
