@@ -17,7 +17,7 @@ PUBLIC = {
         "AXES", "BatchStream", "DataSpec", "DEFAULT_RULES", "LogicalArray", "MeshSpec", "MoEConfig", "Plan", "PlanOptionUnused", "Stack",
         "Stages", "TrainState", "active_plan", "batch_stream", "causal_attention", "column_parallel", "constrain", "describe",
         "embedding_lookup", "enter_tensor_region", "gpu_profile", "init_state", "lora", "make_mesh", "make_train_step",
-        "moe_ffn", "parse_mesh", "pipeline_loss", "pipelined_loss", "place_state", "row_parallel", "scan_layers",
+        "moe_ffn", "parse_mesh", "pipeline_loss", "pipelined_loss", "place_state", "row_parallel", "sample", "scan_layers",
         "state_to_natural_order", "state_to_pipeline_order", "to_natural_order", "to_pipeline_order",
         "token_positions", "vocab_parallel_cross_entropy",
     ],
@@ -25,6 +25,7 @@ PUBLIC = {
     "jaxpar.distributed": ["heartbeat", "initialize", "is_leader"],
     "jaxpar.inspect": ["abstract_state", "collectives", "flops", "inspect_step", "matmul_flops", "memory", "show",
                        "summary"],
+    "jaxpar.objectives": ["grpo_loss"],
     "jaxpar.metrics": ["Metrics", "Mfu", "device_memory", "mfu", "model_flops_per_step", "progress_line"],
 }
 # The faces of the public objects: the methods a loop calls.
