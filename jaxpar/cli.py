@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (defaults: the tiny Llama on the built-in corpus)")
     _add_common(train)
+    from jaxpar.run import grpo_command
+
+    grpo_command.add_arguments(train)  # --objective and GRPO's flags
     inspect = sub.add_parser("inspect", help="compile one step and report its collectives, memory and FLOPs")
     _add_common(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -474,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         config, options, mesh = resolve(args)
         plan = Plan.create(mesh, **options)
         plan.check_batch(config.batch_size, config.seq_len)  # batch and sequence against the mesh, before any data
+        if args.command == "train":
+            from jaxpar.run import grpo_command
+
+            grpo_options = grpo_command.options(args)  # None for --objective lm (its flags refused there)
+            if grpo_options is not None:
+                return grpo_command.train_with_progress(config, grpo_options, args, plan, console)
         if args.command == "inspect" and args.png and plan.shape["pipe"] == 1:
             raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)
