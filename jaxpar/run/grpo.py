@@ -189,6 +189,7 @@ def iterate_grpo(grpo_run: GrpoRun, state: TrainState, write: Callable[[dict], N
         began = time.perf_counter()
         state, metrics = trainer.train_on(state, drawn.prompt_ids, drawn.completion_ids, drawn.completion_mask,
                                           advantages)
+        metrics = jax.block_until_ready(metrics)
         trained = time.perf_counter() - began
         for m in metrics[: config.steps - done]:
             row = {"step": done + 1, **scalar_metrics(m), **figures, "lr": float(lrs[done]), "generation": generation,
