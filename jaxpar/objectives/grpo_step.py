@@ -106,3 +106,8 @@ def loss_fn(options: GrpoOptions):
         return jnp.mean(b["grpo_weights"] * token_loss), figures
 
     return loss
+
+
+def objective(**options):
+    """GRPO's loss_fn from its options by name (`GrpoOptions`' fields): the objective registry's factory form."""
+    return loss_fn(GrpoOptions(**options))

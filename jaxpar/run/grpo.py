@@ -17,6 +17,7 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.core.plan import Plan
@@ -25,6 +26,7 @@ from jaxpar.objectives import grpo, grpo_step, rewards as rewards_lib
 from jaxpar.objectives.grpo_step import GrpoOptions
 from jaxpar.parallel import lora
 from jaxpar.run.sample import check_options, sample
+from jaxpar.train import precision
 from jaxpar.train.state import ModelDef, TrainState
 from jaxpar.train.step import make_train_step
 
@@ -41,9 +43,12 @@ def check_plan(plan: Plan) -> None:
                          f"{plan.tensor_form!r}")
 
 
-def _logps(model: ModelDef, temperature: float, base: bool, params, inputs, targets):
-    """log p(target) [rows, seq] at `temperature` (`base`: with every LoRA adapter off, the reference policy)."""
+def _logps(model: ModelDef, temperature: float, dtype, base: bool, params, inputs, targets):
+    """log p(target) [rows, seq] at `temperature` (`base`: with every LoRA adapter off, the reference policy), the
+    parameters cast to the plan's compute dtype as the step casts them where they are used."""
     params = lora.without_adapters(params) if base else params
+    if dtype is not None:
+        params = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
     module = model.merge(lora.fold(params, unstacked_only=True, keep=True))
     return grpo_step.token_logps(module, inputs, targets, temperature)
 
@@ -56,7 +61,8 @@ class GrpoTrainer:
         check_options(plan, options.max_new_tokens, options.temperature, options.top_p, options.group_size)
         self.model, self.plan, self.options, self.seq_len, self.pad = model, plan, options, seq_len, pad
         self.step = make_train_step(model, grpo_step.loss_fn(options), optimizer, plan)
-        self._logps = {base: jax.jit(functools.partial(_logps, model, options.temperature, base))
+        dtype = precision.POLICIES[plan.precision].cast_at_use
+        self._logps = {base: jax.jit(functools.partial(_logps, model, options.temperature, dtype, base))
                        for base in (False, True)}
         self.reference = None  # a full fine-tune's frozen initial parameters (beta > 0)
 
