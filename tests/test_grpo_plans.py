@@ -7,6 +7,7 @@ tests/reference.py's Llama, GRPO's loss written out over the whole batch, and op
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,18 +46,19 @@ def plan_of(mesh: str, lora_on: bool) -> Plan:
     return Plan.create(spec, devices=devices, **parsed, **extra)
 
 
-def initial(lora_on: bool):
-    """Host parameters of the tiny Llama (with adapters whose B is random under LoRA)."""
+@functools.lru_cache(maxsize=2)
+def initial(lora_on: bool) -> TrainState:
+    """The host state of the tiny Llama (with adapters whose B is random under LoRA), natural layer order."""
     plan = plan_of("data=1", lora_on)
     make, trainable = jaxpar.lora.for_plan(lambda: Llama(CFG, nnx.Rngs(0)), plan)
-    _, state = init_state(make, OPTIMIZER, plan, trainable)
-    state = TrainState(jax.device_get(state.params), None, None)
+    state = jax.device_get(init_state(make, OPTIMIZER, plan, trainable)[1])
     if not lora_on:
-        return state.params
+        return state
     # B far enough from 0 that the policy is well off its base: the KL (the loss at the first step, where the
     # advantages of each group sum to 0) is then not a difference of nearly equal numbers
-    return jax.tree_util.tree_map_with_path(lambda path, x: 8 * x if str(path[-1]).endswith("_lora_b']") else x,
-                                            reference_lora.with_random_b(state).params)
+    params = jax.tree_util.tree_map_with_path(lambda path, x: 8 * x if str(path[-1]).endswith("_lora_b']") else x,
+                                              reference_lora.with_random_b(state).params)
+    return dataclasses.replace(state, params=params)
 
 
 def written_out_batch():
@@ -96,26 +98,27 @@ def grpo_loss(params, b, loss_type):
 
 def reference_steps(params0, lora_on: bool, loss_type: str):
     b = {k: jnp.asarray(v) for k, v in written_out_batch().items()}
+    scored = jax.jit(logps)
     if lora_on:
         adapters, frozen = reference_lora.split(jax.tree.map(jnp.asarray, params0))
         whole = lambda a: reference_lora.effective(frozen, a, SCALE)  # noqa: E731
-        b["old"], b["ref"] = logps(whole(adapters), b), logps(reference_lora.effective(frozen, {}, SCALE), b)
+        b["old"], b["ref"] = scored(whole(adapters), b), scored(reference_lora.effective(frozen, {}, SCALE), b)
         return reference.train(lambda a, batch: grpo_loss(whole(a), batch, loss_type), adapters, [b, b], OPTIMIZER)
     params0 = jax.tree.map(jnp.asarray, params0)
-    b["old"] = b["ref"] = logps(params0, b)
+    b["old"] = b["ref"] = scored(params0, b)
     return reference.train(lambda p, batch: grpo_loss(p, batch, loss_type), params0, [b, b], OPTIMIZER)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_grpo_steps_on_a_plan_equal_one_device(case):
     mesh, lora_on, loss_type = CASES[case]
-    params0 = initial(lora_on)
-    expected = reference_steps(params0, lora_on, loss_type)
+    start = initial(lora_on)
+    expected = reference_steps(start.params, lora_on, loss_type)
 
     plan = plan_of(mesh, lora_on)
     make, trainable = jaxpar.lora.for_plan(lambda: Llama(CFG, nnx.Rngs(0)), plan)
-    model, state = init_state(make, OPTIMIZER, plan, trainable)
-    state = dataclasses.replace(state, params=jax.device_put(params0, jax.tree.map(lambda a: a.sharding, state.params)))
+    model = jaxpar.describe(make, trainable)
+    state = jaxpar.place_state(start, model, OPTIMIZER, plan)
     options = GrpoOptions(group_size=G, beta=BETA, loss_type=loss_type, iterations=2, temperature=TEMPERATURE,
                           max_new_tokens=NEW, stop_tokens=(STOP,))
     trainer = GrpoTrainer(model, OPTIMIZER, plan, options, CFG.seq_len)
