@@ -27,7 +27,7 @@ from jaxpar.run.grpo import GrpoTrainer
 from jaxpar.train.state import TrainState, init_state
 
 CFG = LlamaConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=16)
-G, NEW, STOP, TEMPERATURE, BETA, SCALE = 2, 6, 1, 0.8, 0.04, 2.0
+G, NEW, STOP, TEMPERATURE, BETA, SCALE = 2, 6, 1, 0.8, 0.1, 2.0
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [20, 21, 22, 23], [30, 31, 32, 33, 34]]
 COMPLETIONS = np.array([[40, 41, STOP, 0, 0, 0], [42, 43, 44, 45, 46, 47], [48, STOP, 0, 0, 0, 0],
                         [50, 51, 52, 53, STOP, 0], [STOP, 0, 0, 0, 0, 0], [54, 55, 56, 57, 58, STOP],
