@@ -1,4 +1,4 @@
-"""GRPO's loss: the clipped importance-ratio loss of sampled completions, the k3 KL to a reference, TRL's normalizations.
+"""GRPO's loss: the clipped importance ratio of sampled completions, the k3 KL to a reference, TRL's normalizations.
 
 Written to compute what TRL's `GRPOTrainer._compute_loss` computes (TRL 1.16, token-level importance sampling,
 one process, no accumulation) from the same per-token log-probabilities:
