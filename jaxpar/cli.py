@@ -414,6 +414,16 @@ def _subcommands() -> set[str]:
     return set(next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
 
 
+def _objective_run(args: argparse.Namespace, config, plan, console) -> int | None:
+    """The exit code of a run of another objective than next-token prediction (--objective grpo), or None for
+    --objective lm (whose run then goes on; the other objectives' flags are refused there, ValueError)."""
+    from jaxpar.run import grpo_command
+
+    grpo_options = grpo_command.options(args)
+    return None if grpo_options is None else grpo_command.train_with_progress(config, grpo_options, args, plan,
+                                                                              console)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
@@ -477,12 +487,8 @@ def main(argv: list[str] | None = None) -> int:
         config, options, mesh = resolve(args)
         plan = Plan.create(mesh, **options)
         plan.check_batch(config.batch_size, config.seq_len)  # batch and sequence against the mesh, before any data
-        if args.command == "train":
-            from jaxpar.run import grpo_command
-
-            grpo_options = grpo_command.options(args)  # None for --objective lm (its flags refused there)
-            if grpo_options is not None:
-                return grpo_command.train_with_progress(config, grpo_options, args, plan, console)
+        if args.command == "train" and (code := _objective_run(args, config, plan, console)) is not None:
+            return code
         if args.command == "inspect" and args.png and plan.shape["pipe"] == 1:
             raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)
