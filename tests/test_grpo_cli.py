@@ -79,3 +79,22 @@ def test_a_short_run_writes_the_figures(task, capsys):
         assert name in rows[1], name
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the adapters start at B = 0: the policy is its base
     assert "done: mean reward" in capsys.readouterr().out
+
+
+def test_chat_prompts_are_rendered_with_the_template_and_stop_at_its_end_of_turn(tmp_path):
+    from test_packing import tiny_tokenizer
+
+    from jaxpar.data.prompts import read_prompts
+
+    tokenizer = str(tiny_tokenizer(tmp_path))
+    chat = [{"role": "user", "content": "what is 2 plus 3"}]
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": chat, "answer": "5"}) + "\n")
+    prompts = read_prompts(tmp_path / "chat.jsonl", tokenizer, 256, 32, 4)
+    # <s> <|user|> what is 2 plus 3 <|end|> <|assistant|>: the template's BOS once, the generation header after
+    words = ["<s>", "<|user|>", "what", "is", "2", "plus", "3", "<|end|>", "<|assistant|>"]
+    vocab = json.loads((tmp_path / "tokenizer.json").read_text())["model"]["vocab"]
+    assert prompts.records[0].ids == tuple(vocab[w] for w in words)
+    assert prompts.end_of_turn == vocab["<|end|>"] and prompts.records[0].fields == {"answer": "5"}
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"prompt": chat}) + "\n" + json.dumps({"prompt": "hi"}) + "\n")
+    with pytest.raises(ValueError, match="mixed.jsonl line 2: prompts are all text or all chat messages"):
+        read_prompts(tmp_path / "mixed.jsonl", tokenizer, 256, 32, 4)
