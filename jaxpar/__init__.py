@@ -46,13 +46,14 @@ from jaxpar.pipeline.layer_order import (
     to_pipeline_order,
 )
 from jaxpar.pipeline.pipelined_loss import pipelined_loss
+from jaxpar.run.sample import sample  # completions drawn on a training plan (GRPO's, or one's own loop)
 from jaxpar.train import precision as _precision  # noqa: F401
 from jaxpar.train.state import TrainState, describe, init_state, place_state
 from jaxpar.train.step import make_train_step
 
 # The modules of one's own training loop, stable names whatever moves beneath them: imported on first use
 # (`import jaxpar; jaxpar.checkpoint.Checkpoints`), so that `import jaxpar` stays free of Orbax and TensorBoard.
-PUBLIC_MODULES = ("checkpoint", "distributed", "inspect", "metrics")
+PUBLIC_MODULES = ("checkpoint", "distributed", "inspect", "metrics", "objectives")
 
 
 def __getattr__(name: str):
@@ -71,6 +72,6 @@ __all__ = [
     "column_parallel", "compile_cache", "constrain", "describe", "embedding_lookup", "enter_tensor_region", "gpu_profile",
     "init_state", "lora", "make_mesh", "make_train_step", "moe_ffn", "objectives", "parse_mesh", "pipeline_loss",
     "pipelined_loss",
-    "place_state", "row_parallel", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
+    "place_state", "row_parallel", "sample", "scan_layers", "state_to_natural_order", "state_to_pipeline_order",
     "to_natural_order", "to_pipeline_order", "token_positions", "vocab_parallel_cross_entropy",
 ]

@@ -45,10 +45,11 @@ TRAIN_FLAGS = {
     "compile_cache": (str, "keep compiled steps in this directory, so that a restarted, resumed or repeated run loads "
                            "its step instead of compiling it; off: never (default: $JAXPAR_COMPILE_CACHE, else "
                            "~/.cache/jaxpar/xla)"),
-    "objective": (str, "train with a preference objective instead of next-token cross-entropy: dpo, simpo or orpo, on "
-                       "--data records with prompt, chosen and rejected (text or chat messages; TRL's format)"),
+    "objective": (str, "train with another objective than next-token cross-entropy: dpo, simpo or orpo on --data "
+                       "records with prompt, chosen and rejected (text or chat messages; TRL's format), or grpo on "
+                       "completions sampled for --prompts and scored by --reward"),
     "beta": (float, "the objective's beta: DPO's KL strength (default 0.1), SimPO's reward scale (2.0), ORPO's odds-ratio "
-                    "weight lambda (0.1)"),
+                    "weight lambda (0.1), GRPO's weight of the KL to the reference (0)"),
     "dpo_loss": (str, "DPO's loss: sigmoid (default), ipo, hinge or robust (as TRL's loss_type)"),
     "label_smoothing": (float, "robust DPO's chance that a preference was flipped (in [0, 0.5)); SimPO's label "
                                "smoothing"),
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (defaults: the tiny Llama on the built-in corpus)")
     _add_common(train)
+    from jaxpar.run import grpo_command
+
+    grpo_command.add_arguments(train)  # GRPO's own flags
     inspect = sub.add_parser("inspect", help="compile one step and report its collectives, memory and FLOPs")
     _add_common(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -431,6 +435,16 @@ def _subcommands() -> set[str]:
     return set(next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
 
 
+def _objective_run(args: argparse.Namespace, config, plan, console) -> int | None:
+    """The exit code of an --objective grpo run (it samples its own batches), or None for next-token prediction and
+    the preference objectives, whose run then goes on (GRPO's flags are refused there, ValueError)."""
+    from jaxpar.run import grpo_command
+
+    grpo_options = grpo_command.options(args)
+    return None if grpo_options is None else grpo_command.train_with_progress(config, grpo_options, args, plan,
+                                                                              console)
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxpar.core.spelling import as_flags
 
@@ -501,6 +515,8 @@ def _main(argv: list[str] | None) -> int:
         config, options, mesh = resolve(args)
         plan = Plan.create(mesh, **options)
         plan.check_batch(config.batch_size, config.seq_len)  # batch and sequence against the mesh, before any data
+        if args.command == "train" and (code := _objective_run(args, config, plan, console)) is not None:
+            return code
         if args.command == "inspect" and args.png and plan.shape["pipe"] == 1:
             raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)

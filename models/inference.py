@@ -22,6 +22,7 @@ from jaxpar.models.block import (KV_NAMES, Q_NAMES, block_norm, dense_feed_forwa
 from jaxpar.models.config import LlamaConfig
 from jaxpar.parallel import attention as attention_lib
 from jaxpar.parallel import attention_math
+from jaxpar.parallel import lora
 from jaxpar.parallel import tensor
 from jaxpar.parallel.constrain import constrain
 from jaxpar.parallel.vocab import softcap
@@ -121,7 +122,8 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
                      documents=None):
     """Scan the blocks over the layer axis for inference; returns (x, (k, v) of every layer).
 
-    `feed_forward(p, x, cfg)` is the blocks' (`Blocks.inference`; default the dense MLP);
+    `feed_forward(p, x, cfg)` is the blocks' (`Blocks.inference`; default the dense MLP); a layer's LoRA
+    adapters (`jaxpar.parallel.lora`) are folded into its weights inside the scan, one layer at a time;
     `documents` as in `cached_attention`. Blocks of several kinds in a repeating group (an MoE model's dense
     blocks between its MoE ones) come as a tuple of stacks, one per place in the group, each [groups, ...], and
     a tuple of feed-forwards: the scan then runs over the groups, each running its blocks in order.
@@ -133,6 +135,7 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
     options = layer_pattern.layer_options(cfg)  # Llama 4's per-layer chunks, q/k norms and query temperatures
 
     def block(h, p, kv, window, inv_freq, options, feed_forward):
+        p = lora.fold(p)  # one layer's LoRA adapters folded (dequantized first under QLoRA): no stack-wide copy
         attn, kv = cached_attention(p, tensor.enter_tensor_region(block_norm(h, p["attn_norm"], cfg)), cfg,
                                     positions, key_mask, kv, index, window, documents=documents, inv_freq=inv_freq,
                                     layer=options)

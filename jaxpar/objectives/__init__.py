@@ -6,7 +6,8 @@ loss from the model's own forward: inside `sequences.reducing(fn)` the model's
 cross-entropy hands fn its per-token losses (-log-probs of the targets), the
 loss weights and the batch's order, so any field of the batch (answer sides,
 reference log-probs, advantages) can enter the loss on every plan.
-`register` adds one (GRPO: `jaxpar.objectives.grpo`).
+`register` adds one. GRPO (`grpo`, `grpo_step`, `rewards`) samples its own batches, so its run is
+`jaxpar.run.grpo` rather than a registered loss_fn; `grpo_loss` is its loss for one's own loop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 from collections.abc import Callable
 
 from jaxpar.objectives.dpo import dpo_loss
+from jaxpar.objectives.grpo import grpo_loss
 from jaxpar.objectives.orpo import orpo_loss
 from jaxpar.objectives.preference import Preference, adapters_off, reference_logps
 from jaxpar.objectives.sequences import REFERENCE, SIDES, answer_sums, reducing
@@ -38,5 +40,5 @@ def make(name: str, **options) -> Callable:
 for _name in ("dpo", "simpo", "orpo"):
     register(_name, functools.partial(Preference, _name))
 
-__all__ = ["OBJECTIVES", "Preference", "REFERENCE", "SIDES", "adapters_off", "answer_sums", "dpo_loss", "make",
+__all__ = ["OBJECTIVES", "Preference", "REFERENCE", "SIDES", "adapters_off", "answer_sums", "dpo_loss", "grpo_loss", "make",
            "orpo_loss", "reducing", "reference_logps", "register", "simpo_loss"]

@@ -279,8 +279,23 @@ def refill(folded, like):
 def merged(model: nnx.Module) -> nnx.Module:
     """A copy of `model` with every adapter folded into its weight, for inference and export (the logits, decode).
 
-    The adapters stay (unread): the copy's weights already carry them.
+    The adapters stay with a zero scale: the copy's weights already carry them, and the inference forward, which
+    folds each layer's adapters itself (`jaxpar.models.inference`), adds nothing to them.
     """
     graphdef, state = nnx.split(model)
-    nnx.replace_by_pure_dict(state, fold(nnx.to_pure_dict(state), keep=True))
+    nnx.replace_by_pure_dict(state, _scales_zeroed(fold(nnx.to_pure_dict(state), keep=True)))
     return nnx.merge(graphdef, state)
+
+
+def _scales_zeroed(tree):
+    """`tree` with every adapter's scale (alpha / r) set to 0: its adapters fold to nothing."""
+    if not isinstance(tree, dict):
+        return tree
+    return {k: jnp.zeros_like(v) if isinstance(k, str) and k.endswith(SCALE) else _scales_zeroed(v)
+            for k, v in tree.items()}
+
+
+def without_adapters(tree):
+    """A parameter tree whose adapters fold to nothing (scales 0): the frozen base, the reference policy of
+    preference and reinforcement learning under LoRA, with no second copy of any weight."""
+    return _scales_zeroed(tree)

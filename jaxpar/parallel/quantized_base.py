@@ -79,13 +79,14 @@ def _block(codes, scales) -> int:
 
 def dequantized(tree: dict, keep: bool = False) -> dict:
     """One level of a parameter tree with each weight held as codes restored from them and its scales, in the
-    scales' (compute) dtype; `keep`: the scales stay in the tree (unread), else they are dropped."""
+    scales' (compute) dtype; `keep`: the scales stay in the tree (unread), else they are dropped. A weight already
+    restored (a `lora.merged` module's, folded again by the inference forward) is left as it is."""
     out = {}
     for key, value in tree.items():
         if isinstance(key, str) and key.endswith(SCALES) and key[:-len(SCALES)] in tree:
             if keep:
                 out[key] = value
-        elif isinstance(key, str) and key + SCALES in tree:
+        elif isinstance(key, str) and key + SCALES in tree and jnp.dtype(value.dtype) in CODE_KINDS:
             scales = tree[key + SCALES]
             q = quantize.Quantized(value, scales, CODE_KINDS[jnp.dtype(value.dtype)], _block(value, scales))
             out[key] = quantize.dequantize(q, scales.dtype)
