@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.cli import main
-from jaxpar.interop import hf
+from jaxpar.interop import hf_write
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.data import preference
 from jaxpar.data.records import ChatTemplate
@@ -86,7 +86,7 @@ def tiny_chat_base(folder: Path) -> None:
     cfg = LlamaConfig(vocab=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, seq_len=64)
     with nnx.use_eager_sharding(False):
         model = Llama(cfg, nnx.Rngs(0))
-    hf.write_hf(nnx.to_pure_dict(nnx.state(model)), cfg, folder)
+    hf_write.write_hf(nnx.to_pure_dict(nnx.state(model)), cfg, folder)
     tok.save(str(folder / "tokenizer.json"))
     template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}<|end|>"
                 "{% else %}<|assistant|>{% generation %}{{ m.content }}<|end|>{% endgeneration %}{% endif %}"
