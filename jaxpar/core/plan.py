@@ -233,7 +233,7 @@ class Plan:
 
     @classmethod
     def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, axis_names: Mapping[str, str] | None = None,
-               **options: Any) -> "Plan":
+               target: str | None = None, **options: Any) -> "Plan":
         """A plan from a MeshSpec, a jax Mesh, or mesh text (`data=4,tensor=2`, a preset name).
 
         A jax Mesh may name its axes in the user's own way: `axis_names` maps
@@ -242,7 +242,15 @@ class Plan:
         name itself (`nnx.with_partitioning(init, (None, "model"))`) shard as
         they would under Flax. `rules` may be a mapping or (logical, mesh
         axes) pairs; they override `jaxpar.core.rules.DEFAULT_RULES` name by name.
+        `target` ("h100x8", "2xh100x8", a target config file: `jaxpar.core.target`) builds the mesh on that
+        target's compile-only devices instead of `devices`: the step compiles for it, and nothing can run.
         """
+        if target is not None:
+            if devices is not None or isinstance(mesh, Mesh):
+                raise ValueError(f"target={target!r} supplies the devices: give a mesh spec, not devices or a Mesh")
+            from jaxpar.core import target as target_lib
+
+            devices = target_lib.devices(target)
         preset_options: dict = {}
         if mesh is None or isinstance(mesh, str):
             from jaxpar.core.mesh import parse_mesh

@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core import options, usage
+from jaxpar.core import device_facts, options, usage
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel import attention_pallas, attention_splash
 from jaxpar.parallel.attention_flash import Blocks, default_blocks
@@ -59,11 +59,12 @@ class Call:
     scoring: Scoring
     context_ways: int
     sinks: bool = False
+    whole_on: tuple[str, ...] = ()  # mesh axes > 1 that split neither batch nor heads: a fused call runs whole there
 
 
 def cudnn_refusal(call: Call, device_kind: str | None = None) -> str | None:
-    """Why cuDNN cannot run `call` exactly on a device of `device_kind` (default: this process's), or None."""
-    device_kind = device_kind or jax.devices()[0].device_kind
+    """Why cuDNN cannot run `call` exactly on a device of `device_kind` (default: the plan's), or None."""
+    device_kind = device_kind or device_facts.current().kind
     if not device_kind.startswith("NVIDIA"):
         return f"the device is {device_kind}: cuDNN runs on NVIDIA GPUs"
     if call.segments:
@@ -117,7 +118,7 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
             raise ValueError(f"attention={asked!r} cannot run this attention: {SINKS_REFUSAL}. Use attention='auto' "
                              f"or 'flash'")
         return "flash", f"auto: no fused kernel applies ({SINKS_REFUSAL})"
-    device_kind = device_kind or jax.devices()[0].device_kind
+    device_kind = device_kind or device_facts.current().kind
     if asked in KERNELS:
         refusal = KERNELS[asked](call, device_kind, plan_blocks(), interpreting())
         if refusal:
@@ -132,6 +133,9 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
             raise ValueError(f"attention='cudnn' cannot run this attention: {refusal}. Use attention='auto' "
                              f"(flash attention where cuDNN does not apply) or 'flash'")
         return "cudnn", "asked for (attention=cudnn)"
+    if refusal is None and call.whole_on:
+        refusal = (f"the mesh axes {', '.join(call.whole_on)} split neither the batch nor the heads: each of their "
+                   f"ranks would run the whole call")
     if refusal is None:
         return "cudnn", "auto: NVIDIA GPU, causal" + (" sliding-window" if call.scoring.window else "") + \
             f" attention in {jnp.dtype(call.dtype).name}"
