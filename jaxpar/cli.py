@@ -47,6 +47,9 @@ TRAIN_FLAGS = {
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan", "lora")
 LORA_KEYS = ("rank", "alpha", "targets", "dropout", "base_dtype")  # a [lora] table's keys: the plan's lora_rank, ...
+TARGET_HELP = ("compile for these NVIDIA hosts instead of this machine's devices (no GPU needed; nothing runs): "
+               "h100x8, h200x8, a100-80x8, b200x8, 2xh100x8 (two hosts over InfiniBand), or a target config "
+               "file (.txtpb); needs the CUDA plugin (pip install \"jaxpar[gpu-target]\"); also [plan] target")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
 
 
@@ -95,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--stages", type=int, default=None,
                          help="draw the --schedule timeline for this many pipeline stages (no model is compiled)")
     inspect.add_argument("--png", default=None, help="also draw the pipeline schedule into this PNG file")
+    inspect.add_argument("--target", default=None, help=TARGET_HELP)
     export = sub.add_parser("export", help="write a checkpoint's parameters as one unsharded checkpoint")
     export.add_argument("--checkpoint-dir", required=True, help="a directory `jaxpar train --checkpoint-dir` wrote")
     export.add_argument("--out", required=True, help="a .npz file, or a directory for an Orbax checkpoint")
@@ -226,8 +230,11 @@ def resolve(args: argparse.Namespace):
     else:
         import jax
 
-        mesh, options = parse_mesh(DEFAULT_MESH if jax.device_count() == 8 else None)
+        count = _target_devices(args) or jax.device_count()
+        mesh, options = parse_mesh(DEFAULT_MESH if count == 8 else None)
     options = {**options, **table.get("plan", {}), **_lora_options(table, args.config)}
+    if getattr(args, "target", None):
+        options["target"] = args.target
     for field in _plan_fields():
         if field.name in table.get("plan", {}) and field.default is not None:
             value, kind = table["plan"][field.name], type(field.default)
@@ -263,6 +270,45 @@ def _lora_options(table: dict, path: str | None) -> dict:
         else:
             _check_type(value, kinds[key], f"{path}: [lora] {key}")
     return {option[k]: v for k, v in lora.items()}
+
+
+def _target_name(args: argparse.Namespace) -> str | None:
+    """The GPU target to compile for: --target, else the --config file's [plan] target (None: this machine)."""
+    given = getattr(args, "target", None)
+    if given is None and getattr(args, "config", None):
+        given = read_config(args.config).get("plan", {}).get("target")
+    return given
+
+
+def _target_devices(args: argparse.Namespace) -> int | None:
+    from jaxpar.core import target
+
+    name = _target_name(args)
+    if name is None:
+        return None
+    parsed = target.parse(name)
+    return parsed.hosts * parsed.per_host
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    """Refuse a target that cannot compile here in one line, before jax starts; keep jax off a GPU it would
+    otherwise try to open (JAX_PLATFORMS=cpu unless the user set it)."""
+    name = _target_name(args)
+    if name is None:
+        return
+    if args.command != "inspect":
+        raise ValueError(f"target {name!r} compiles a step for other hardware and runs nothing: use `jaxpar inspect "
+                         f"--target {name}` (or `jaxpar plan --target`), not `jaxpar {args.command}`")
+    from jaxpar.core import target
+
+    target.parse(name)
+    missing = target.plugin_missing()
+    if missing:
+        raise ValueError(missing)
+    if not os.environ.get("JAX_PLATFORMS"):  # read when jax was imported: set it in jax's config, before any backend
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 def _set_host_devices(count: int | None) -> None:
@@ -452,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         _set_host_devices(args.devices)
         return _export(args)
     _set_host_devices(args.devices)
+    try:
+        _check_target(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     from jaxpar.core import gpu_profile
 
     gpu_flags = gpu_profile.apply(args.gpu_flags)
@@ -488,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if plan.shape["pipe"] > 1 and (args.png or not args.json):
         _draw_schedule(args, console, plan)
-    return print_inspection(run, console, as_json=args.json)
+    try:
+        return print_inspection(run, console, as_json=args.json, gpu_flags=args.gpu_flags)
+    except ValueError as error:  # refused while the step was traced (a forced kernel the model's calls rule out)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -152,6 +152,22 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
     return "flash", f"auto: no fused kernel on {device_kind} (cuDNN and Pallas run on NVIDIA GPUs, splash on TPUs)"
 
 
+def check_forced(plan) -> None:
+    """Raise ValueError, before anything is traced, when the plan forces cuDNN where no call could get it: the
+    plan's devices are not NVIDIA GPUs, its precision computes attention in fp32, or context parallelism reorders
+    the sequence. What depends on the model (head sizes, soft caps, packed documents) is refused while tracing."""
+    if plan.attention != "cudnn":
+        return
+    facts = device_facts.of_mesh(plan.mesh)
+    why = (f"the plan's devices are {facts.kind} ({facts.backend}): cuDNN runs on NVIDIA GPUs" if not facts.nvidia
+           else "precision='fp32' computes attention in fp32: cuDNN flash attention runs bf16 or fp16"
+           if plan.precision == "fp32" else cudnn_refusal(Call(jnp.bfloat16, 8, 8, False, Scoring(), plan.shape[
+               "context"]), facts.kind))
+    if why:
+        raise ValueError(f"attention='cudnn' cannot run on this plan: {why}. Use attention='auto' (flash attention "
+                         f"where cuDNN does not apply) or 'flash'")
+
+
 def chosen(call: Call) -> str:
     """The implementation for `call`, its choice marked in the trace."""
     name, why = choose(call)
