@@ -152,8 +152,11 @@ def _add_plan_command(sub) -> None:
     plan = sub.add_parser("plan", help="choose the layout for a model and a cluster: memory, traffic, bubble, "
                                        "step time and MFU predicted per layout (nothing is compiled)")
     plan.add_argument("--model", default="7b", help="model name (tiny, small, 1b, 7b, 70b, 405b, moe-tiny, ...)")
-    plan.add_argument("--devices", type=int, default=8, help="number of accelerators in the cluster")
-    plan.add_argument("--device", default="h100", help="h100, h200, a100, tpu-v5p, cpu, or a device .toml file")
+    plan.add_argument("--devices", type=int, default=None, help="number of accelerators in the cluster (default 8)")
+    plan.add_argument("--device", default=None, help="h100 (default), h200, a100, tpu-v5p, cpu, or a device .toml file")
+    plan.add_argument("--target", default=None, help="the cluster as a GPU target (h100x8, 2xh100x8, a target "
+                                                     "config file: see inspect --target): its device, memory, "
+                                                     "device and host counts, instead of --device/--devices/--hosts")
     plan.add_argument("--hosts", type=int, default=None, help="hosts the devices sit on (default: the device's node size)")
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     plan.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: ~4M tokens)")

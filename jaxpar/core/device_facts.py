@@ -62,7 +62,7 @@ class DeviceFacts:
     backend: "cpu", "gpu" or "tpu" (jax's platform); kind: the device_kind; memory: bytes per device (None where
     the backend does not say); memory_kinds: the memory spaces a device has ("device", "pinned_host", ...);
     hosts: processes (hosts) the devices sit on; devices: how many; target: the compile-only target's name, or ""
-    for devices of this process.
+    for devices of this process; cudnn: False where a target's compile could not load cuDNN (not installed here).
     """
 
     backend: str
@@ -72,6 +72,7 @@ class DeviceFacts:
     hosts: int
     devices: int
     target: str = ""
+    cudnn: bool = True  # whether cuDNN can be loaded for a compile (a target's needs the library here)
 
     @property
     def nvidia(self) -> bool:

@@ -79,8 +79,9 @@ def compile_options(facts, profile: str = "auto", environ=os.environ) -> dict[st
 
 
 def compile_with(lowered, options: dict) -> tuple[object, dict, list[str]]:
-    """(compiled, the options it took, the options this XLA does not know) for `lowered.compile(options)`: a flag
-    this XLA lacks ("No such compile option") is left out and named, not fatal."""
+    """(compiled, the options it took, the options it refused) for `lowered.compile(options)`: a flag this XLA
+    does not take as a compile option ("No such compile option": on jax 0.12.0.1 the three pipelined-collective
+    flags) is left out and named, not fatal."""
     options, unknown = dict(options), []
     while True:
         try:

@@ -91,10 +91,11 @@ class Plan:
                           "around the context ranks with ppermute, online softmax)"},
     )
     attention: str = dataclasses.field(
-        default="auto", metadata={"help": "attention implementation: auto (NVIDIA: cudnn, else pallas where it "
-                                          "applies; TPU: splash; else flash), xla (plain masked softmax), flash "
-                                          "(blockwise, in XLA), cudnn, pallas (Pallas flash kernel, NVIDIA) or "
-                                          "splash (TPU)"},
+        default="auto", metadata={"help": "attention implementation: auto (NVIDIA: cudnn where it applies, else "
+                                          "flash; TPU: splash where it applies, else flash; elsewhere flash), xla "
+                                          "(plain masked softmax), flash (blockwise, in XLA), cudnn, pallas "
+                                          "(jaxpar's Pallas flash kernel, NVIDIA; only when asked for) or splash "
+                                          "(TPU)"},
     )
     attention_blocks: str = dataclasses.field(
         default="", metadata={"help": "flash attention's (or a forced pallas/splash kernel's) query,key block "

@@ -46,6 +46,14 @@ class Target:
     def topology(self) -> str:
         return f"{self.hosts}x1x{self.per_host}"
 
+    def facts(self) -> device_facts.DeviceFacts:
+        """The target's device facts read from its config alone (no plugin: what the planner needs)."""
+        kind = re.search(r'device_description_str:\s*"([^"]+)"', self.config)
+        memory = re.search(r"device_memory_size:\s*(\d+)", self.config)
+        return device_facts.DeviceFacts("gpu", kind.group(1) if kind else "unknown GPU",
+                                        int(memory.group(1)) if memory else None, device_facts.GPU_MEMORY_KINDS,
+                                        self.hosts, self.hosts * self.per_host, self.name)
+
 
 def parse(name: str) -> Target:
     """A target by name (see the module doc); ValueError naming what is wrong, before jax is asked anything."""
@@ -80,6 +88,19 @@ def plugin_missing() -> str | None:
     return f"compiling for a GPU target needs JAX's CUDA plugin, which is not installed: {INSTALL} (no GPU needed)"
 
 
+CUDNN_INSTALL = "pip install --no-deps nvidia-cudnn-cu12"
+
+
+def _cudnn_loads() -> bool:
+    """Whether jax can load cuDNN here (its cuDNN attention asks the library for its version while lowering)."""
+    try:
+        from jax._src.lib import cuda_versions  # the check jax.nn.dot_product_attention makes
+
+        return cuda_versions is not None and cuda_versions.cudnn_get_version() > 0
+    except Exception:  # noqa: BLE001 - not installed, or not loadable: no cuDNN for this compile
+        return False
+
+
 def devices(name: str) -> tuple:
     """The compile-only devices of target `name` (registered with their facts in jaxpar.core.device_facts)."""
     target = parse(name)
@@ -101,9 +122,7 @@ def _devices(target: Target) -> tuple:
         raise ValueError(f"target {target.name!r} does not start ({last}); without a GPU, set JAX_PLATFORMS=cpu "
                          "before jax starts (the CUDA plugin otherwise tries to open a GPU)") from None
     found = tuple(topology.devices)
-    first = found[0]
-    memory = re.search(r"device_memory_size:\s*(\d+)", target.config)
-    facts = device_facts.DeviceFacts(first.platform, first.device_kind, int(memory.group(1)) if memory else None,
-                                     device_facts.GPU_MEMORY_KINDS, target.hosts, len(found), target.name)
+    facts = dataclasses.replace(target.facts(), backend=found[0].platform, kind=found[0].device_kind,
+                                devices=len(found), cudnn=_cudnn_loads())
     device_facts.register_target(found, facts)
     return found

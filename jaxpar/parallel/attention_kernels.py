@@ -6,11 +6,15 @@ XLA, `jaxpar.parallel.attention_flash`), `cudnn` (NVIDIA's fused kernel
 through `jax.nn.dot_product_attention`), `pallas` (jaxpar's Pallas flash
 kernel for NVIDIA GPUs, `jaxpar.parallel.attention_pallas`) or `splash`
 (JAX's splash attention kernel for TPUs, `jaxpar.parallel.attention_splash`).
-`auto` takes, on NVIDIA, cuDNN where it can run the call exactly, else flash
+`auto` takes, on NVIDIA, cuDNN where it can run the call exactly and every
+mesh axis splits its batch or heads (the call runs per shard, `parallel/attention.py`'s `_cudnn`), else flash
 (the Pallas kernel, tested in Pallas' interpreter only, is taken when asked
 for until it has run on a GPU); on TPU splash where it can, else flash; flash
 everywhere else. A forced choice the call rules out is
-refused with the reason, while tracing, before anything compiles.
+refused with the reason, while tracing, before anything compiles; a forced cuDNN
+that no call of the plan could get (not NVIDIA, fp32, context parallelism) is
+refused before the model is built (`check_forced`). The device is the plan's
+(`jaxpar.core.device_facts`: a compile-only GPU target's too), never the process's.
 
 `interpreted()` runs the Pallas and splash kernels through Pallas' interpreter,
 on any backend: forced `pallas` or `splash` on a CPU is refused outside it
@@ -34,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core import device_facts, options, usage
+from jaxpar.core import device_facts, options, target, usage
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel import attention_pallas, attention_splash
 from jaxpar.parallel.attention_flash import Blocks, default_blocks
@@ -128,6 +132,9 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
                              f"attention='auto' or 'flash'")
         return asked, f"asked for (attention={asked})" + (", in Pallas' interpreter" if interpreting() else "")
     refusal = cudnn_refusal(call, device_kind)
+    facts = device_facts.current()
+    if refusal is None and facts.target and not facts.cudnn:
+        refusal = f"cuDNN is not installed here for the target's compile ({target.CUDNN_INSTALL})"
     if asked == "cudnn":
         if refusal:
             raise ValueError(f"attention='cudnn' cannot run this attention: {refusal}. Use attention='auto' "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.planner.adapters import with_lora
-from jaxpar.planner.devices import Device, load_device
+from jaxpar.planner.devices import DEVICES, Device, for_facts, load_device
 from jaxpar.planner.estimate import Estimate, estimate
 from jaxpar.planner.layout import Layout, Workload
 from jaxpar.planner.model import Model, model_seq
@@ -78,6 +78,27 @@ def explain(est: Estimate, device: Device) -> list[str]:
     return lines
 
 
+def _cluster(args):
+    """The planner's device for --target (its counts set on `args`), or --device (default h100; 8 devices)."""
+    if args.target is None:
+        args.devices = 8 if args.devices is None else args.devices
+        return load_device(args.device or "h100")
+    from jaxpar.core.target import parse
+
+    target = parse(args.target)
+    given = [f for f, v in (("--device", args.device), ("--devices", args.devices), ("--hosts", args.hosts)) if v]
+    if given:
+        raise ValueError(f"--target {args.target} sets the device and the device and host counts: drop "
+                         f"{', '.join(given)}")
+    facts = target.facts()
+    device = for_facts(facts)
+    if device is None:
+        raise ValueError(f"target {args.target}: the planner has no figures for {facts.kind!r} (built in: "
+                         f"{', '.join(d.name for d in DEVICES.values())}); give --device FILE.toml instead")
+    args.devices, args.hosts = target.hosts * target.per_host, target.hosts
+    return device
+
+
 def main(args) -> int:
     """`jaxpar plan`: rank the layouts, or explain one; table, JSON, pictures, a runnable config."""
     import json
@@ -89,7 +110,7 @@ def main(args) -> int:
     if not console.is_terminal:
         console.width = 220
     try:
-        device = load_device(args.device)
+        device = _cluster(args)
         if args.hosts:
             if args.devices % args.hosts:
                 raise ValueError(f"--devices {args.devices} do not divide over --hosts {args.hosts}")

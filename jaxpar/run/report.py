@@ -207,7 +207,7 @@ def inspection(run: Run, gpu_flags: str = "auto") -> dict:
                                                         gpu_profile.compile_options(facts, gpu_flags))
     summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
     if facts.target:
-        summary["gpu_flags"] = {"applied": sorted(flags), "unknown_to_this_xla": unknown}
+        summary["gpu_flags"] = {"applied": sorted(flags), "not_compile_options": unknown}
     return {"model": run.config.model, "params": run.model.param_count(), **_device_fields(facts),
             "attention": attention_kernels.choices(run.step_fn.used), **summary}
 
