@@ -157,6 +157,9 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--target", default=None, help="the cluster as a GPU target (h100x8, 2xh100x8, a target "
                                                      "config file: see inspect --target): its device, memory, "
                                                      "device and host counts, instead of --device/--devices/--hosts")
+    plan.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="N",
+                      help="with --target: compile the top N layouts (default 3) for the target and print the "
+                           "planner's memory per device beside the GPU compiler's, and whether it fits")
     plan.add_argument("--hosts", type=int, default=None, help="hosts the devices sit on (default: the device's node size)")
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     plan.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: ~4M tokens)")
@@ -299,7 +302,7 @@ def _check_target(args: argparse.Namespace) -> None:
     name = _target_name(args)
     if name is None:
         return
-    if args.command != "inspect":
+    if args.command not in ("inspect", "plan"):
         raise ValueError(f"target {name!r} compiles a step for other hardware and runs nothing: use `jaxpar inspect "
                          f"--target {name}` (or `jaxpar plan --target`), not `jaxpar {args.command}`")
     from jaxpar.core import target
@@ -489,6 +492,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         from jaxpar.planner.command import main as plan_main
 
+        if args.verify:
+            try:
+                if not args.target:
+                    raise ValueError("--verify compiles the top layouts for a GPU target: give --target (h100x8, ...)")
+                _check_target(args)
+            except ValueError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
+            from jaxpar.run.verify import verify
+
+            return plan_main(args, verify)
         return plan_main(args)
     if args.command == "export" and args.format != "hf" and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
         print(f"error: export --format {args.format} is written by one process; only --format hf is written by "

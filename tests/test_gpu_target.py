@@ -34,13 +34,13 @@ TINY = {"seq_len": 32}
 WORK = Workload(batch_size=16, seq_len=32)
 # (target, mesh, plan options, model): the layouts whose cuDNN attention crashed XLA's partitioner (tensor in the
 # annotation form, the default 3D layout, experts left to the partitioner), HSDP across two hosts, and jaxpar's
-# own Pallas kernel through Triton.
+# own Pallas kernel through Triton (heads of 16: it takes no smaller). A fifth entry: the model's overrides.
 CELLS = {
     "tensor": ("h100x8", "data=4,tensor=2", {"zero": 1, "precision": "bf16"}, "tiny"),
     "3d": ("h100x8", "data=2,tensor=2,pipe=2", {"zero": 1, "precision": "bf16", "microbatches": 4}, "tiny"),
     "experts": ("h100x8", "data=2,expert=4", {"precision": "bf16"}, "moe-tiny"),
     "hosts": ("2xh100x8", "replica=2,data=8", {"zero": 2}, "tiny"),
-    "pallas": ("h100x8", "data=8", {"precision": "bf16", "attention": "pallas"}, "tiny"),
+    "pallas": ("h100x8", "data=8", {"precision": "bf16", "attention": "pallas"}, "tiny", {"head_dim": 16}),
 }
 _REPORTS: dict[str, dict] = {}
 
@@ -51,15 +51,17 @@ def compiled(cell: str) -> dict:
         from jaxpar.run.report import inspection
         from jaxpar.run.training import TrainConfig, prepare
 
-        name, mesh, options, model = CELLS[cell]
+        name, mesh, options, model, *overrides = CELLS[cell]
         plan = Plan.create(mesh, target=name, **options)
-        run = prepare(TrainConfig(model=model, batch_size=WORK.batch_size, seq_len=WORK.seq_len), plan)
+        config = TrainConfig(model=model, batch_size=WORK.batch_size, seq_len=WORK.seq_len,
+                             model_overrides=overrides[0] if overrides else {})
+        run = prepare(config, plan)
         _REPORTS[cell] = inspection(run)
     return _REPORTS[cell]
 
 
 def predicted(cell: str):
-    name, mesh, options, model = CELLS[cell]
+    name, mesh, options, model, *_ = CELLS[cell]
     sizes = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
     layout = Layout(**sizes, **{"precision": "fp32", **{k: v for k, v in options.items() if k != "attention"}})
     return estimate(Model.named(model, TINY), layout, WORK, for_facts(target.parse(name).facts()))
@@ -124,7 +126,7 @@ def test_a_target_plan_takes_the_gpu_paths():
     offload.check("optimizer", plan.mesh)
     with plan.activate():
         assert attention_flash.default_blocks() == attention_flash.BACKEND_BLOCKS["gpu"]
-        assert not bits._widened(jnp.zeros(4, jnp.bfloat16))
+        assert not bits._widened(jax.ShapeDtypeStruct((4,), jnp.bfloat16))  # the target's devices run nothing
     assert for_flops(1e15, "bf16", list(plan.mesh.devices.flat)).peak == 8 * 989e12
     assert dataclasses.replace(for_facts(facts), hbm=DEVICES["h100"].hbm) == DEVICES["h100"]
     two = device_facts.of_mesh(Plan.create("data=16", target="2xh100x8").mesh)
@@ -139,7 +141,7 @@ def test_a_cpu_plan_keeps_the_cpu_paths():
     assert facts.backend == "cpu" and not facts.target
     with plan.activate():
         assert attention_flash.default_blocks() == attention_flash.BACKEND_BLOCKS["cpu"]
-        assert bits._widened(jnp.zeros(4, jnp.bfloat16))
+        assert bits._widened(jax.ShapeDtypeStruct((4,), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("name,message", [

@@ -99,8 +99,9 @@ def _cluster(args):
     return device
 
 
-def main(args) -> int:
-    """`jaxpar plan`: rank the layouts, or explain one; table, JSON, pictures, a runnable config."""
+def main(args, verify=None) -> int:
+    """`jaxpar plan`: rank the layouts, or explain one; table, JSON, pictures, a runnable config. `verify`
+    (`jaxpar.run.verify.verify`, with --verify N --target): the top N compiled for the target, their memory read back."""
     import json
     import sys
 
@@ -149,6 +150,20 @@ def main(args) -> int:
             with open(args.write_config, "w") as f:
                 f.write(config_toml(args.model, ranking.best, work, model.plan_options))
             console.print(f"wrote {args.write_config} (jaxpar train --config {args.write_config})")
+    verified = []
+    if verify is not None and ranking.ranked:
+        try:
+            verified = verify(args.model, ranking.ranked[:args.verify], work, args.target, device.capacity,
+                              model.plan_options)
+        except ValueError as error:
+            from rich.markup import escape
+
+            console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+            return 2
+        console.print(f"compiled for {args.target} (memory per device, GB): layout: planner, compiled, "
+                      "planner / compiled, fits", highlight=False, soft_wrap=True)
+        for row in verified:
+            console.print("  " + row.line(), highlight=False, soft_wrap=True)
     if args.png:
         for path in save_pictures(ranking, args.png):
             console.print(f"wrote {path}")
@@ -156,6 +171,8 @@ def main(args) -> int:
         out = ranking.to_dict(args.top)
         if ranking.best is not None:
             out["command"] = run_command(args.model, ranking.best, work, model.plan_options)
+        if verified:
+            out["verified"] = [row.to_dict() for row in verified]
         json.dump(out, sys.stdout, default=float)
         print()
     return 0

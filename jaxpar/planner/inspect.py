@@ -209,7 +209,8 @@ def collective_ops(compiled, mesh: Mesh) -> list[CollectiveOp]:
                 continue
             op_name, result_type, kind, is_start = match.groups()
             results = _arrays(result_type)
-            if is_start and kind != "all-reduce" and len(results) >= 2:
+            in_place = result_type.lstrip().startswith("((")  # XLA:GPU's all-reduce-start: ((operands), results)
+            if is_start and (kind != "all-reduce" or in_place) and len(results) >= 2:
                 results = results[len(results) // 2:]  # async start: (operands, results) tuple
             if kind == "collective-permute":
                 axes, group = _permute_axes(line, mesh)
