@@ -463,6 +463,40 @@ def _subcommands() -> set[str]:
     return set(next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`jaxpar plan`, with --verify's compiles for the --target (checked first: one line, exit 2)."""
+    from jaxpar.planner.command import main as plan_main
+
+    if not args.verify:
+        return plan_main(args)
+    try:
+        if not args.target:
+            raise ValueError("--verify compiles the top layouts for a GPU target: give --target (h100x8, ...)")
+        _check_target(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from jaxpar.run.verify import verify
+
+    return plan_main(args, verify)
+
+
+def _inspect(run, args: argparse.Namespace, console) -> int:
+    """Compile the run's step and print what it does; a refusal while tracing is one line (exit 2)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from jaxpar.run.report import print_inspection
+
+    if run.plan.shape["pipe"] > 1 and (args.png or not args.json):
+        _draw_schedule(args, console, run.plan)
+    try:
+        return print_inspection(run, console, as_json=args.json, gpu_flags=args.gpu_flags)
+    except ValueError as error:  # refused while the step was traced (a forced kernel the model's calls rule out)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "launch":
@@ -490,20 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     if args.command == "plan":
-        from jaxpar.planner.command import main as plan_main
-
-        if args.verify:
-            try:
-                if not args.target:
-                    raise ValueError("--verify compiles the top layouts for a GPU target: give --target (h100x8, ...)")
-                _check_target(args)
-            except ValueError as error:
-                print(f"error: {error}", file=sys.stderr)
-                return 2
-            from jaxpar.run.verify import verify
-
-            return plan_main(args, verify)
-        return plan_main(args)
+        return _plan(args)
     if args.command == "export" and args.format != "hf" and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
         print(f"error: export --format {args.format} is written by one process; only --format hf is written by "
               "several (`jaxpar launch`)", file=sys.stderr)
@@ -552,15 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         from jaxpar.run.report import train_with_progress
 
         return train_with_progress(run, console)
-    from jaxpar.run.report import print_inspection
-
-    if plan.shape["pipe"] > 1 and (args.png or not args.json):
-        _draw_schedule(args, console, plan)
-    try:
-        return print_inspection(run, console, as_json=args.json, gpu_flags=args.gpu_flags)
-    except ValueError as error:  # refused while the step was traced (a forced kernel the model's calls rule out)
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
-        return 2
+    return _inspect(run, args, console)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,13 @@ needs_plugin = pytest.mark.skipif(MISSING is not None or jax.config.jax_platform
 TINY = {"seq_len": 32}
 WORK = Workload(batch_size=16, seq_len=32)
 # (target, mesh, plan options, model): the layouts whose cuDNN attention crashed XLA's partitioner (tensor in the
-# annotation form, the default 3D layout, experts left to the partitioner), HSDP across two hosts, and jaxpar's
-# own Pallas kernel through Triton (heads of 16: it takes no smaller). A fifth entry: the model's overrides.
+# annotation form, the default 3D layout, experts left to the partitioner), and HSDP across two hosts with jaxpar's
+# own Pallas kernel through Triton (in fp32; heads of 16: it takes no smaller). A fifth entry: the model's overrides.
 CELLS = {
     "tensor": ("h100x8", "data=4,tensor=2", {"zero": 1, "precision": "bf16"}, "tiny"),
     "3d": ("h100x8", "data=2,tensor=2,pipe=2", {"zero": 1, "precision": "bf16", "microbatches": 4}, "tiny"),
     "experts": ("h100x8", "data=2,expert=4", {"precision": "bf16"}, "moe-tiny"),
-    "hosts": ("2xh100x8", "replica=2,data=8", {"zero": 2}, "tiny"),
-    "pallas": ("h100x8", "data=8", {"precision": "bf16", "attention": "pallas"}, "tiny", {"head_dim": 16}),
+    "hosts": ("2xh100x8", "replica=2,data=8", {"zero": 2, "attention": "pallas"}, "tiny", {"head_dim": 16}),
 }
 _REPORTS: dict[str, dict] = {}
 
@@ -61,10 +60,11 @@ def compiled(cell: str) -> dict:
 
 
 def predicted(cell: str):
-    name, mesh, options, model, *_ = CELLS[cell]
+    name, mesh, options, model, *overrides = CELLS[cell]
     sizes = {k: int(v) for k, v in (part.split("=") for part in mesh.split(","))}
     layout = Layout(**sizes, **{"precision": "fp32", **{k: v for k, v in options.items() if k != "attention"}})
-    return estimate(Model.named(model, TINY), layout, WORK, for_facts(target.parse(name).facts()))
+    model = Model.named(model, {**TINY, **(overrides[0] if overrides else {})})
+    return estimate(model, layout, WORK, for_facts(target.parse(name).facts()))
 
 
 # -- compiled for H100 hosts -------------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_arguments_and_traffic_match_the_planner(cell):
 
 @needs_plugin
 def test_the_pallas_kernel_lowers_through_triton():
-    report = compiled("pallas")
+    report = compiled("hosts")
     assert [a.split(" ")[0] for a in report["attention"]] == ["pallas"]
 
 
@@ -169,6 +169,11 @@ def test_a_forced_cudnn_on_cpu_is_one_line_before_anything_compiles(capsys):
 
 
 def test_plan_takes_the_cluster_from_a_target(capsys):
-    assert cli.main(["plan", "--model", "1b", "--target", "2xh100x8", "--top", "1", "--json"]) == 0
+    assert cli.main(["plan", "--model", "tiny", "--target", "2xh100x8", "--top", "1", "--batch-size", "64", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["devices"] == 16 and out["device"]["name"] == "H100 SXM 80GB" and out["device"]["hbm"] == 84942979072
+
+
+def test_verify_needs_a_target(capsys):
+    assert cli.main(["plan", "--model", "tiny", "--verify"]) == 2
+    assert "--verify compiles the top layouts for a GPU target: give --target" in capsys.readouterr().err

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core import options, trace, usage
+from jaxpar.core import device_facts, options, trace, usage
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel import attention_kernels as kernels
 from jaxpar.parallel import attention_ring, bits, documents
@@ -162,7 +162,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     if sinks is not None:
         _check_sinks(sinks, q.shape[2])
     call = kernels.Call(q.dtype, q.shape[-1], v.shape[-1], segments is not None, scoring, ways, sinks is not None,
-                        _whole_on(q, k) if ways == 1 else ())
+                        _whole_on(q, k) if ways == 1 and device_facts.current().nvidia else ())
     implementation = kernels.chosen(call)
     blocks = kernels.blocks() if implementation == "flash" else Blocks(q.shape[1], q.shape[1])
     if ways == 1:

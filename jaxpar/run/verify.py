@@ -30,9 +30,9 @@ class Verified:
 
     def line(self) -> str:
         """`layout: planner, compiled, planner / compiled, fits` (GB per device)."""
-        return (f"{self.layout}: {self.predicted / 1e9:.2f}, {self.compiled / 1e9:.2f}, "
+        return (f"{self.layout}: {self.predicted / 1e9:.3g}, {self.compiled / 1e9:.3g}, "
                 f"{self.predicted / self.compiled:.3f}, {'fits' if self.fits else 'does NOT fit'} in "
-                f"{self.capacity / 1e9:.1f} (attention {', '.join(self.attention) or 'none'})")
+                f"{self.capacity / 1e9:.3g} (attention {', '.join(self.attention) or 'none'})")
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "fits": self.fits, "ratio": self.predicted / self.compiled}
