@@ -169,7 +169,8 @@ def test_a_forced_cudnn_on_cpu_is_one_line_before_anything_compiles(capsys):
 
 
 def test_plan_takes_the_cluster_from_a_target(capsys):
-    assert cli.main(["plan", "--model", "tiny", "--target", "2xh100x8", "--top", "1", "--batch-size", "64", "--json"]) == 0
+    command = ["plan", "--model", "tiny", "--target", "2xh100x8", "--top", "1", "--batch-size", "64", "--json"]
+    assert cli.main(command) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["devices"] == 16 and out["device"]["name"] == "H100 SXM 80GB" and out["device"]["hbm"] == 84942979072
 
