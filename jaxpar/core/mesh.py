@@ -30,8 +30,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.core import device_facts
-
 AXES = ("replica", "data", "pipe", "expert", "context", "tensor")  # outermost first; a new axis is one more name here
 
 
@@ -192,9 +190,8 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
         by_process = len({getattr(d, "slice_index", None) for d in devices}) == 1
         grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices,
                                                     process_is_granule=by_process)
-    elif device_facts.of_devices(devices).target:  # a compile-only target's: hosts outermost, as they are listed
-        grid = np.asarray(devices).reshape(shape)
-    elif len(devices) == len(jax.devices()):
+    elif len(devices) == len(jax.devices()) and devices[0] in jax.devices():  # not a compile-only target's devices
+        # (jaxpar.core.target: those are laid out as listed, hosts outermost)
         grid = jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES)).devices
     else:
         grid = np.asarray(devices).reshape(shape)

@@ -166,10 +166,15 @@ def check_forced(plan) -> None:
     if plan.attention != "cudnn":
         return
     facts = device_facts.of_mesh(plan.mesh)
-    why = (f"the plan's devices are {facts.kind} ({facts.backend}): cuDNN runs on NVIDIA GPUs" if not facts.nvidia
-           else "precision='fp32' computes attention in fp32: cuDNN flash attention runs bf16 or fp16"
-           if plan.precision == "fp32" else cudnn_refusal(Call(jnp.bfloat16, 8, 8, False, Scoring(), plan.shape[
-               "context"]), facts.kind))
+    kind = facts.kind if facts.kind == facts.backend else f"{facts.kind} ({facts.backend})"
+    if not facts.nvidia:
+        why = f"the plan's devices are {kind}: cuDNN runs on NVIDIA GPUs"
+    elif plan.precision == "fp32":
+        why = "precision='fp32' computes attention in fp32: cuDNN flash attention runs bf16 or fp16"
+    elif facts.target and not facts.cudnn:
+        why = f"cuDNN is not installed here for the target's compile ({target.CUDNN_INSTALL})"
+    else:
+        why = cudnn_refusal(Call(jnp.bfloat16, 8, 8, False, Scoring(), plan.shape["context"]), facts.kind)
     if why:
         raise ValueError(f"attention='cudnn' cannot run on this plan: {why}. Use attention='auto' (flash attention "
                          f"where cuDNN does not apply) or 'flash'")
