@@ -111,7 +111,7 @@ def of_devices(devices) -> DeviceFacts:
     except Exception:  # noqa: BLE001 - not addressable, or the backend keeps no statistics (XLA:CPU)
         pass
     memory = int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
-    hosts = len({d.process_index for d in devices})
+    hosts = len({getattr(d, "process_index", 0) for d in devices})  # a stand-in device may lack one
     return DeviceFacts(first.platform, first.device_kind, memory, kinds, hosts, len(devices))
 
 
