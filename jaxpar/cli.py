@@ -62,6 +62,9 @@ TRAIN_FLAGS = {
 }
 CONFIG_TABLES = ("model", "train", "mesh", "plan", "lora")
 LORA_KEYS = ("rank", "alpha", "targets", "dropout", "base_dtype")  # a [lora] table's keys: the plan's lora_rank, ...
+TARGET_HELP = ("compile for these NVIDIA hosts instead of this machine's devices (no GPU needed; nothing runs): "
+               "h100x8, h200x8, a100-80x8, b200x8, 2xh100x8 (two hosts over InfiniBand), or a target config "
+               "file (.txtpb); needs the CUDA plugin (pip install \"jaxpar[gpu-target]\"); also [plan] target")
 DEFAULT_MESH = "3d-2x2x2"  # data=2, tensor=2, pipe=2 with ZeRO-1, when exactly 8 devices are there
 
 
@@ -113,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--stages", type=int, default=None,
                          help="draw the --schedule timeline for this many pipeline stages (no model is compiled)")
     inspect.add_argument("--png", default=None, help="also draw the pipeline schedule into this PNG file")
+    inspect.add_argument("--target", default=None, help=TARGET_HELP)
     export = sub.add_parser("export", help="write a checkpoint's parameters as one unsharded checkpoint")
     export.add_argument("--checkpoint-dir", required=True, help="a directory `jaxpar train --checkpoint-dir` wrote")
     export.add_argument("--out", required=True, help="a .npz file, or a directory for an Orbax checkpoint")
@@ -166,8 +170,14 @@ def _add_plan_command(sub) -> None:
     plan = sub.add_parser("plan", help="choose the layout for a model and a cluster: memory, traffic, bubble, "
                                        "step time and MFU predicted per layout (nothing is compiled)")
     plan.add_argument("--model", default="7b", help="model name (tiny, small, 1b, 7b, 70b, 405b, moe-tiny, ...)")
-    plan.add_argument("--devices", type=int, default=8, help="number of accelerators in the cluster")
-    plan.add_argument("--device", default="h100", help="h100, h200, a100, tpu-v5p, cpu, or a device .toml file")
+    plan.add_argument("--devices", type=int, default=None, help="number of accelerators in the cluster (default 8)")
+    plan.add_argument("--device", default=None, help="h100 (default), h200, a100, tpu-v5p, cpu, or a device .toml file")
+    plan.add_argument("--target", default=None, help="the cluster as a GPU target (h100x8, 2xh100x8, a target "
+                                                     "config file: see inspect --target): its device, memory, "
+                                                     "device and host counts, instead of --device/--devices/--hosts")
+    plan.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="N",
+                      help="with --target: compile the top N layouts (default 3) for the target and print the "
+                           "planner's memory per device beside the GPU compiler's, and whether it fits")
     plan.add_argument("--hosts", type=int, default=None, help="hosts the devices sit on (default: the device's node size)")
     plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
     plan.add_argument("--batch-size", type=int, default=None, help="global batch in sequences (default: ~4M tokens)")
@@ -244,8 +254,11 @@ def resolve(args: argparse.Namespace):
     else:
         import jax
 
-        mesh, options = parse_mesh(DEFAULT_MESH if jax.device_count() == 8 else None)
+        count = _target_devices(args) or jax.device_count()
+        mesh, options = parse_mesh(DEFAULT_MESH if count == 8 else None)
     options = {**options, **table.get("plan", {}), **_lora_options(table, args.config)}
+    if getattr(args, "target", None):
+        options["target"] = args.target
     for field in _plan_fields():
         if field.name in table.get("plan", {}) and field.default is not None:
             value, kind = table["plan"][field.name], type(field.default)
@@ -281,6 +294,45 @@ def _lora_options(table: dict, path: str | None) -> dict:
         else:
             _check_type(value, kinds[key], f"{path}: [lora] {key}")
     return {option[k]: v for k, v in lora.items()}
+
+
+def _target_name(args: argparse.Namespace) -> str | None:
+    """The GPU target to compile for: --target, else the --config file's [plan] target (None: this machine)."""
+    given = getattr(args, "target", None)
+    if given is None and getattr(args, "config", None):
+        given = read_config(args.config).get("plan", {}).get("target")
+    return given
+
+
+def _target_devices(args: argparse.Namespace) -> int | None:
+    from jaxpar.core import target
+
+    name = _target_name(args)
+    if name is None:
+        return None
+    parsed = target.parse(name)
+    return parsed.hosts * parsed.per_host
+
+
+def _check_target(args: argparse.Namespace) -> None:
+    """Refuse a target that cannot compile here in one line, before jax starts; keep jax off a GPU it would
+    otherwise try to open (JAX_PLATFORMS=cpu unless the user set it)."""
+    name = _target_name(args)
+    if name is None:
+        return
+    if args.command not in ("inspect", "plan"):
+        raise ValueError(f"target {name!r} compiles a step for other hardware and runs nothing: use `jaxpar inspect "
+                         f"--target {name}` (or `jaxpar plan --target`), not `jaxpar {args.command}`")
+    from jaxpar.core import target
+
+    target.parse(name)
+    missing = target.plugin_missing()
+    if missing:
+        raise ValueError(missing)
+    if not os.environ.get("JAX_PLATFORMS"):  # read when jax was imported: set it in jax's config, before any backend
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 def _set_host_devices(count: int | None) -> None:
@@ -445,6 +497,40 @@ def _objective_run(args: argparse.Namespace, config, plan, console) -> int | Non
                                                                               console)
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`jaxpar plan`, with --verify's compiles for the --target (checked first: one line, exit 2)."""
+    from jaxpar.planner.command import main as plan_main
+
+    if not args.verify:
+        return plan_main(args)
+    try:
+        if not args.target:
+            raise ValueError("--verify compiles the top layouts for a GPU target: give --target (h100x8, ...)")
+        _check_target(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from jaxpar.run.verify import verify
+
+    return plan_main(args, verify)
+
+
+def _inspect(run, args: argparse.Namespace, console) -> int:
+    """Compile the run's step and print what it does; a refusal while tracing is one line (exit 2)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from jaxpar.run.report import print_inspection
+
+    if run.plan.shape["pipe"] > 1 and (args.png or not args.json):
+        _draw_schedule(args, console, run.plan)
+    try:
+        return print_inspection(run, console, as_json=args.json, gpu_flags=args.gpu_flags)
+    except ValueError as error:  # refused while the step was traced (a forced kernel the model's calls rule out)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxpar.core.spelling import as_flags
 
@@ -479,9 +565,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     if args.command == "plan":
-        from jaxpar.planner.command import main as plan_main
-
-        return plan_main(args)
+        return _plan(args)
     if args.command == "export" and args.format != "hf" and int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
         print(f"error: export --format {args.format} is written by one process; only --format hf is written by "
               "several (`jaxpar launch`)", file=sys.stderr)
@@ -493,6 +577,11 @@ def _main(argv: list[str] | None) -> int:
         _set_host_devices(args.devices)
         return _export(args)
     _set_host_devices(args.devices)
+    try:
+        _check_target(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     from jaxpar.core import gpu_profile
 
     gpu_flags = gpu_profile.apply(args.gpu_flags)
@@ -527,11 +616,7 @@ def _main(argv: list[str] | None) -> int:
         from jaxpar.run.report import train_with_progress
 
         return train_with_progress(run, console)
-    from jaxpar.run.report import print_inspection
-
-    if plan.shape["pipe"] > 1 and (args.png or not args.json):
-        _draw_schedule(args, console, plan)
-    return print_inspection(run, console, as_json=args.json)
+    return _inspect(run, args, console)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ one row per kind and mesh axes: `count` (calls), `buffers`, `bytes` and ring `tr
 (every dot counted as often as it runs), `process_axes` (the mesh axes crossing hosts), `pipeline` (bubble,
 residual ring) under `pipe` > 1, and `attention` (the implementation each attention call got) for a jaxpar step.
 `summary(compiled, mesh)` reads any compiled jax function the same way.
+
+For NVIDIA hosts this machine lacks, build the plan on a compile-only target (no GPU needed, the CUDA plugin
+installed, JAX_PLATFORMS=cpu): `plan = jaxpar.Plan.create("data=4,tensor=2", target="h100x8", precision="bf16")`;
+the same calls then compile for H100s, with the GPU profile's XLA flags as compile options, and the report
+adds `target`, `device_kind` and `gpu_flags`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import jax
 from rich.console import Console
 
+from jaxpar.core import device_facts, gpu_profile
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import attention_kernels
 from jaxpar.planner.inspect import collectives, flops, matmul_flops, memory, summary
@@ -39,8 +45,12 @@ def inspect_step(step, *args, plan: Plan | None = None, mesh: jax.sharding.Mesh 
     mesh = mesh or (plan.mesh if plan is not None else None)
     if mesh is None:
         raise ValueError("inspect_step needs the mesh the step runs on: pass plan= or mesh= (a jaxpar step knows it)")
-    compiled = step.lower(*args).compile()
+    facts = device_facts.of_mesh(mesh)
+    compiled, flags, unknown = gpu_profile.compile_with(step.lower(*args), gpu_profile.compile_options(facts))
     report = summary(compiled, mesh, plan)
+    if facts.target:
+        report.update(target=facts.target, device_kind=facts.kind,
+                      gpu_flags={"applied": sorted(flags), "not_compile_options": unknown})
     if hasattr(step, "used"):  # traced by the lowering above
         report["attention"] = attention_kernels.choices(step.used)
     return report

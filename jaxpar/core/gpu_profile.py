@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 
 COMBINE_BYTES = 128 * 1024 * 1024  # collectives smaller than this are combined into one launch
@@ -62,6 +63,35 @@ def apply(profile: str = "auto", environ=os.environ) -> dict[str, str]:
     if profile == "none" or not nvidia_gpu_in_use():
         return {}
     return add_flags(FLAGS, environ)
+
+
+def compile_options(facts, profile: str = "auto", environ=os.environ) -> dict[str, bool | int | str]:
+    """The profile's flags as compile options for a compile-only NVIDIA target (`facts`: the plan's
+    jaxpar.core.device_facts), where XLA_FLAGS set for this process's own backend would not reach it; a flag the
+    user's XLA_FLAGS sets is left to it. Empty for the process's own devices (`apply` set XLA_FLAGS there)."""
+    if profile not in PROFILES:
+        raise ValueError(f"--gpu-flags must be one of {PROFILES}, got {profile!r}")
+    if profile == "none" or not facts.target or not facts.nvidia:
+        return {}
+    named = {f.lstrip("-").split("=", 1)[0] for f in environ.get("XLA_FLAGS", "").split()}
+    typed = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v  # noqa: E731
+    return {name: typed(value) for name, value in FLAGS.items() if name not in named}
+
+
+def compile_with(lowered, options: dict) -> tuple[object, dict, list[str]]:
+    """(compiled, the options it took, the options it refused) for `lowered.compile(options)`: a flag this XLA
+    does not take as a compile option ("No such compile option": on jax 0.12.0.1 the three pipelined-collective
+    flags) is left out and named, not fatal."""
+    options, unknown = dict(options), []
+    while True:
+        try:
+            return lowered.compile(options or None), options, unknown
+        except Exception as error:  # noqa: BLE001 - jax's JaxRuntimeError; anything else is raised again below
+            name = re.search(r"No such compile option: '([\w.]+)'", str(error))
+            if not name or name.group(1) not in options:
+                raise
+            unknown.append(name.group(1))
+            del options[name.group(1)]
 
 
 def add_flags(flags: dict[str, str], environ=os.environ) -> dict[str, str]:

@@ -190,7 +190,8 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
         by_process = len({getattr(d, "slice_index", None) for d in devices}) == 1
         grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices=devices,
                                                     process_is_granule=by_process)
-    elif len(devices) == len(jax.devices()):
+    elif len(devices) == len(jax.devices()) and devices[0] in jax.devices():  # not a compile-only target's devices
+        # (jaxpar.core.target: those are laid out as listed, hosts outermost)
         grid = jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES)).devices
     else:
         grid = np.asarray(devices).reshape(shape)

@@ -24,7 +24,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core import options, trace
+from jaxpar.core import device_facts, options, trace
 from jaxpar.core import rules as rules_lib
 from jaxpar.core import zero_layout as zero_lib
 from jaxpar.core.mesh import AXES, MeshSpec, adopt, make_mesh, mesh_shape, nesting_order
@@ -93,10 +93,11 @@ class Plan:
                           "around the context ranks with ppermute, online softmax)"},
     )
     attention: str = dataclasses.field(
-        default="auto", metadata={"help": "attention implementation: auto (NVIDIA: cudnn, else pallas where it "
-                                          "applies; TPU: splash; else flash), xla (plain masked softmax), flash "
-                                          "(blockwise, in XLA), cudnn, pallas (Pallas flash kernel, NVIDIA) or "
-                                          "splash (TPU)"},
+        default="auto", metadata={"help": "attention implementation: auto (NVIDIA: cudnn where it applies, else "
+                                          "flash; TPU: splash where it applies, else flash; elsewhere flash), xla "
+                                          "(plain masked softmax), flash (blockwise, in XLA), cudnn, pallas "
+                                          "(jaxpar's Pallas flash kernel, NVIDIA; only when asked for) or splash "
+                                          "(TPU)"},
     )
     attention_blocks: str = dataclasses.field(
         default="", metadata={"help": "flash attention's (or a forced pallas/splash kernel's) query,key block "
@@ -188,7 +189,7 @@ class Plan:
         auto_batch = [f"{a}={self.shape[a]}" for a in rules_lib.mesh_axes_of(self.rules["batch"])
                       if a not in zero_lib.AXES and self.shape.get(a, 1) > 1]
         if (self.tensor_form == "explicit" and self.shape["tensor"] > 1 and self.precision != "fp32" and auto_batch
-                and self.mesh.devices.flat[0].platform == "cpu"):
+                and device_facts.of_mesh(self.mesh).backend == "cpu"):
             raise ValueError(
                 f"tensor_form='explicit' with precision={self.precision!r} and {', '.join(auto_batch)} does not compile "
                 "on the CPU backend: XLA:CPU aborts ('Invalid binary instruction opcode copy') on a 16-bit "
@@ -241,7 +242,7 @@ class Plan:
 
     @classmethod
     def create(cls, mesh: MeshSpec | Mesh | str | None = None, devices=None, axis_names: Mapping[str, str] | None = None,
-               **options: Any) -> "Plan":
+               target: str | None = None, **options: Any) -> "Plan":
         """A plan from a MeshSpec, a jax Mesh, or mesh text (`data=4,tensor=2`, a preset name).
 
         A jax Mesh may name its axes in the user's own way: `axis_names` maps
@@ -250,7 +251,15 @@ class Plan:
         name itself (`nnx.with_partitioning(init, (None, "model"))`) shard as
         they would under Flax. `rules` may be a mapping or (logical, mesh
         axes) pairs; they override `jaxpar.core.rules.DEFAULT_RULES` name by name.
+        `target` ("h100x8", "2xh100x8", a target config file: `jaxpar.core.target`) builds the mesh on that
+        target's compile-only devices instead of `devices`: the step compiles for it, and nothing can run.
         """
+        if target is not None:
+            if devices is not None or isinstance(mesh, Mesh):
+                raise ValueError(f"target={target!r} supplies the devices: give a mesh spec, not devices or a Mesh")
+            from jaxpar.core import target as target_lib
+
+            devices = target_lib.devices(target)
         preset_options: dict = {}
         if mesh is None or isinstance(mesh, str):
             from jaxpar.core.mesh import parse_mesh

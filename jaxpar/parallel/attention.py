@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.core import options, trace, usage
+from jaxpar.core import device_facts, options, trace, usage
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel import attention_kernels as kernels
 from jaxpar.parallel import attention_ring, bits, documents
@@ -161,12 +161,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | 
     ways = context_ways()
     if sinks is not None:
         _check_sinks(sinks, q.shape[2])
-    call = kernels.Call(q.dtype, q.shape[-1], v.shape[-1], segments is not None, scoring, ways, sinks is not None)
+    call = kernels.Call(q.dtype, q.shape[-1], v.shape[-1], segments is not None, scoring, ways, sinks is not None,
+                        _whole_on(q, k) if ways == 1 and device_facts.current().nvidia else ())
     implementation = kernels.chosen(call)
     blocks = kernels.blocks() if implementation == "flash" else Blocks(q.shape[1], q.shape[1])
     if ways == 1:
         if implementation == "cudnn":
-            return kernels.cudnn(q, k, v, scoring)
+            return _cudnn(q, k, v, scoring)
         if implementation in kernels.KERNELS:
             return _fused(implementation, q, k, v, scoring, segments)
         pos = np.arange(q.shape[1])
@@ -201,10 +202,7 @@ def _fused(name: str, q, k, v, scoring: Scoring, segments):
     caller's manual axes (the step's `data`) require, so both directions run untracked (`_per_shard`; over no
     axis at all when the caller's region leaves none); the backward recomputes the kernel's forward."""
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    batch = tuple(a for a in rule_axes("batch") if a not in manual)
-    if batch and q.shape[0] % int(np.prod([active_plan().shape[a] for a in batch])):
-        batch = ()
-    heads = _head_axes(q, k)
+    batch, heads = _batch_axes(q), _head_axes(q, k)
 
     def local(q, k, v, *segments):
         return kernels.fused(name, q, k, v, scoring, *segments)
@@ -213,6 +211,40 @@ def _fused(name: str, q, k, v, scoring: Scoring, segments):
         return local(q, k, v, *(() if segments is None else (segments,)))
     return _per_shard(local, q, k, v, P(batch or None, None, heads or None), {*batch, *heads}, segments,
                       track_backward=False)
+
+
+def _batch_axes(q) -> tuple[str, ...]:
+    """The auto mesh axes the rules split the batch over, where together they divide q's batch."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    batch = tuple(a for a in rule_axes("batch") if a not in manual)
+    return () if batch and q.shape[0] % int(np.prod([active_plan().shape[a] for a in batch])) else batch
+
+
+def _whole_on(q, k) -> tuple[str, ...]:
+    """The auto mesh axes larger than 1 that split neither q's batch nor its heads: a kernel run per shard
+    (`_cudnn`) runs whole on each of their ranks."""
+    plan = active_plan()
+    if plan is None:
+        return ()
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    split = {*_batch_axes(q), *_head_axes(q, k)}
+    return tuple(a for a, n in plan.shape.items() if n > 1 and a not in manual and a not in split)
+
+
+def _cudnn(q, k, v, scoring: Scoring):
+    """cuDNN's fused attention per shard, in a shard_map manual over every mesh axis the caller's region leaves
+    to the compiler: JAX's cuDNN sharding rule cannot partition a partly manual sharding (the step's shard_map is
+    manual over `data`), and XLA's SPMD partitioner aborts on it. Batch and heads stay split over their axes
+    (`_batch_axes`, `_head_axes`, as tensor parallelism splits attention anyway); any other axis sees the call
+    whole on each rank (`auto` takes flash attention there instead, `kernels.choose`)."""
+    plan = active_plan()
+    local = lambda q, k, v: kernels.cudnn(q, k, v, scoring)  # noqa: E731
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    free = set() if plan is None else {a for a in plan.shape if a not in manual}
+    if not free:
+        return local(q, k, v)
+    batch, heads = _batch_axes(q), _head_axes(q, k)
+    return _per_shard(local, q, k, v, P(batch or None, None, heads or None), free, track_backward=False)
 
 
 def _head_axes(q, k) -> tuple[str, ...]:
@@ -285,7 +317,8 @@ def _per_shard(local, q, k, v, spec: P, manual: set[str], segments=None, track_b
                              axis_names=manual, check_vma=track_backward)
 
     def varying(x):
-        return jax.lax.pcast(x, outer, to="varying") if outer else x
+        missing = tuple(a for a in outer if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     def forward(q, k, v, *fixed):
         return varying(untracked(q, k, v, *fixed))

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.core import device_facts
 from jaxpar.parallel.attention_math import MASKED, Scoring
 from jaxpar.parallel.constrain import varying_axes
 
@@ -55,7 +56,7 @@ BACKEND_BLOCKS = {"cpu": Blocks(512, 1024), "gpu": Blocks(512, 512), "tpu": Bloc
 
 
 def default_blocks() -> Blocks:
-    return BACKEND_BLOCKS.get(jax.default_backend(), Blocks())
+    return BACKEND_BLOCKS.get(device_facts.current().backend, Blocks())
 
 
 def flash_attention(q, k, v, q_pos, k_pos, scoring: Scoring, q_seg=None, k_seg=None, blocks: Blocks | None = None,

@@ -6,11 +6,15 @@ XLA, `jaxpar.parallel.attention_flash`), `cudnn` (NVIDIA's fused kernel
 through `jax.nn.dot_product_attention`), `pallas` (jaxpar's Pallas flash
 kernel for NVIDIA GPUs, `jaxpar.parallel.attention_pallas`) or `splash`
 (JAX's splash attention kernel for TPUs, `jaxpar.parallel.attention_splash`).
-`auto` takes, on NVIDIA, cuDNN where it can run the call exactly, else flash
+`auto` takes, on NVIDIA, cuDNN where it can run the call exactly and every
+mesh axis splits its batch or heads (the call runs per shard, `parallel/attention.py`'s `_cudnn`), else flash
 (the Pallas kernel, tested in Pallas' interpreter only, is taken when asked
 for until it has run on a GPU); on TPU splash where it can, else flash; flash
 everywhere else. A forced choice the call rules out is
-refused with the reason, while tracing, before anything compiles.
+refused with the reason, while tracing, before anything compiles; a forced cuDNN
+that no call of the plan could get (not NVIDIA, fp32, context parallelism) is
+refused before the model is built (`check_forced`). The device is the plan's
+(`jaxpar.core.device_facts`: a compile-only GPU target's too), never the process's.
 
 `interpreted()` runs the Pallas and splash kernels through Pallas' interpreter,
 on any backend: forced `pallas` or `splash` on a CPU is refused outside it
@@ -34,7 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpar.core import options, usage
+from jaxpar.core import device_facts, options, target, usage
 from jaxpar.core.trace import active_plan
 from jaxpar.parallel import attention_pallas, attention_splash
 from jaxpar.parallel.attention_flash import Blocks, default_blocks
@@ -59,11 +63,12 @@ class Call:
     scoring: Scoring
     context_ways: int
     sinks: bool = False
+    whole_on: tuple[str, ...] = ()  # mesh axes > 1 that split neither batch nor heads: a fused call runs whole there
 
 
 def cudnn_refusal(call: Call, device_kind: str | None = None) -> str | None:
-    """Why cuDNN cannot run `call` exactly on a device of `device_kind` (default: this process's), or None."""
-    device_kind = device_kind or jax.devices()[0].device_kind
+    """Why cuDNN cannot run `call` exactly on a device of `device_kind` (default: the plan's), or None."""
+    device_kind = device_kind or device_facts.current().kind
     if not device_kind.startswith("NVIDIA"):
         return f"the device is {device_kind}: cuDNN runs on NVIDIA GPUs"
     if call.segments:
@@ -117,7 +122,7 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
             raise ValueError(f"attention={asked!r} cannot run this attention: {SINKS_REFUSAL}. Use attention='auto' "
                              f"or 'flash'")
         return "flash", f"auto: no fused kernel applies ({SINKS_REFUSAL})"
-    device_kind = device_kind or jax.devices()[0].device_kind
+    device_kind = device_kind or device_facts.current().kind
     if asked in KERNELS:
         refusal = KERNELS[asked](call, device_kind, plan_blocks(), interpreting())
         if refusal:
@@ -127,11 +132,17 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
                              f"attention='auto' or 'flash'")
         return asked, f"asked for (attention={asked})" + (", in Pallas' interpreter" if interpreting() else "")
     refusal = cudnn_refusal(call, device_kind)
+    facts = device_facts.current()
+    if refusal is None and facts.target and not facts.cudnn:
+        refusal = f"cuDNN is not installed here for the target's compile ({target.CUDNN_INSTALL})"
     if asked == "cudnn":
         if refusal:
             raise ValueError(f"attention='cudnn' cannot run this attention: {refusal}. Use attention='auto' "
                              f"(flash attention where cuDNN does not apply) or 'flash'")
         return "cudnn", "asked for (attention=cudnn)"
+    if refusal is None and call.whole_on:
+        refusal = (f"the mesh axes {', '.join(call.whole_on)} split neither the batch nor the heads: each of their "
+                   f"ranks would run the whole call")
     if refusal is None:
         return "cudnn", "auto: NVIDIA GPU, causal" + (" sliding-window" if call.scoring.window else "") + \
             f" attention in {jnp.dtype(call.dtype).name}"
@@ -146,6 +157,27 @@ def choose(call: Call, device_kind: str | None = None) -> tuple[str, str]:
             return "splash", "auto: TPU, splash attention"
         return "flash", f"auto: splash attention does not apply ({splash})"
     return "flash", f"auto: no fused kernel on {device_kind} (cuDNN and Pallas run on NVIDIA GPUs, splash on TPUs)"
+
+
+def check_forced(plan) -> None:
+    """Raise ValueError, before anything is traced, when the plan forces cuDNN where no call could get it: the
+    plan's devices are not NVIDIA GPUs, its precision computes attention in fp32, or context parallelism reorders
+    the sequence. What depends on the model (head sizes, soft caps, packed documents) is refused while tracing."""
+    if plan.attention != "cudnn":
+        return
+    facts = device_facts.of_mesh(plan.mesh)
+    kind = facts.kind if facts.kind == facts.backend else f"{facts.kind} ({facts.backend})"
+    if not facts.nvidia:
+        why = f"the plan's devices are {kind}: cuDNN runs on NVIDIA GPUs"
+    elif plan.precision == "fp32":
+        why = "precision='fp32' computes attention in fp32: cuDNN flash attention runs bf16 or fp16"
+    elif facts.target and not facts.cudnn:
+        why = f"cuDNN is not installed here for the target's compile ({target.CUDNN_INSTALL})"
+    else:
+        why = cudnn_refusal(Call(jnp.bfloat16, 8, 8, False, Scoring(), plan.shape["context"]), facts.kind)
+    if why:
+        raise ValueError(f"attention='cudnn' cannot run on this plan: {why}. Use attention='auto' (flash attention "
+                         f"where cuDNN does not apply) or 'flash'")
 
 
 def chosen(call: Call) -> str:

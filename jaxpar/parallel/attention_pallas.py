@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxpar.core import device_facts
 from jaxpar.parallel.attention_flash import Blocks
 from jaxpar.parallel.attention_math import MASKED, Scoring
 
@@ -39,7 +40,7 @@ def pallas_refusal(call, device_kind: str | None = None, blocks: Blocks | None =
                    interpret: bool = False) -> str | None:
     """Why the Pallas kernel cannot run `call` (an attention_kernels.Call) on `device_kind` (default: this
     process's) with `blocks` (None: its own), or None. Under `interpret` any backend runs it."""
-    device_kind = device_kind or jax.devices()[0].device_kind
+    device_kind = device_kind or device_facts.current().kind
     if not interpret and not device_kind.startswith("NVIDIA"):
         return f"the device is {device_kind}: the Pallas kernel is Triton, for NVIDIA GPUs"
     if call.context_ways > 1:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from jaxpar.core import device_facts
 from jaxpar.parallel.attention_flash import Blocks
 from jaxpar.parallel.attention_math import Scoring
 
@@ -34,7 +35,7 @@ def splash_refusal(call, device_kind: str | None = None, blocks: Blocks | None =
                    interpret: bool = False) -> str | None:
     """Why splash attention cannot run `call` (an attention_kernels.Call) on `device_kind` (default: this
     process's) with `blocks` (None: its own), or None. Under `interpret` any backend runs it."""
-    device_kind = device_kind or jax.devices()[0].device_kind
+    device_kind = device_kind or device_facts.current().kind
     if not interpret and not device_kind.startswith("TPU"):
         return f"the device is {device_kind}: splash attention is a TPU kernel"
     if call.context_ways > 1:

@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpar.core import device_facts
+
 _SIXTEEN_BIT_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -29,8 +31,8 @@ def _sixteen_bit(x) -> bool:
 
 
 def _widened(tree) -> bool:
-    """Whether the backend would widen a collective that moves `tree` (a 16-bit float in it, on CPU)."""
-    return jax.default_backend() == "cpu" and any(_sixteen_bit(x) for x in jax.tree.leaves(tree))
+    """Whether the backend would widen a collective that moves `tree` (a 16-bit float in it, on the plan's CPU devices)."""
+    return device_facts.current().backend == "cpu" and any(_sixteen_bit(x) for x in jax.tree.leaves(tree))
 
 
 def _as_bits(move, tree):

@@ -14,7 +14,7 @@ refused. Each layer's choice is marked in the trace (`jaxpar.core.usage`).
 
 from __future__ import annotations
 
-from jaxpar.core import options, usage
+from jaxpar.core import device_facts, options, usage
 from jaxpar.core.trace import active_plan
 
 KERNELS = ("auto", "buffered", "tiled", "ragged")
@@ -24,10 +24,8 @@ NATIVE_RAGGED_DOT = ("tpu",)  # the platforms whose XLA lowers ragged_dot to a g
 
 
 def platform(plan) -> str:
-    """The plan's backend ("cpu", "gpu", "tpu"), read from its mesh's devices; "cpu" outside a plan.
-
-    The one place this module asks which backend it compiles for (to be pointed at the device facts in core/)."""
-    return "cpu" if plan is None else plan.mesh.devices.flat[0].platform
+    """The plan's backend ("cpu", "gpu", "tpu") from its devices' facts (a GPU target's too); "cpu" outside a plan."""
+    return "cpu" if plan is None else device_facts.of_mesh(plan.mesh).backend
 
 
 def choose(dropless: bool, plan=None) -> tuple[str, str]:

@@ -34,6 +34,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxpar.core import device_facts
 from jaxpar.parallel.constrain import varying_axes
 
 
@@ -48,7 +49,7 @@ def weight_einsum(equation: str, x, w, *, out_dtype=None):
     the gradients are those of the operands' product widened (the cotangent
     is rounded to the operands' dtype first).
     """
-    if jax.default_backend() != "cpu":
+    if device_facts.current().backend != "cpu":  # the plan's devices (a GPU target's too)
         y = jnp.einsum(equation, x, w)
         return y if out_dtype is None else y.astype(out_dtype)
     return _einsum(equation.replace(" ", ""), None if out_dtype is None else jnp.dtype(out_dtype), x, w)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from jaxpar.core import options
+from jaxpar.core import device_facts, options
 
 TARGETS = ("none", "optimizer")
 HOST = "pinned_host"  # page-locked host memory: the device copies it by DMA
@@ -29,10 +29,10 @@ def check(target: str, mesh: Mesh) -> None:
         raise ValueError(f"offload must be one of {TARGETS}, got {target!r}")
     if target == "none":
         return
-    device = mesh.devices.flat[0]
-    kinds = [memory.kind for memory in device.addressable_memories()]
+    facts = device_facts.of_mesh(mesh)  # a compile-only target's devices list none: the target says
+    kinds = facts.memory_kinds
     if HOST not in kinds:
-        raise ValueError(f"offload={target!r} needs {HOST!r} memory, but {device.platform} devices have "
+        raise ValueError(f"offload={target!r} needs {HOST!r} memory, but {facts.backend} devices have "
                          f"{', '.join(kinds)}; use offload='none' on this backend")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.planner.adapters import with_lora
-from jaxpar.planner.devices import Device, load_device
+from jaxpar.planner.devices import DEVICES, Device, for_facts, load_device
 from jaxpar.planner.estimate import Estimate, estimate
 from jaxpar.planner.layout import Layout, Workload
 from jaxpar.planner.model import Model, model_seq
@@ -78,8 +78,30 @@ def explain(est: Estimate, device: Device) -> list[str]:
     return lines
 
 
-def main(args) -> int:
-    """`jaxpar plan`: rank the layouts, or explain one; table, JSON, pictures, a runnable config."""
+def _cluster(args):
+    """The planner's device for --target (its counts set on `args`), or --device (default h100; 8 devices)."""
+    if args.target is None:
+        args.devices = 8 if args.devices is None else args.devices
+        return load_device(args.device or "h100")
+    from jaxpar.core.target import parse
+
+    target = parse(args.target)
+    given = [f for f, v in (("--device", args.device), ("--devices", args.devices), ("--hosts", args.hosts)) if v]
+    if given:
+        raise ValueError(f"--target {args.target} sets the device and the device and host counts: drop "
+                         f"{', '.join(given)}")
+    facts = target.facts()
+    device = for_facts(facts)
+    if device is None:
+        raise ValueError(f"target {args.target}: the planner has no figures for {facts.kind!r} (built in: "
+                         f"{', '.join(d.name for d in DEVICES.values())}); give --device FILE.toml instead")
+    args.devices, args.hosts = target.hosts * target.per_host, target.hosts
+    return device
+
+
+def main(args, verify=None) -> int:
+    """`jaxpar plan`: rank the layouts, or explain one; table, JSON, pictures, a runnable config. `verify`
+    (`jaxpar.run.verify.verify`, with --verify N --target): the top N compiled for the target, their memory read back."""
     import json
     import sys
 
@@ -89,7 +111,7 @@ def main(args) -> int:
     if not console.is_terminal:
         console.width = 220
     try:
-        device = load_device(args.device)
+        device = _cluster(args)
         if args.hosts:
             if args.devices % args.hosts:
                 raise ValueError(f"--devices {args.devices} do not divide over --hosts {args.hosts}")
@@ -128,6 +150,20 @@ def main(args) -> int:
             with open(args.write_config, "w") as f:
                 f.write(config_toml(args.model, ranking.best, work, model.plan_options))
             console.print(f"wrote {args.write_config} (jaxpar train --config {args.write_config})")
+    verified = []
+    if verify is not None and ranking.ranked:
+        try:
+            verified = verify(args.model, ranking.ranked[:args.verify], work, args.target, device.capacity,
+                              model.plan_options)
+        except ValueError as error:
+            from rich.markup import escape
+
+            console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+            return 2
+        console.print(f"compiled for {args.target} (memory per device, GB): layout: planner, compiled, "
+                      "planner / compiled, fits", highlight=False, soft_wrap=True)
+        for row in verified:
+            console.print("  " + row.line(), highlight=False, soft_wrap=True)
     if args.png:
         for path in save_pictures(ranking, args.png):
             console.print(f"wrote {path}")
@@ -135,6 +171,8 @@ def main(args) -> int:
         out = ranking.to_dict(args.top)
         if ranking.best is not None:
             out["command"] = run_command(args.model, ranking.best, work, model.plan_options)
+        if verified:
+            out["verified"] = [row.to_dict() for row in verified]
         json.dump(out, sys.stdout, default=float)
         print()
     return 0

@@ -15,43 +15,12 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
+from jaxpar.core.device_facts import PEAKS, DeviceFacts, device_peak  # noqa: F401 - PEAKS: public here too
+
 GB = 1e9
 GiB = 2**30
 
-# Dense peak FLOP/s per device: (bf16/fp16, fp32 as JAX runs an fp32 matmul by default). JAX's default matmul
-# precision runs fp32 matmuls on NVIDIA tensor cores as TF32 and on TPUs as bf16 passes, so the fp32 column is
-# the TF32 figure on NVIDIA and the bf16 one on TPUs; with jax_default_matmul_precision="highest" the true peak
-# is lower and MFU reads low, never high. Sources: NVIDIA's H100 / H200 / A100 datasheets and the HGX B200
-# spec table (whose Tensor Core figures are with sparsity: halved here); Google Cloud TPU docs (System
-# architecture: v4 275, v5e 197, v5p 459, v6e 918 TFLOP/s bf16 per chip).
-# Entries are matched in order, case-insensitively, as substrings of device_kind ("NVIDIA H100 80GB HBM3",
-# "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", "TPU v5 lite", "TPU v5", ...): the more specific first.
-PEAKS: tuple[tuple[str, str, float, float], ...] = (
-    # (substring of device_kind, name, bf16 FLOP/s, fp32 FLOP/s)
-    ("h100 pcie", "H100 PCIe", 756e12, 378e12),
-    ("h100 nvl", "H100 NVL", 835e12, 418e12),
-    ("h100", "H100 SXM", 989e12, 495e12),
-    ("h200 nvl", "H200 NVL", 835e12, 418e12),
-    ("h200", "H200 SXM", 989e12, 495e12),
-    ("a100", "A100", 312e12, 156e12),
-    ("b200", "B200", 2.25e15, 1.1e15),
-    ("tpu v4 lite", None, 0.0, 0.0),  # v4i: an inference chip with no published training peak: not guessed
-    ("tpu v4", "TPU v4", 275e12, 275e12),
-    ("tpu v5 lite", "TPU v5e", 197e12, 197e12),
-    ("tpu v5e", "TPU v5e", 197e12, 197e12),
-    ("tpu v5", "TPU v5p", 459e12, 459e12),  # v5p reports device_kind "TPU v5"
-    ("tpu v6 lite", "TPU v6e", 918e12, 918e12),
-    ("tpu v6e", "TPU v6e", 918e12, 918e12),
-)
-
-
-def device_peak(device_kind: str, precision: str = "bf16") -> tuple[float, str] | None:
-    """(peak FLOP/s of one device, the entry's name) for a device_kind and plan precision, or None if not listed."""
-    kind = device_kind.lower()
-    for key, name, bf16, fp32 in PEAKS:
-        if key in kind:
-            return ((fp32 if precision == "fp32" else bf16), name) if name else None
-    return None
+# The peak FLOP/s table (PEAKS) and its lookup live with the device facts every layer reads.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,3 +133,16 @@ def load_device(name: str) -> Device:
     if missing:
         raise ValueError(f"{name}: missing device fields {sorted(missing)}")
     return Device(**table)
+
+
+def for_facts(facts: DeviceFacts) -> Device | None:
+    """The built-in planner device for a plan's (or a target's) device facts, by device kind; None if none fits."""
+    found = device_peak(facts.kind) if facts.backend != "cpu" else ("", "cpu")
+    if found is None:
+        return None
+    by_name = {"H100 SXM": "h100", "H200 SXM": "h200", "A100": "a100", "TPU v5p": "tpu-v5p", "cpu": "cpu"}
+    key = by_name.get(found[1])
+    if key is None:
+        return None
+    device = DEVICES[key]
+    return dataclasses.replace(device, hbm=float(facts.memory)) if facts.memory and key != "cpu" else device

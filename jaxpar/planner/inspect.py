@@ -209,7 +209,8 @@ def collective_ops(compiled, mesh: Mesh) -> list[CollectiveOp]:
                 continue
             op_name, result_type, kind, is_start = match.groups()
             results = _arrays(result_type)
-            if is_start and kind != "all-reduce" and len(results) >= 2:
+            in_place = result_type.lstrip().startswith("((")  # XLA:GPU's all-reduce-start: ((operands), results)
+            if is_start and (kind != "all-reduce" or in_place) and len(results) >= 2:
                 results = results[len(results) // 2:]  # async start: (operands, results) tuple
             if kind == "collective-permute":
                 axes, group = _permute_axes(line, mesh)
@@ -261,11 +262,63 @@ def memory(compiled) -> dict[str, int]:
 
 
 def flops(compiled) -> float:
-    """FLOPs per device per step from XLA's cost analysis, which counts a loop body once whatever its trip count."""
-    cost = compiled.cost_analysis()
+    """FLOPs per device per step from XLA's cost analysis, which counts a loop body once whatever its trip count.
+
+    A deviceless GPU compile (a target, jaxpar.core.target) has no cost analysis: there the figure is the
+    module's matmuls and fused attention, each counted as often as it runs (`matmul_flops` + `library_flops`).
+    """
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - "GetCostAnalysis is not supported" on some backends
+        cost = None
     if isinstance(cost, (list, tuple)):
-        cost = cost[0]
-    return float(cost.get("flops", 0.0))
+        cost = cost[0] if cost else None
+    if not cost or "flops" not in cost:
+        return matmul_flops(compiled) + library_flops(compiled)
+    return float(cost["flops"])
+
+
+_CUSTOM = re.compile(r'custom_call_target="(__cublas\$[\w$]+|__cudnn\$fmha\w+)"')
+_CONSTRAINTS = re.compile(r"operand_layout_constraints=\{(.*?)\}, api_version")
+_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def library_flops(compiled) -> float:
+    """FLOPs per device per step of the matmuls and attention a GPU compile hands to libraries, each counted as
+    often as it runs: cuBLAS GEMMs (2 x output x contracted) and cuDNN's fused attention by its operands' shapes,
+    counted as the planner counts attention (jaxpar.planner.step_time: the whole [queries, keys] square, forward
+    2 b h sq sk (d + dv), backward twice that)."""
+    computations = _split_computations(_hlo_text(compiled))
+    counts = _execution_counts(computations)
+    total = 0.0
+    for name, lines in computations.items():
+        if not counts.get(name):
+            continue
+        shapes = {m.group(1): [int(d) for d in m.group(2).split(",") if d] for m in map(_DEFINITION.match, lines) if m}
+        for line in lines:
+            target = _CUSTOM.search(line)
+            if target:
+                total += counts[name] * _library_call_flops(target.group(1), line, shapes)
+    return total
+
+
+def _library_call_flops(target: str, line: str, shapes: dict[str, list[int]]) -> float:
+    """One cuBLAS or cuDNN call's FLOPs (see `library_flops`), 0 where its shapes cannot be read."""
+    if target.startswith("__cublas"):
+        result = _arrays(line.split("=", 1)[1].split(" custom-call(", 1)[0])
+        lhs = re.search(r"custom-call\(%?([\w.\-]+)", line)
+        dims = _CONTRACTING.search(line)
+        if not result or not lhs or lhs.group(1) not in shapes or not dims:
+            return 0.0
+        contracted = math.prod(shapes[lhs.group(1)][int(d.strip('" '))] for d in dims.group(1).split(",") if d.strip())
+        return 2.0 * math.prod(result[0][1]) * contracted
+    constraints = _CONSTRAINTS.search(line)
+    operands = _arrays(constraints.group(1)) if constraints else []
+    if len(operands) < 3:
+        return 0.0
+    (_, q), (_, k), (_, v) = operands[:3]  # [b, s, heads, d] as jax.nn.dot_product_attention passes them
+    forward = 2.0 * q[0] * q[2] * q[1] * k[1] * (q[3] + v[3])
+    return forward * (2 if "Backward" in target else 1)
 
 
 def matmul_flops(compiled) -> float:

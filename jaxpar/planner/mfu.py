@@ -3,8 +3,8 @@
 The FLOPs come from the config by the planner's formula (`jaxpar.planner.step_time.flops_per_token`:
 6 N per token for the matmuls forward and backward plus 6 L s h (hd_qk + hd_v) for attention),
 so MFU here and in `jaxpar plan` are one number. The peak is the device's dense
-(no 2:4 sparsity) datasheet figure (`jaxpar.planner.devices.PEAKS`), looked up by
-`jax.devices()[0].device_kind`, or `--peak-flops`. Where neither is known (the CPU, an unlisted device) there is no
+(no 2:4 sparsity) datasheet figure (`jaxpar.core.device_facts.PEAKS`), looked up by
+the plan's devices' kind (`jaxpar.core.device_facts`), or `--peak-flops`. Where neither is known (the CPU, an unlisted device) there is no
 MFU: a made-up peak would give a made-up fraction.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.planner.devices import device_peak
+from jaxpar.core import device_facts
 from jaxpar.planner.model import Model
 from jaxpar.planner.step_time import flops_per_token
 
@@ -48,10 +48,10 @@ def for_flops(flops: float, precision: str, devices: list, peak_flops: float | N
     else the table's peak for them in `precision`, else none."""
     if peak_flops is not None:
         return Mfu(flops, peak_flops * len(devices))
-    kind, platform = devices[0].device_kind, devices[0].platform
-    if platform == "cpu":
+    facts = device_facts.of_devices(devices)  # a compile-only target's too
+    if facts.backend == "cpu":
         return Mfu(flops, None, "n/a (CPU)")
-    found = device_peak(kind, precision)
-    if found is None:
-        return Mfu(flops, None, f"n/a (no peak known for {kind!r}: give --peak-flops)")
-    return Mfu(flops, found[0] * len(devices))
+    peak = facts.peak_flops(precision)
+    if peak is None:
+        return Mfu(flops, None, f"n/a (no peak known for {facts.kind!r}: give --peak-flops)")
+    return Mfu(flops, peak * len(devices))

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from jaxpar.core import compile_cache, zero_layout
+from jaxpar.core import compile_cache, device_facts, gpu_profile, zero_layout
 from jaxpar.parallel import attention_kernels, expert_kernels
 from jaxpar.planner import inspect as inspect_lib
 from jaxpar.run import preference
@@ -43,10 +43,16 @@ def _bytes(n: float) -> str:
 def show_layout(run: Run, console: Console) -> None:
     shape = run.plan.shape
     mesh = " x ".join(f"{a}={s}" for a, s in shape.items())
-    console.print(f"[bold]mesh[/] {mesh} on {jax.device_count()} {jax.devices()[0].platform} devices "
-                  f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}"
-                  + (f"; across processes: {', '.join(inspect_lib.process_axes(run.plan.mesh))})"
-                     if jax.process_count() > 1 else ")"))
+    facts = device_facts.of_mesh(run.plan.mesh)
+    if facts.target:  # compile-only devices: what the step is compiled for, not this process's
+        hosts = f"{facts.hosts} host{'s' if facts.hosts > 1 else ''}"
+        console.print(f"[bold]mesh[/] {mesh} on target {facts.target}: {facts.devices} x {facts.kind} ({hosts}; "
+                      f"compiled only)")
+    else:
+        console.print(f"[bold]mesh[/] {mesh} on {jax.device_count()} {jax.devices()[0].platform} devices "
+                      f"({jax.process_count()} process{'es' if jax.process_count() > 1 else ''}"
+                      + (f"; across processes: {', '.join(inspect_lib.process_axes(run.plan.mesh))})"
+                         if jax.process_count() > 1 else ")"))
     options = {k: v for k, v in vars(run.plan).items() if k not in ("mesh", "rules")}
     console.print("[bold]plan[/] " + ", ".join(f"{k}={v}" for k, v in options.items()))
     if zero_layout.no_effect_message(run.plan):
@@ -195,23 +201,33 @@ def closing_line(run: Run, losses: list[float], times: list[float]) -> str:
     return line
 
 
-def inspection(run: Run) -> dict:
-    """Compile one step on abstract inputs (no parameters allocated) and read it back."""
+def inspection(run: Run, gpu_flags: str = "auto") -> dict:
+    """Compile one step on abstract inputs (no parameters allocated) and read it back; for a GPU target with the
+    GPU profile's XLA flags as compile options (`gpu_flags` auto)."""
     state = abstract_state(run.model, run.optimizer, run.plan)
     shape = (run.config.batch_size, run.config.seq_len)
     fields = {k: jax.numpy.int32 for k in ("inputs", "targets")}
     if run.config.objective:  # a preference batch: the fields its objective reads (jaxpar.run.preference)
         fields = preference.batch_fields(run)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=run.batch_sharding) for k, dtype in fields.items()}
-    compiled = run.step_fn.lower(state, batch).compile()
+    facts = device_facts.of_mesh(run.plan.mesh)
+    compiled, flags, unknown = gpu_profile.compile_with(run.step_fn.lower(state, batch),
+                                                        gpu_profile.compile_options(facts, gpu_flags))
     summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
-    return {"model": run.config.model, "params": run.model.param_count(),
+    if facts.target:
+        summary["gpu_flags"] = {"applied": sorted(flags), "not_compile_options": unknown}
+    return {"model": run.config.model, "params": run.model.param_count(), **_device_fields(facts),
             "attention": attention_kernels.choices(run.step_fn.used),
             **({"moe_kernel": moe} if (moe := expert_kernels.choices(run.step_fn.used)) else {}), **summary}
 
 
-def print_inspection(run: Run, console: Console, as_json: bool) -> int:
-    report = inspection(run)
+def _device_fields(facts) -> dict:
+    """What the step was compiled for: the target's name (absent for this process's devices) and device kind."""
+    return {"target": facts.target, "device_kind": facts.kind} if facts.target else {}
+
+
+def print_inspection(run: Run, console: Console, as_json: bool, gpu_flags: str = "auto") -> int:
+    report = inspection(run, gpu_flags)
     if as_json:
         print(json.dumps(report))
         return 0

@@ -23,7 +23,7 @@ from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.interop import base_weights
 from jaxpar.models import layer_pattern, model_config, model_factory
-from jaxpar.parallel import expert_kernels, experts, lora, offload
+from jaxpar.parallel import attention_kernels, expert_kernels, experts, lora, offload
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.run import preference
 from jaxpar.planner import mfu as mfu_lib
@@ -235,6 +235,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
 
         adapter = read_adapter(config.adapter, mcfg, config.init_from)
     plan.check_batch(config.batch_size)
+    attention_kernels.check_forced(plan)  # a forced cuDNN that no call could get: one line, before any compile
     make_model, trainable = lora.for_plan(model_factory(name, mcfg, config.seed), plan)  # --lora-rank's adapters
     model = describe(make_model, trainable)
     plan.param_specs(model.logical)  # divisibility of every parameter, before any compile
