@@ -133,6 +133,27 @@ def test_layouts_jaxpar_cannot_group_are_refused_by_name(fields, message):
         hf_config.config_from_hf({**FIELDS, "model_type": "qwen3_moe", **fields})
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"first_dense": 1, "moe_every": 2}, "moe_every=2 must be >= 1 and divide n_layers=4 less first_dense=1"),
+    ({"first_dense": 4}, r"first_dense=4 must be between 0 and n_layers - 1=3"),
+    ({"first_dense": 1, "moe_every": 1, "sliding_window": 8, "sliding_pattern": 2},
+     "first_dense=1 with sliding_pattern=2: dense"),
+])
+def test_a_dense_prefix_that_cannot_be_built_is_refused_in_one_line(fields, message):
+    from jaxpar.models.moe import MoeLlamaConfig
+
+    with pytest.raises(ValueError, match=message):
+        MoeLlamaConfig(n_layers=4, **fields)
+
+
+def test_a_dense_prefix_is_written_only_as_a_qwen3_moe():
+    """Mixtral's config has no dense layer: a prefix without q/k norms is refused by name, not dropped."""
+    from jaxpar.models.moe import MoeLlamaConfig
+
+    with pytest.raises(ValueError, match="moe_every=1, first_dense=1: a Hugging Face Mixtral has an MoE feed-forward"):
+        hf_config.config_to_hf(MoeLlamaConfig(n_layers=4, moe_every=1, first_dense=1))
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     """The imported prefix_and_groups config's plain-JAX reference run (`family_strategies.reference_run`): a dense
