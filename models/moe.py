@@ -6,10 +6,11 @@ one block whose MLP is `jaxpar.parallel.experts.moe_ffn`. Groups are stacked alo
 stays the same size whatever the depth. The first `first_dense` blocks may be dense
 ones before the groups (a Qwen3-MoE's `mlp_only_layers=[0]`): a stack of their own
 along `zero_layout.PREFIX_SCANNED`, run with the embedding as DeepSeek-V3's first
-dense blocks are (`models.deepseek`): before a pipeline's first stage, on every stage. The loss adds the routers' auxiliary
-losses, and the aux dict carries the routing metrics. With local/global layers
-(`sliding_pattern` P) the groups are scanned a pattern of P / moe_every groups at a
-time (`run_patterns`); inference scans the groups too (`MoeBlocks.inference`).
+dense blocks are (`models.deepseek`): before a pipeline's first stage, on every
+stage. The loss adds the routers' auxiliary losses, and the aux dict carries the
+routing metrics. With local/global layers (`sliding_pattern` P) the groups are
+scanned a pattern of P / moe_every groups at a time (`run_patterns`); inference
+scans the groups too (`MoeBlocks.inference`).
 """
 
 from __future__ import annotations
@@ -214,16 +215,13 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     """Scan the block groups over the leading axis of `stacked`: (x, statistics stacked per MoE layer).
 
     Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
-    each MoE block's parameters gathered just before it runs.
+    each MoE block's parameters gathered just before it runs. A dense prefix is not among `stacked`: it runs
+    with the embedding (`embed_and_prefix`).
     """
     if cfg.sliding_pattern > 1 and "dense" in stacked:  # local/global layers and dense blocks: patterns of groups
         return run_patterns(stacked, x, cfg, remat, moe_layer)
     if cfg.sliding_pattern > 1:  # local and global layers (models.layer_pattern), each with its experts
         return layer_pattern.run_groups(lambda p, h, c: moe_block(p, h, c, moe_layer), stacked["moe"], x, cfg, remat)
-
-    if "prefix" in stacked:  # the dense blocks before the groups (outside a pipeline: `embed_and_prefix` there)
-        x = llama.run_layers(stacked["prefix"], x, cfg, remat)
-        stacked = {k: v for k, v in stacked.items() if k != "prefix"}
 
     def group(p, h):
         if "dense" in p:

@@ -278,7 +278,7 @@ def test_peft_adapters_of_a_model_with_two_stacks_of_blocks_are_refused_by_name(
     from jaxpar.models.moe import MoeLlamaConfig
 
     mixed = MoeLlamaConfig(n_layers=4, moe_every=2)
-    for cfg in (mixed, model_config("deepseek-tiny")):
+    for cfg in (mixed, dataclasses.replace(mixed, moe_every=1, first_dense=1), model_config("deepseek-tiny")):
         with pytest.raises(ValueError, match="dense blocks beside its MoE ones .* --format hf --merge"):
             peft.check_one_stack(cfg, "--format peft")
     peft.check_one_stack(dataclasses.replace(mixed, moe_every=1), "--format peft")  # one stack: nothing to refuse

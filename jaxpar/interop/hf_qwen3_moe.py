@@ -16,8 +16,8 @@ the prefix; the shortest prefix k that fits), and refuses any other set by name,
 layer after an MoE one that breaks the period: a dense last layer, say). The export writes
 `decoder_sparse_step=moe_every` and, with a prefix, the dense layers that step does not make
 (`decoder_sparse_step=1` and every dense layer where the prefix is no whole number of steps); the source's own,
-where they are the same layers, are kept. The checkpoints hold one tensor per expert (`mlp.experts.{e}.gate_proj.weight`); the
-router is `mlp.gate`.
+where they are the same layers, are kept. The checkpoints hold one tensor per expert
+(`mlp.experts.{e}.gate_proj.weight`); the router is `mlp.gate`.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def moe_fields_from_hf(hf: dict) -> dict:
                          "balancing loss pooled over all layers, jaxpar's is per layer; set it to false (jaxpar's "
                          "own is the model field load_balance_coef)")
     return {"n_experts": experts, "top_k": top_k, "moe_every": every, "first_dense": first,
-            "expert_d_ff": hf["moe_intermediate_size"],
-            "dropless": True, "load_balance_coef": 0.0, "router_z_coef": 0.0}
+            "expert_d_ff": hf["moe_intermediate_size"], "dropless": True, "load_balance_coef": 0.0,
+            "router_z_coef": 0.0}
 
 
 def moe_layout(hf: dict) -> tuple[int, int]:
