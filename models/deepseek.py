@@ -69,8 +69,6 @@ class DeepseekConfig(moe.MoeLlamaConfig):
         latent_attention.check(self)
         if self.router_bias_update < 0:
             raise ValueError(f"router_bias_update={self.router_bias_update} must be >= 0 (0: the correction stays)")
-        if not 0 <= self.first_dense < self.n_layers:
-            raise ValueError(f"first_dense={self.first_dense} must be between 0 and n_layers - 1={self.n_layers - 1}")
         if self.moe_every != 1:
             raise ValueError(f"moe_every={self.moe_every}: DeepSeek-V3's MoE blocks follow its first_dense dense ones "
                              "(moe_every=1)")

@@ -126,7 +126,9 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
     adapters (`jaxpar.parallel.lora`) are folded into its weights inside the scan, one layer at a time;
     `documents` as in `cached_attention`. Blocks of several kinds in a repeating group (an MoE model's dense
     blocks between its MoE ones) come as a tuple of stacks, one per place in the group, each [groups, ...], and
-    a tuple of feed-forwards: the scan then runs over the groups, each running its blocks in order.
+    a tuple of feed-forwards: the scan then runs over the groups, each running its blocks in order. Runs of layers
+    one after another (an MoE model's dense prefix, then its groups) come as a list of such stacks and a list of
+    their feed-forwards.
     """
     feed_forward = dense_feed_forward if feed_forward is None else feed_forward
 
@@ -144,6 +146,28 @@ def inference_layers(stacked, x, cfg: LlamaConfig, positions, key_mask, cache=No
         return residual_add(p, h, out, "post_mlp_norm", cfg), kv
 
     per_layer = (cache, window, frequencies, options)
+    if not isinstance(stacked, list):
+        return scan_blocks(block, stacked, x, per_layer, feed_forward)
+    kvs, start = [], 0
+    for run, run_feed_forward in zip(stacked, feed_forward):  # runs of layers in order, each scanned
+        count = layer_count(run)
+        x, kv = scan_blocks(block, run, x, jax.tree.map(lambda a: a[start:start + count], per_layer),
+                            run_feed_forward)
+        kvs.append(kv)
+        start += count
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *kvs)
+
+
+def layer_count(stacked) -> int:
+    """The layers a stack holds: its leading dimension, or a tuple of stacks' (one per place in a group) total."""
+    if isinstance(stacked, tuple):
+        return sum(layer_count(s) for s in stacked)
+    return jax.tree.leaves(stacked)[0].shape[0]
+
+
+def scan_blocks(block, stacked, x, per_layer, feed_forward):
+    """Scan `block` over one stack (or a tuple of stacks, one per place in a repeating group, with a tuple of
+    feed-forwards): (x, (k, v) of every layer)."""
     if not isinstance(stacked, tuple):
         return jax.lax.scan(lambda h, layer: block(h, *layer, feed_forward), x, (stacked, *per_layer))
     size = len(stacked)

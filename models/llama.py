@@ -43,36 +43,38 @@ def _param(rngs: nnx.Rngs, shape, names, dtype, scale: float | None = None, zero
 class Blocks(nnx.Module):
     """All transformer blocks, each parameter stacked along a leading `layers` axis."""
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, count: int | None = None, dense_ffn: bool = True):
-        """`count` of the model's blocks (default all); `dense_ffn=False` leaves the MLP to another layer (MoE)."""
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, count: int | None = None, dense_ffn: bool = True,
+                 axis: str = "layers"):
+        """`count` of the model's blocks (default all); `dense_ffn=False` leaves the MLP to another layer (MoE);
+        `axis`: the stack's logical axis (`zero_layout.PREFIX_SCANNED` for blocks no pipeline stage cuts)."""
         n = cfg.n_layers if count is None else count
         d, h, kv, hd, f, depth = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.n_layers
         dt = jnp.dtype(cfg.param_dtype)
         s_in, s_attn, s_ff = d**-0.5, (h * hd) ** -0.5 / (2 * depth) ** 0.5, f**-0.5 / (2 * depth) ** 0.5
-        norm = functools.partial(_param, rngs, (n, d), ("layers", "norm"), dt, zeros=cfg.norm_plus_one)
+        norm = functools.partial(_param, rngs, (n, d), (axis, "norm"), dt, zeros=cfg.norm_plus_one)
         self.attn_norm = norm()
-        self.wq = _param(rngs, (n, d, h, hd), ("layers", "embed", "heads", "head_dim"), dt, s_in)
-        self.wk = _param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), dt, s_in)
-        self.wv = _param(rngs, (n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), dt, s_in)
-        self.wo = _param(rngs, (n, h, hd, d), ("layers", "heads", "head_dim", "embed"), dt, s_attn)
+        self.wq = _param(rngs, (n, d, h, hd), (axis, "embed", "heads", "head_dim"), dt, s_in)
+        self.wk = _param(rngs, (n, d, kv, hd), (axis, "embed", "kv_heads", "head_dim"), dt, s_in)
+        self.wv = _param(rngs, (n, d, kv, hd), (axis, "embed", "kv_heads", "head_dim"), dt, s_in)
+        self.wo = _param(rngs, (n, h, hd, d), (axis, "heads", "head_dim", "embed"), dt, s_attn)
         self.mlp_norm = norm()
         if cfg.post_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(), norm()
         if dense_ffn:
-            self.w_gate = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dt, s_in)
-            self.w_up = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), dt, s_in)
-            self.w_down = _param(rngs, (n, f, d), ("layers", "mlp", "embed"), dt, s_ff)
+            self.w_gate = _param(rngs, (n, d, f), (axis, "embed", "mlp"), dt, s_in)
+            self.w_up = _param(rngs, (n, d, f), (axis, "embed", "mlp"), dt, s_in)
+            self.w_down = _param(rngs, (n, f, d), (axis, "mlp", "embed"), dt, s_ff)
         if cfg.qkv_bias:  # zero-initialised in Qwen2; small random here so that a test sees them
-            self.bq = _param(rngs, (n, h, hd), ("layers", "heads", "head_dim"), dt, s_in)
-            self.bk = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
-            self.bv = _param(rngs, (n, kv, hd), ("layers", "kv_heads", "head_dim"), dt, s_in)
+            self.bq = _param(rngs, (n, h, hd), (axis, "heads", "head_dim"), dt, s_in)
+            self.bk = _param(rngs, (n, kv, hd), (axis, "kv_heads", "head_dim"), dt, s_in)
+            self.bv = _param(rngs, (n, kv, hd), (axis, "kv_heads", "head_dim"), dt, s_in)
         if cfg.attn_sinks:
-            self.sinks = _param(rngs, (n, h), ("layers", "heads"), dt, 1.0)
+            self.sinks = _param(rngs, (n, h), (axis, "heads"), dt, 1.0)
         if cfg.attn_out_bias:
-            self.bo = _param(rngs, (n, d), ("layers", "embed"), dt, s_in)
+            self.bo = _param(rngs, (n, d), (axis, "embed"), dt, s_in)
         if cfg.qk_norm:
-            self.q_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt, zeros=cfg.norm_plus_one)
-            self.k_norm = _param(rngs, (n, hd), ("layers", "head_dim"), dt, zeros=cfg.norm_plus_one)
+            self.q_norm = _param(rngs, (n, hd), (axis, "head_dim"), dt, zeros=cfg.norm_plus_one)
+            self.k_norm = _param(rngs, (n, hd), (axis, "head_dim"), dt, zeros=cfg.norm_plus_one)
 
     def stacked(self) -> dict[str, jax.Array]:
         """The per-layer weights as a dict of arrays with a leading layer axis."""

@@ -3,10 +3,14 @@
 Blocks come in groups of `moe_every`: `moe_every - 1` dense Llama blocks, then
 one block whose MLP is `jaxpar.parallel.experts.moe_ffn`. Groups are stacked along the
 `layers` axis and scanned, like the dense model's blocks, so the compiled step
-stays the same size whatever the depth. The loss adds the routers' auxiliary
-losses, and the aux dict carries the routing metrics. With local/global layers
-(`sliding_pattern` P) the groups are scanned a pattern of P / moe_every groups at a
-time (`run_patterns`); inference scans the groups too (`MoeBlocks.inference`).
+stays the same size whatever the depth. The first `first_dense` blocks may be dense
+ones before the groups (a Qwen3-MoE's `mlp_only_layers=[0]`): a stack of their own
+along `zero_layout.PREFIX_SCANNED`, run with the embedding as DeepSeek-V3's first
+dense blocks are (`models.deepseek`): before a pipeline's first stage, on every
+stage. The loss adds the routers' auxiliary losses, and the aux dict carries the
+routing metrics. With local/global layers (`sliding_pattern` P) the groups are
+scanned a pattern of P / moe_every groups at a time (`run_patterns`); inference
+scans the groups too (`MoeBlocks.inference`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.core import zero_layout
 from jaxpar.models import layer_pattern, llama
 from jaxpar.models.block import dense_feed_forward
 from jaxpar.parallel import experts, tensor, zero
@@ -51,11 +56,18 @@ class MoeLlamaConfig(llama.LlamaConfig):
     expert_activation: str = "silu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    first_dense: int = 0  # dense blocks before the groups (their own stack, run with the embedding)
 
     def __post_init__(self):
         super().__post_init__()
-        if self.moe_every < 1 or self.n_layers % self.moe_every:
-            raise ValueError(f"moe_every={self.moe_every} must be >= 1 and divide n_layers={self.n_layers}")
+        if not 0 <= self.first_dense < self.n_layers:
+            raise ValueError(f"first_dense={self.first_dense} must be between 0 and n_layers - 1={self.n_layers - 1}")
+        if self.moe_every < 1 or (self.n_layers - self.first_dense) % self.moe_every:
+            after = f" less first_dense={self.first_dense}" if self.first_dense else ""
+            raise ValueError(f"moe_every={self.moe_every} must be >= 1 and divide n_layers={self.n_layers}{after}")
+        if self.first_dense and self.sliding_pattern > 1:
+            raise ValueError(f"first_dense={self.first_dense} with sliding_pattern={self.sliding_pattern}: dense "
+                             "blocks before the MoE groups take no local/global layer pattern")
         self.moe.group(self.seq_len)
 
     @property
@@ -70,7 +82,7 @@ class MoeLlamaConfig(llama.LlamaConfig):
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers // self.moe_every
+        return (self.n_layers - self.first_dense) // self.moe_every
 
     def param_count(self) -> int:
         d, e, fe, n_moe = self.d_model, self.n_experts, self.expert_d_ff, self.n_moe_layers
@@ -139,33 +151,43 @@ class ExpertBlocks(llama.Blocks):
 
 
 class MoeBlocks(nnx.Module):
-    """Per group of `moe_every` blocks: the dense Llama blocks, then one MoE block."""
+    """The `first_dense` dense blocks (`prefix`), then per group of `moe_every` blocks: the dense Llama blocks,
+    then one MoE block."""
 
     def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
+        first = cfg.first_dense
+        self.prefix = llama.Blocks(cfg, rngs, count=first, axis=zero_layout.PREFIX_SCANNED) if first else None
         dense = cfg.n_moe_layers * (cfg.moe_every - 1)
         self.dense = llama.Blocks(cfg, rngs, count=dense) if dense else None
         self.moe = ExpertBlocks(cfg, rngs)
 
     def stacked(self) -> dict[str, dict[str, jax.Array]]:
-        """Each group's weights along a leading group axis (the dense blocks' as [groups, moe_every - 1, ...])."""
+        """Each group's weights along a leading group axis (the dense blocks' as [groups, moe_every - 1, ...]);
+        the prefix's (`prefix`), where the model has one, along its own."""
         moe = self.moe.stacked()
+        prefix = {} if self.prefix is None else {"prefix": self.prefix.stacked()}
         if self.dense is None:
-            return {"moe": moe}
-        return {"dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
+            return {**prefix, "moe": moe}
+        return {**prefix, "dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
 
     def inference(self):
         """(per-layer weights, feed-forward) for `inference.inference_layers`; with dense blocks, one stack and one
         feed-forward per place in a group (its `moe_every - 1` dense blocks, then its MoE block).
 
-        The layer's routing statistics (its auxiliary losses) are training's and are dropped here.
+        The layer's routing statistics (its auxiliary losses) are training's and are dropped here. With a dense
+        prefix, a list of two runs, the prefix's and the groups' (`inference.inference_layers`).
         """
         moe = self.moe.stacked()
         if self.dense is None:
-            return moe, experts_feed_forward
-        dense = zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0])
-        places = dense["attn_norm"].shape[1]
-        stacks = tuple(jax.tree.map(lambda a, j=j: a[:, j], dense) for j in range(places))
-        return (*stacks, moe), (dense_feed_forward,) * places + (experts_feed_forward,)
+            groups = moe, experts_feed_forward
+        else:
+            dense = zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0])
+            places = dense["attn_norm"].shape[1]
+            stacks = tuple(jax.tree.map(lambda a, j=j: a[:, j], dense) for j in range(places))
+            groups = (*stacks, moe), (dense_feed_forward,) * places + (experts_feed_forward,)
+        if self.prefix is None:
+            return groups
+        return [self.prefix.stacked(), groups[0]], [dense_feed_forward, groups[1]]
 
 
 def experts_feed_forward(p, x, cfg: MoeLlamaConfig):
@@ -193,7 +215,8 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     """Scan the block groups over the leading axis of `stacked`: (x, statistics stacked per MoE layer).
 
     Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
-    each MoE block's parameters gathered just before it runs.
+    each MoE block's parameters gathered just before it runs. A dense prefix is not among `stacked`: it runs
+    with the embedding (`embed_and_prefix`).
     """
     if cfg.sliding_pattern > 1 and "dense" in stacked:  # local/global layers and dense blocks: patterns of groups
         return run_patterns(stacked, x, cfg, remat, moe_layer)
@@ -237,6 +260,12 @@ def run_patterns(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
     return x, jax.tree.map(lambda a: a.reshape(groups, *a.shape[2:]), stats)
 
 
+def embed_and_prefix(params, tokens, cfg: MoeLlamaConfig, remat: Callable | None = None):
+    """The embedding's rows, then the dense prefix blocks (`params["prefix"]`): the pipeline's input to its first
+    stage, so that the stages cut only the groups (as `deepseek.embed_and_dense`)."""
+    return llama.run_layers(params["prefix"], llama.embed_tokens(params["table"], tokens), cfg, remat)
+
+
 class MoeLlama(llama.Llama):
     blocks_type = MoeBlocks
     run_blocks = staticmethod(run_groups)  # (stacked, x, cfg, remat, moe_layer) -> (x, statistics): a variant's own
@@ -247,14 +276,16 @@ class MoeLlama(llama.Llama):
         Metrics: ce_loss, load_balance_loss (and router_z_loss) summed over the
         MoE layers; dropped_fraction and expert_share [E] averaged over them.
         """
+        stacked, embed, embed_params = self.blocks.stacked(), llama.embed_tokens, self.embedding[...]
+        if "prefix" in stacked:  # the dense prefix runs with the embedding, before a pipeline's first stage
+            embed = functools.partial(embed_and_prefix, cfg=self.cfg, remat=remat)
+            embed_params = {"table": embed_params, "prefix": stacked.pop("prefix")}
         stages = pipeline.Stages(
-            embed=llama.embed_tokens,
+            embed=embed,
             layers=functools.partial(self.run_blocks, cfg=self.cfg, remat=remat, moe_layer=moe_layer),
             head=functools.partial(llama.head_loss, cfg=self.cfg),
             aux_loss=experts.aux_loss,
         )
-        loss, sums = pipeline.loss(
-            stages, self.embedding[...], self.blocks.stacked(), self.head_params(), batch["inputs"], batch["targets"]
-        )
+        loss, sums = pipeline.loss(stages, embed_params, stacked, self.head_params(), batch["inputs"], batch["targets"])
         aux_loss, metrics = experts.summarize(sums, self.cfg.n_moe_layers)
         return loss, {"ce_loss": loss - aux_loss, **metrics}

@@ -1,7 +1,7 @@
 """An independent single-device reference: the Llama (and its Qwen2/Qwen3/Gemma options) and MoE math in plain JAX + optax.
 
 It reads the same parameter tree jaxpar's train state holds (`embedding`,
-`blocks`, `final_norm`, `head`; the MoE model's `blocks` split into `dense` and
+`blocks`, `final_norm`, `head`; the MoE model's `blocks` split into `prefix`, `dense` and
 `moe`) and re-derives everything else: RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU, the masked padded-vocabulary loss, top-k routing with
 capacity and dropping and the routers' auxiliary losses, the precision policies
@@ -302,16 +302,20 @@ def clamped_swiglu(gate, up, cfg):
 
 
 def moe_loss(params, batch, cfg):
-    """(loss, metrics) of the MoE Llama: `moe_every - 1` dense blocks then one MoE block, per group."""
+    """(loss, metrics) of the MoE Llama: `first_dense` dense blocks (`prefix`), then per group `moe_every - 1`
+    dense blocks and one MoE block."""
     blocks = params["blocks"]
-    per = cfg.moe_every - 1
+    per, first = cfg.moe_every - 1, getattr(cfg, "first_dense", 0)
     x = embed(params, batch["inputs"], cfg)
     aux = jnp.zeros((), jnp.float32)
-    for g in range(cfg.n_layers // cfg.moe_every):
+    for i in range(first):
+        x = dense_block(layer(blocks["prefix"], i), x, cfg, sliding_window(cfg, i))
+    for g in range((cfg.n_layers - first) // cfg.moe_every):
+        start = first + g * cfg.moe_every
         for i in range(per):
-            x = dense_block(layer(blocks["dense"], g * per + i), x, cfg, sliding_window(cfg, g * cfg.moe_every + i))
+            x = dense_block(layer(blocks["dense"], g * per + i), x, cfg, sliding_window(cfg, start + i))
         p = layer(blocks["moe"], g)
-        window = sliding_window(cfg, g * cfg.moe_every + per)
+        window = sliding_window(cfg, start + per)
         x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, window)
         y, balance, z = experts_ffn(p, norm(x, p["mlp_norm"], cfg.norm_eps), cfg)
         x = x + y

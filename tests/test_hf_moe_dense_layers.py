@@ -1,5 +1,6 @@
-"""MoE models with dense layers between the MoE ones through the Hugging Face door, against real transformers:
-Qwen3-MoE with `decoder_sparse_step` > 1 or `mlp_only_layers` (jaxpar's `moe_every` groups).
+"""MoE models with dense layers among the MoE ones through the Hugging Face door, against real transformers:
+Qwen3-MoE with `decoder_sparse_step` > 1 or `mlp_only_layers` (jaxpar's `moe_every` groups, and a dense prefix of
+`first_dense` blocks before them: `mlp_only_layers=[0]`).
 
 One small random float32 model per layout (module fixture, made by transformers and saved with
 `save_pretrained`): logits both ways, the export's tensor names (strict reload) and config, greedy generation
@@ -25,9 +26,15 @@ FIELDS = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_l
               num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=False,
               max_position_embeddings=128, bos_token_id=1, eos_token_id=2, num_experts=4, num_experts_per_tok=2,
               norm_topk_prob=True, moe_intermediate_size=24)
-# layout -> the config fields that make layers 1 and 3 the MoE ones, 0 and 2 dense
+# layout -> the config fields that make layers 1 and 3 the MoE ones, 0 and 2 dense; a dense first layer; and a
+# dense first layer before groups of (dense, MoE) on 5 layers
 LAYOUTS = {"decoder_sparse_step": {"decoder_sparse_step": 2},
-           "mlp_only_layers": {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}}
+           "mlp_only_layers": {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]},
+           "dense_prefix": {"decoder_sparse_step": 1, "mlp_only_layers": [0]},
+           "prefix_and_groups": {"decoder_sparse_step": 1, "mlp_only_layers": [0, 1, 3], "num_hidden_layers": 5}}
+# layout -> jaxpar's (first_dense, moe_every, its block stacks)
+STACKS = {"decoder_sparse_step": (0, 2, ["dense", "moe"]), "mlp_only_layers": (0, 2, ["dense", "moe"]),
+          "dense_prefix": (1, 1, ["moe", "prefix"]), "prefix_and_groups": (1, 2, ["dense", "moe", "prefix"])}
 
 
 def qwen3_moe(layout: str, **fields):
@@ -67,16 +74,17 @@ def jax_tree(params):
 
 @needs_torch
 def test_logits_match_transformers_both_ways(saved, tmp_path):
-    """Import: logits within 1e-5 (the dense layers' MLPs in the dense stack, moe_every=2); the layout moves them.
+    """Import: logits within 1e-5 (the dense layers' MLPs in the prefix and dense stacks); the layout moves them.
     Export of a random jaxpar model: transformers reloads the files strictly (the dense layers' `mlp.gate_proj`, the
     MoE ones' experts) with its logits, and the config keeps the source's layout fields."""
     layout, reference, directory = saved
     cfg, params = hf.load_hf_params(directory)
-    assert (cfg.moe_every, sorted(params["blocks"])) == (2, ["dense", "moe"])
+    assert (cfg.first_dense, cfg.moe_every, sorted(params["blocks"])) == STACKS[layout]
     theirs = torch_logits(reference, TOKENS)
     imported = relative(np.asarray(jaxpar_model(cfg, params).logits(jnp.asarray(TOKENS))), theirs)
     assert imported <= 1e-5, imported
-    every_layer = relative(torch_logits(qwen3_moe("every layer MoE"), TOKENS), theirs)
+    every_layer = relative(torch_logits(qwen3_moe("every layer MoE", **{k: v for k, v in LAYOUTS[layout].items()
+                                                                       if k == "num_hidden_layers"}), TOKENS), theirs)
     assert every_layer > 1e-3, every_layer
 
     source = json.loads((directory / "config.json").read_text())
@@ -98,16 +106,24 @@ def test_greedy_generation_equals_transformers_generate(saved):
     assert_greedy_generation_equals_generate(MoeLlama, reference, directory)
 
 
-def test_a_written_config_names_the_layout_and_reads_back():
-    """Without a source, the export writes decoder_sparse_step=moe_every and no MLP-only layer; read back, the same."""
-    cfg = hf_config.config_from_hf({**FIELDS, "model_type": "qwen3_moe", "mlp_only_layers": [0, 2]})
+@pytest.mark.parametrize("fields, layout", [
+    ({"mlp_only_layers": [0, 2]}, (0, 2, 2, [])),
+    ({"mlp_only_layers": [0]}, (1, 1, 1, [0])),
+    ({"mlp_only_layers": [0, 1, 3], "num_hidden_layers": 5}, (1, 2, 1, [0, 1, 3])),
+    ({"mlp_only_layers": [0, 1, 2, 4], "num_hidden_layers": 6}, (2, 2, 2, [1])),
+])
+def test_a_written_config_names_the_layout_and_reads_back(fields, layout):
+    """The import's (first_dense, moe_every) and, without a source, the export's decoder_sparse_step (moe_every
+    where the prefix is whole steps, else 1) and the MLP-only layers that step does not make; read back, the same."""
+    cfg = hf_config.config_from_hf({**FIELDS, "model_type": "qwen3_moe", **fields})
     written = hf_config.config_to_hf(cfg)
-    assert (written["decoder_sparse_step"], written["mlp_only_layers"]) == (2, [])
+    assert (cfg.first_dense, cfg.moe_every, written["decoder_sparse_step"], written["mlp_only_layers"]) == layout
     assert hf_config.config_from_hf(written) == cfg
 
 
 @pytest.mark.parametrize("fields, message", [
     ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] make layers \[0, 2, 3\] of 4 MoE layers"),
+    ({"mlp_only_layers": [3]}, r"mlp_only_layers=\[3\] make layers \[0, 1, 2\] of 4 MoE layers; jaxpar's are dense"),
     ({"decoder_sparse_step": 3}, r"decoder_sparse_step=3, mlp_only_layers=\[\] make layers \[2\] of 4"),
     ({"decoder_sparse_step": 2, "mlp_only_layers": [1, 3]}, r"make layers \[\] of 4 MoE layers"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be an int >= 1"),
@@ -117,20 +133,44 @@ def test_layouts_jaxpar_cannot_group_are_refused_by_name(fields, message):
         hf_config.config_from_hf({**FIELDS, "model_type": "qwen3_moe", **fields})
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"first_dense": 1, "moe_every": 2}, "moe_every=2 must be >= 1 and divide n_layers=4 less first_dense=1"),
+    ({"first_dense": 4}, r"first_dense=4 must be between 0 and n_layers - 1=3"),
+    ({"first_dense": 1, "moe_every": 1, "sliding_window": 8, "sliding_pattern": 2},
+     "first_dense=1 with sliding_pattern=2: dense"),
+])
+def test_a_dense_prefix_that_cannot_be_built_is_refused_in_one_line(fields, message):
+    from jaxpar.models.moe import MoeLlamaConfig
+
+    with pytest.raises(ValueError, match=message):
+        MoeLlamaConfig(n_layers=4, **fields)
+
+
+def test_a_dense_prefix_is_written_only_as_a_qwen3_moe():
+    """Mixtral's config has no dense layer: a prefix without q/k norms is refused by name, not dropped."""
+    from jaxpar.models.moe import MoeLlamaConfig
+
+    with pytest.raises(ValueError, match="moe_every=1, first_dense=1: a Hugging Face Mixtral has an MoE feed-forward"):
+        hf_config.config_to_hf(MoeLlamaConfig(n_layers=4, moe_every=1, first_dense=1))
+
+
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
-    """The imported decoder_sparse_step=2 config's plain-JAX reference run (`family_strategies.reference_run`)."""
-    directory = saved_family("decoder_sparse_step", qwen3_moe, tmp_path_factory)[2]
+    """The imported prefix_and_groups config's plain-JAX reference run (`family_strategies.reference_run`): a dense
+    first layer, then groups of a dense and an MoE layer (all three stacks)."""
+    directory = saved_family("prefix_and_groups", qwen3_moe, tmp_path_factory)[2]
     cfg = hf_config.config_from_hf(json.loads((directory / "config.json").read_text()))
     return family_strategies.reference_run(lambda: MoeLlama(cfg, nnx.Rngs(1)), cfg)
 
 
 @needs_torch
-@pytest.mark.parametrize("mesh, options", [("data=4,expert=2", {}), ("data=4,pipe=2", {"microbatches": 2}),
+@pytest.mark.parametrize("mesh, options", [("data=4,expert=2", {}),
+                                           ("data=4,pipe=2", {"microbatches": 2, "schedule": "1f1b"}),
                                            ("data=4,tensor=2", {"zero": 3})])
 def test_training_the_imported_config_equals_one_device(reference_run, mesh, options):
-    """3 SGD steps of the imported config (dense and MoE stacks) under a strategy against the plain-JAX reference."""
-    family_strategies.assert_matches(reference_run, mesh, options, f"qwen3_moe decoder_sparse_step=2 {mesh}")
+    """3 SGD steps of the imported config (prefix, dense and MoE stacks; the prefix with the embedding under the
+    pipeline) under a strategy against the plain-JAX reference."""
+    family_strategies.assert_matches(reference_run, mesh, options, f"qwen3_moe mlp_only_layers=[0, 1, 3] {mesh}")
 
 
 # -- Llama 4 with dense layers between the MoE ones (Maverick's interleave_moe_layer_step=2) --------------------
@@ -238,7 +278,7 @@ def test_peft_adapters_of_a_model_with_two_stacks_of_blocks_are_refused_by_name(
     from jaxpar.models.moe import MoeLlamaConfig
 
     mixed = MoeLlamaConfig(n_layers=4, moe_every=2)
-    for cfg in (mixed, model_config("deepseek-tiny")):
+    for cfg in (mixed, dataclasses.replace(mixed, moe_every=1, first_dense=1), model_config("deepseek-tiny")):
         with pytest.raises(ValueError, match="dense blocks beside its MoE ones .* --format hf --merge"):
             peft.check_one_stack(cfg, "--format peft")
     peft.check_one_stack(dataclasses.replace(mixed, moe_every=1), "--format peft")  # one stack: nothing to refuse

@@ -27,7 +27,9 @@ OPTIMIZER = optax.sgd(0.5, momentum=0.9)  # linear in the gradients: Adam's firs
 DATA = batches(batch_size=8, seq_len=16)
 MIXTRAL = MoeLlamaConfig(vocab=256, d_model=32, n_layers=2, moe_every=1, n_heads=2, n_kv_heads=2, head_dim=16,
                          d_ff=64, expert_d_ff=32, n_experts=4, top_k=2, dropless=True, seq_len=16)
-CONFIGS = {"llama": (Llama, TINY), "mixtral": (MoeLlama, MIXTRAL)}
+# a Qwen3-MoE's dense first layer (mlp_only_layers=[0]): a prefix stack of its own, adapted like the others
+QWEN3_MOE_PREFIX = dataclasses.replace(MIXTRAL, n_layers=3, first_dense=1, qk_norm=True)
+CONFIGS = {"llama": (Llama, TINY), "mixtral": (MoeLlama, MIXTRAL), "qwen3-moe-prefix": (MoeLlama, QWEN3_MOE_PREFIX)}
 
 
 def build(family: str, adapters: bool = True, targets=ALL, dropout: float = 0.0):
@@ -88,6 +90,7 @@ MESHES = [
     ("llama", "data=2,tensor=2,pipe=2", {"schedule": "1f1b", "microbatches": 2}),
     ("llama", "data=2,context=4", {}),
     ("mixtral", "data=4,expert=2", {}),
+    ("qwen3-moe-prefix", "data=4,expert=2", {"zero": 3}),
     *(pytest.param(*cell, marks=pytest.mark.slow) for cell in [
         ("llama", "data=8", {"zero": 1}),
         ("llama", "data=8", {"zero": 2}),
@@ -115,6 +118,8 @@ def test_lora_training_matches_plain_jax_reference(family, mesh, options):
     assert max_relative_error(moved(adapters), moved(ref.params)) <= 1e-5  # the updates: A moves little against its size
     assert max_relative_error(frozen, start) == 0.0  # the base never moves
     assert ref.losses[-1] < ref.losses[0]
+    if CONFIGS[family][1] is QWEN3_MOE_PREFIX:  # the dense prefix's own adapters, on its own axis, trained too
+        assert {"wq_lora_a", "w_gate_lora_a"} <= set(adapters["blocks"]["prefix"])
 
 
 def test_frozen_weights_beside_adapted_ones_in_fused_matmuls_train_on_data_pipe_and_tensor():

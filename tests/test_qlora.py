@@ -253,3 +253,32 @@ def test_the_readme_states_the_block_size():
     readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
     assert f"The block size is {BLOCK} (int8's too): every matrix's last dimension must be a multiple of {BLOCK}" \
         in readme
+
+
+def test_qlora_of_a_dense_prefix_before_moe_blocks_matches_plain_jax_under_zero3():
+    """A Qwen3-MoE's dense first layer (`first_dense`, its own stack on the prefix axis): its matrices held as NF4
+    codes and adapted like the MoE blocks' attention, trained under ZeRO-3 as the plain-JAX LoRA on the
+    dequantized base."""
+    from jaxpar.models.moe import MoeLlama, MoeLlamaConfig
+
+    cfg = MoeLlamaConfig(vocab=256, d_model=64, n_layers=3, n_heads=2, n_kv_heads=2, head_dim=64, d_ff=128,
+                         seq_len=16, expert_d_ff=64, n_experts=4, top_k=2, moe_every=1, dropless=True, first_dense=1,
+                         qk_norm=True)
+
+    def build_prefix():
+        model = MoeLlama(cfg, nnx.Rngs(0))
+        lora.apply(model, RANK, ALPHA, targets=("q", "v", "gate"), rngs=nnx.Rngs(1))
+        quantized_base.store(model, "nf4")
+        return model
+
+    model, state = init_state(build_prefix, OPTIMIZER, single_device_plan(), trainable=lora.TRAINABLE)
+    state = reference_lora.with_random_b(copy_state(state))
+    prefix = state.params["blocks"]["prefix"]
+    assert prefix["wq"].dtype == np.uint8 and "w_gate_lora_a" in prefix
+    losses, final, _ = compile_and_train(model, copy_state(state), OPTIMIZER, Plan.create("data=8", zero=3), DATA,
+                                         STEPS)
+    ref = reference_lora.train(cfg, dequantized(state.params), [DATA[i] for i in range(STEPS)], OPTIMIZER,
+                               ALPHA / RANK)
+    adapters = reference_lora.split(final.params)[0]
+    assert np.max(np.abs(losses / ref.losses - 1)) <= 1e-5
+    assert max_relative_error(adapters, ref.params) <= 1e-5

@@ -72,14 +72,16 @@ def dense_layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
 
 def layer_stacks(cfg: LlamaConfig) -> list[tuple[str, list[int], dict[str, tuple[str, str]]]]:
     """Each stack of block parameters as (its path in the parameter tree, the Hugging Face layers it holds in order,
-    its parameters' (name, layout)): one, or an MoE model's dense blocks (those with (i + 1) % moe_every != 0,
-    `jaxpar.models.moe`) and its MoE blocks."""
+    its parameters' (name, layout)): one, or an MoE model's dense prefix (its first `first_dense` blocks), its
+    dense blocks between the MoE ones (`jaxpar.models.moe`) and its MoE blocks, each where it has them."""
     n = cfg.n_layers
-    if not hf_mixtral.is_moe(cfg) or cfg.moe_every == 1:
+    if not hf_mixtral.is_moe(cfg) or (cfg.moe_every == 1 and not cfg.first_dense):
         return [(blocks_path(cfg), list(range(n)), layer_params(cfg))]
-    moe = [i for i in range(n) if (i + 1) % cfg.moe_every == 0]
-    return [("blocks/dense", [i for i in range(n) if i not in moe], dense_layer_params(cfg)),
-            ("blocks/moe", moe, layer_params(cfg))]
+    first, moe = cfg.first_dense, hf_qwen3_moe.moe_layers(cfg)
+    stacks = [("blocks/prefix", list(range(first)), dense_layer_params(cfg)),
+              ("blocks/dense", [i for i in range(first, n) if i not in moe], dense_layer_params(cfg)),
+              ("blocks/moe", moe, layer_params(cfg))]
+    return [stack for stack in stacks if stack[1]]
 
 
 def blocks_path(cfg: LlamaConfig) -> str:
@@ -96,8 +98,10 @@ def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embedding": (vp, d), "final_norm": (d,), **({} if cfg.tie_embeddings else {"head": (d, vp)})}
     if not hf_mixtral.is_moe(cfg):
         return {**shapes, **_block_shapes(cfg, "blocks", n, experts=False)}
+    if cfg.first_dense:  # the dense blocks before the MoE ones: a stack of their own
+        shapes |= _block_shapes(cfg, "blocks/prefix", cfg.first_dense, experts=False)
     if cfg.moe_every > 1:  # the dense blocks between the MoE ones: a stack of their own
-        shapes |= _block_shapes(cfg, "blocks/dense", n - cfg.n_moe_layers, experts=False)
+        shapes |= _block_shapes(cfg, "blocks/dense", n - cfg.first_dense - cfg.n_moe_layers, experts=False)
     return {**shapes, **_block_shapes(cfg, "blocks/moe", cfg.n_moe_layers, experts=True)}
 
 
@@ -155,7 +159,7 @@ def expected_hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (v, d)
-    dense = {i for path, layers, _ in layer_stacks(cfg) if path == "blocks/dense" for i in layers}
+    dense = {i for path, layers, _ in layer_stacks(cfg) if path in ("blocks/prefix", "blocks/dense") for i in layers}
     for i in range(cfg.n_layers):
         shapes.update({f"model.layers.{i}.{k}": s for k, s in (dense_layer if i in dense else layer).items()})
     return shapes

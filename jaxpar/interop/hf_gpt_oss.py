@@ -72,10 +72,11 @@ def fields_from_hf(hf: dict) -> dict:
 
 def fields_to_hf(cfg: MoeLlamaConfig) -> dict:
     """The gpt-oss `config.json` fields of a config with attention sinks; ValueError for what gpt-oss cannot express."""
-    if not isinstance(cfg, MoeLlamaConfig) or cfg.moe_every != 1 or not cfg.expert_bias \
+    if not isinstance(cfg, MoeLlamaConfig) or cfg.moe_every != 1 or cfg.first_dense or not cfg.expert_bias \
             or cfg.expert_activation != "clamped":
         raise ValueError("attn_sinks=True: a Hugging Face gpt-oss has a biased MoE feed-forward with the clamped "
-                         "SwiGLU in every block (moe_every=1, expert_bias=True, expert_activation='clamped')")
+                         "SwiGLU in every block (moe_every=1, first_dense=0, expert_bias=True, "
+                         "expert_activation='clamped')")
     if cfg.top_k < 2:
         raise ValueError(f"top_k={cfg.top_k}: a Hugging Face gpt-oss softmaxes the chosen logits, which for one "
                          "choice is not jaxpar's top-1 router")

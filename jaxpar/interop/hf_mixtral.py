@@ -57,9 +57,9 @@ def moe_fields_from_hf(hf: dict) -> dict:
 
 def moe_fields_to_hf(cfg: MoeLlamaConfig) -> dict:
     """The Mixtral `config.json` fields of an MoE config; ValueError if it is not a Mixtral (a dense block in between)."""
-    if cfg.moe_every != 1:
-        raise ValueError(f"moe_every={cfg.moe_every}: a Hugging Face Mixtral has an MoE feed-forward in every block "
-                         "(moe_every=1)")
+    if cfg.moe_every != 1 or cfg.first_dense:
+        raise ValueError(f"moe_every={cfg.moe_every}, first_dense={cfg.first_dense}: a Hugging Face Mixtral has an "
+                         "MoE feed-forward in every block (moe_every=1, first_dense=0)")
     if cfg.top_k < 2:
         raise ValueError(f"top_k={cfg.top_k}: a Hugging Face Mixtral renormalises the chosen weights, which for "
                          "one choice is not jaxpar's top-1 router")

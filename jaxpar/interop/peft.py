@@ -72,7 +72,7 @@ def check_one_stack(cfg: LlamaConfig, what: str) -> None:
     """ValueError for a model whose blocks are two stacks (dense blocks among or before MoE ones: a Qwen3-MoE with
     decoder_sparse_step > 1, Llama 4 Maverick's layout, DeepSeek-V3): PEFT's layer numbering of their adapters is
     not written or read yet."""
-    if any(name.startswith("blocks/dense/") for name in jaxpar_shapes(cfg)):
+    if any(name.startswith(("blocks/dense/", "blocks/prefix/")) for name in jaxpar_shapes(cfg)):
         raise ValueError(f"{what}: this model has dense blocks beside its MoE ones (two stacks of layers); PEFT "
                          "adapters of such a model are not supported yet: export with --format hf --merge")
 

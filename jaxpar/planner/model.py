@@ -190,7 +190,11 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
 
     leaves = [Leaf("embedding", (v, d), ("vocab", "embed"))]
     if getattr(c, "n_experts", 0):
-        groups, e, fe = c.n_layers // c.moe_every, c.n_experts, c.expert_d_ff
+        first = getattr(c, "first_dense", 0)
+        groups, e, fe = (c.n_layers - first) // c.moe_every, c.n_experts, c.expert_d_ff
+        if first:  # the dense prefix: its own stack, on every pipeline stage
+            leaves += [dataclasses.replace(leaf, names=("prefix_layers", *leaf.names[1:]))
+                       for leaf in blocks("blocks.prefix.", first)]
         if c.moe_every > 1:
             leaves += blocks("blocks.dense.", groups * (c.moe_every - 1))
         leaves += blocks("blocks.moe.", groups, dense_ffn=False)
