@@ -13,6 +13,8 @@ import os
 import sys
 import tomllib
 
+from jaxpar import cli_weights
+
 TRAIN_FLAGS = {
     "model": (str, "model name (tiny, small, 1b, 7b, 70b, 405b, ...)"),
     "steps": (int, "total optimizer steps of the run"),
@@ -42,9 +44,7 @@ TRAIN_FLAGS = {
                        "(default: UTF-8 bytes); with a .npy from `jaxpar tokenize`, check that it was made with it"),
     "tensorboard": (str, "also write loss, lr, grad norm, tokens/s, MFU and memory as TensorBoard scalars here"),
     "peak_flops": (float, "peak FLOP/s of one device, for MFU where the built-in table (jaxpar.planner.devices) lacks the device"),
-    "compile_cache": (str, "keep compiled steps in this directory, so that a restarted, resumed or repeated run loads "
-                           "its step instead of compiling it; off: never (default: $JAXPAR_COMPILE_CACHE, else "
-                           "~/.cache/jaxpar/xla)"),
+    "compile_cache": (str, cli_weights.COMPILE_CACHE_HELP),
     "objective": (str, "train with another objective than next-token cross-entropy: dpo, simpo or orpo on --data "
                        "records with prompt, chosen and rejected (text or chat messages; TRL's format), or grpo on "
                        "completions sampled for --prompts and scored by --reward"),
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", default="float32", help="--format hf or peft: float32, bfloat16 or float16")
     export.add_argument("--devices", type=int, default=None,
                         help="host (CPU) devices to expose (default 8; `jaxpar launch` gives each process its own)")
-    _add_hf_commands(sub)
+    cli_weights.add_parsers(sub)
     launch = sub.add_parser("launch", help="run a jaxpar command, or any command (`-- python my_train.py ...`), as "
                                            "several cooperating processes on this machine",
                             epilog="a command that is not a jaxpar subcommand runs as it is, each rank told the job in "
@@ -343,125 +343,6 @@ def _set_host_devices(count: int | None) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
 
-def _export(args: argparse.Namespace) -> int:
-    from jaxpar.interop.export import export
-
-    try:
-        if args.merge:
-            raise ValueError("--merge writes merged full weights: give it with --format hf")
-        summary = export(args.checkpoint_dir, args.out, args.step)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
-    return 0
-
-
-HF_COMMANDS = ("import-hf", "eval", "generate", "tokenize")
-
-
-def _add_hf_commands(sub) -> None:
-    """`import-hf`, `eval`, `generate` and `tokenize` (jaxpar.interop.hf, .evaluate, .generate, .tokenize)."""
-    imp = sub.add_parser("import-hf", help="convert a Hugging Face Llama (config.json + safetensors) to a jaxpar checkpoint")
-    imp.add_argument("source", help="a local Hugging Face model directory, or a Hub repo id")
-    imp.add_argument("--out", required=True, help="the directory to write (what --init-from, eval and generate read)")
-    evaluate = sub.add_parser("eval", help="loss and perplexity of a checkpoint on the held-out 5%% of the data "
-                              "(the tail; whole documents of a document source)")
-    generate = sub.add_parser("generate", help="continue prompts: greedy or temperature/top-p sampling, KV cache")
-    for command in (evaluate, generate):
-        command.add_argument("--checkpoint-dir", required=True,
-                             help="a training checkpoint directory, an export or import-hf directory, or a Hugging Face one")
-        command.add_argument("--step", type=int, default=None, help="the training checkpoint step (default: the newest)")
-        command.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,tensor=2 (default: one device)")
-    evaluate.add_argument("--data", default=None, help="the text or token data whose held-out tail is evaluated")
-    evaluate.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the model's, at most 256)")
-    evaluate.add_argument("--batch-size", type=int, default=8, help="windows per batch")
-    evaluate.add_argument("--packing", default=None, help="documents or windows, as `jaxpar train --packing` "
-                          "(default: documents for .jsonl, Parquet, datasets and text folders)")
-    evaluate.add_argument("--skip-bad-records", action="store_true", help="evaluate without a document source's "
-                          "bad records (as `jaxpar train --skip-bad-records`) instead of refusing the source")
-    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy; > 0 samples")
-    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens up to this mass")
-    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    generate.add_argument("--eos", type=int, default=None, help="token id that ends a sequence")
-    generate.add_argument("--chat", action="store_true",
-                          help="each prompt is a user message in the tokenizer's chat template; stop at its end of turn")
-    generate.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (reference)")
-    tokenize = sub.add_parser("tokenize", help="text into a .npy token file (and a JSON header) for --data")
-    tokenize.add_argument("source", help="a text file or a folder of text files")
-    tokenize.add_argument("--out", required=True, help="the .npy file to write (its header goes beside it as .json)")
-    tokenize.add_argument("--tokenizer", default=None,
-                          help="a Hugging Face tokenizer.json or a SentencePiece .model (default: UTF-8 bytes)")
-    for command in (evaluate, generate):
-        command.add_argument("--tokenizer", default=None,
-                             help="a Hugging Face tokenizer.json or a SentencePiece .model (default: UTF-8 bytes)")
-    for command in (evaluate, generate):
-        command.add_argument("--compile-cache", default=None, help=TRAIN_FLAGS["compile_cache"][1])
-    for command in (imp, evaluate, generate):
-        command.add_argument("--devices", type=int, default=None, help="host (CPU) devices to expose (default 8)")
-        command.add_argument("--json", action="store_true", help="print one JSON object only")
-
-
-def _hf_command(args: argparse.Namespace) -> int:
-    """Run import-hf, export --format hf, eval, generate or tokenize; errors a person can act on exit with 2."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    try:
-        if args.command == "tokenize":
-            from jaxpar.data.tokenize import tokenize
-
-            result = tokenize(args.source, args.out, args.tokenizer)
-        elif args.command == "import-hf":
-            from jaxpar.interop.hf import import_hf
-
-            result = import_hf(args.source, args.out)
-        elif args.command == "export" and args.format == "peft":
-            from jaxpar.interop.peft import export_peft
-
-            if args.merge:
-                raise ValueError("--merge writes merged full weights: give it with --format hf (--format peft writes "
-                                 "the adapter alone)")
-            result = export_peft(args.checkpoint_dir, args.out, args.step, args.dtype)
-        elif args.command == "export":
-            from jaxpar.train import distributed
-
-            distributed.initialize()  # under `jaxpar launch`, each process writes its share of the tensors
-            from jaxpar.interop.hf_write import export_hf
-
-            result = export_hf(args.checkpoint_dir, args.out, args.step, args.dtype, args.merge)
-        elif args.command == "eval":
-            from jaxpar.core import compile_cache
-            from jaxpar.run.evaluate import evaluate_checkpoint
-            from jaxpar.run.generate import generation_plan
-
-            compile_cache.use(args.compile_cache)
-            result = evaluate_checkpoint(args.checkpoint_dir, generation_plan(args.mesh), args.data, args.seq_len,
-                                         args.batch_size, args.step, tokenizer=args.tokenizer, packing=args.packing,
-                                         skip_bad_records=args.skip_bad_records)
-        else:
-            from jaxpar.core import compile_cache
-            from jaxpar.run.generate import generate_from_checkpoint
-
-            compile_cache.use(args.compile_cache)
-            result = generate_from_checkpoint(
-                args.checkpoint_dir, args.prompt, args.mesh, args.max_new_tokens, args.temperature, args.top_p,
-                args.seed, args.eos, args.tokenizer, args.step, use_cache=not args.no_cache, chat=args.chat)
-    except ValueError as error:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
-        return 2
-    if args.command == "generate" and not args.json:
-        for prompt, text in zip(result["prompts"], result["completions"]):
-            print(f"user: {prompt}\nassistant: {text}" if args.chat else f"{prompt}{text}")
-        print(f"{result['new_tokens']} tokens in {result['generate_s']:.3f} s: {result['tokens_per_s']:.1f} tokens/s "
-              f"(compile {result['compile_s']:.1f} s)", file=sys.stderr)
-    else:
-        print(json.dumps(result))
-    return 0
-
-
 def _draw_schedule(args: argparse.Namespace, console, plan=None) -> int:
     """Draw a pipeline timeline: from --stages and the schedule flags, or from the plan being inspected."""
     from jaxpar.pipeline.schedule import Schedule
@@ -570,12 +451,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"error: export --format {args.format} is written by one process; only --format hf is written by "
               "several (`jaxpar launch`)", file=sys.stderr)
         return 2
-    if args.command in HF_COMMANDS or (args.command == "export" and args.format != "jaxpar"):
+    if args.command in cli_weights.HF_COMMANDS or (args.command == "export" and args.format != "jaxpar"):
         _set_host_devices(getattr(args, "devices", None))
-        return _hf_command(args)
+        return cli_weights.run(args)
     if args.command == "export":
         _set_host_devices(args.devices)
-        return _export(args)
+        return cli_weights.export_weights(args)
     _set_host_devices(args.devices)
     try:
         _check_target(args)

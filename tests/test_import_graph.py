@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first (`meshes` holds presets, data only): each layer may import only from the layers before it (and from within itself, without a cycle).
 LAYERS = ("meshes", "core", "data", "parallel", "pipeline", "models", "train", "objectives", "planner", "interop", "run", "top")
-TOP = ("jaxpar", "jaxpar.cli", "jaxpar.checkpoint", "jaxpar.distributed", "jaxpar.inspect", "jaxpar.metrics")
+TOP = ("jaxpar", "jaxpar.cli", "jaxpar.cli_weights", "jaxpar.checkpoint", "jaxpar.distributed", "jaxpar.inspect", "jaxpar.metrics")
 SOURCES = {"jaxpar": ROOT / "jaxpar", "jaxpar.models": ROOT / "models", "jaxpar.meshes": ROOT / "meshes"}
 
 
