@@ -62,6 +62,17 @@ def mark(feature: str) -> None:
         record.add(feature)
 
 
+def mark_choice(prefix: str, name: str, why: str) -> str:
+    """Note a kernel choice (`prefix` names the kind: attention's, the MoE experts') with its reason; return `name`."""
+    mark(f"{prefix}{name} ({why})")
+    return name
+
+
+def marked_choices(used: set[str], prefix: str) -> list[str]:
+    """Every distinct choice of kind `prefix` marked while a step was traced, as "name (why)"."""
+    return sorted(mark[len(prefix):] for mark in used if mark.startswith(prefix))
+
+
 @contextlib.contextmanager
 def recording():
     """Collect the features marked while the body runs (traces the model) into the yielded set."""

@@ -182,14 +182,12 @@ def check_forced(plan) -> None:
 
 def chosen(call: Call) -> str:
     """The implementation for `call`, its choice marked in the trace."""
-    name, why = choose(call)
-    usage.mark(f"{MARK}{name} ({why})")
-    return name
+    return usage.mark_choice(MARK, *choose(call))
 
 
 def choices(used: set[str]) -> list[str]:
     """Every distinct choice marked while a step was traced, e.g. ['flash (auto: cuDNN does not apply (...))']."""
-    return sorted(mark[len(MARK):] for mark in used if mark.startswith(MARK))
+    return usage.marked_choices(used, MARK)
 
 
 def blocks() -> Blocks:

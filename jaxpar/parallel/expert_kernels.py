@@ -60,11 +60,9 @@ def check_model(n_experts: int, dropless: bool, plan, name: str) -> None:
 
 def chosen(dropless: bool) -> str:
     """The kernel for a layer under the active plan, its choice marked in the trace."""
-    name, why = choose(dropless)
-    usage.mark(f"{MARK}{name} ({why})")
-    return name
+    return usage.mark_choice(MARK, *choose(dropless))
 
 
 def choices(used: set[str]) -> list[str]:
     """Every distinct MoE kernel choice marked while a step was traced."""
-    return sorted(mark[len(MARK):] for mark in used if mark.startswith(MARK))
+    return usage.marked_choices(used, MARK)
