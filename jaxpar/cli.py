@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    from jaxpar.core.timeline import mark
+
+    mark("cli")
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         from jaxpar.train.distributed import launch_local
@@ -475,10 +478,13 @@ def _main(argv: list[str] | None) -> int:
     try:
         from jaxpar.train import distributed
         from jaxpar.train.launcher import RANK_OUTPUT_ENV
+        mark("imports: jax")
         if distributed.initialize() and not distributed.is_leader():
             console.quiet = RANK_OUTPUT_ENV not in os.environ  # the launcher keeps this rank's output in a log file
         from jaxpar.core.plan import Plan
+        mark("distributed initialized")
         from jaxpar.run.training import prepare
+        mark("imports: training")
 
         if args.command == "inspect" and args.stages is not None:
             return _draw_schedule(args, console)
@@ -490,6 +496,7 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "inspect" and args.png and plan.shape["pipe"] == 1:
             raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)
+        mark("prepared")
     except ValueError as error:
         Console(stderr=True, quiet=console.quiet).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2

@@ -120,6 +120,8 @@ def train_with_progress(run: Run, console: Console) -> int:
     try:
         checkpoints = open_checkpoints(run)
         state, position = resume(run, checkpoints)
+        from jaxpar.core.timeline import mark
+        mark("restored")
     except ValueError as error:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
@@ -143,6 +145,8 @@ def train_with_progress(run: Run, console: Console) -> int:
         try:
             compiles = compile_cache.Watch()
             for state, row in iterate(run, state, start, checkpoints, position.get("nonfinite_steps", 0)):
+                if not losses:
+                    mark("first step")
                 if not losses:  # traced and compiled now: what attention and the experts got, where the step came from
                     chosen = "; ".join(attention_kernels.choices(run.step_fn.used))
                     progress.console.print(f"[bold]attention[/] {escape(chosen)}")

@@ -333,18 +333,41 @@ def changed_settings(position: dict, run: Run) -> list[str]:
     return differences({k: saved.get(k, default[k]) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
 
 
-def compiled_in_step(run: Run, state: TrainState, start: int):
-    """The step compiled ahead in every process, which then wait for each other before the first one runs.
+# Settings that only say where a run's outputs go: they never change the compiled step, so they stay out of its key.
+OUTPUT_SETTINGS = ("metrics", "tensorboard", "checkpoint_dir", "save_every", "keep", "compile_cache", "peak_flops")
+
+
+def compiled_step(run: Run, state: TrainState, start: int):
+    """The step compiled ahead, or loaded whole from the compile cache when this exact run compiled it before
+    (jaxpar.core.executables: no tracing, no lowering); with several processes they then wait for each other.
 
     On CPU each new group of processes sets up its collectives when it first
     meets, and gives up after XLA's fixed 30 s; processes compiling at different
     speeds (a loaded host) would reach the first step further apart than that.
     """
-    import orbax.checkpoint as ocp
+    from jaxpar.core import executables, usage
+    from jaxpar.core.timeline import mark
 
-    compiled = run.step_fn.lower(state, run.batch(start)).compile()
-    # The coordination service's barrier, not a collective (which would itself have the 30 s limit).
-    ocp.multihost.get_barrier_sync_fn()(key="jaxpar-step-compiled", timeout_ms=30 * 60 * 1000)
+    mark("step: compile begins")
+    batch = run.batch(start)
+    settings = {k: v for k, v in dataclasses.asdict(run.config).items() if k not in OUTPUT_SETTINGS}
+    key = executables.key({"plan": run.plan, "model": run.model_config, "train": settings, "base": run.base},
+                          (state, batch))
+    loaded = executables.load(compile_cache.directory(), key, (state, batch))
+    if loaded is not None:
+        compiled, run.step_fn.used = loaded
+        usage.check(run.plan, run.step_fn.used)  # its warnings again, as tracing gave them
+        compile_cache.loaded_whole()
+    else:
+        compiled = run.step_fn.lower(state, batch).compile()
+        executables.store(compile_cache.directory(), key, compiled, run.step_fn.used)
+    mark("step: compiled")
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
+
+        # The coordination service's barrier, not a collective (which would itself have the 30 s limit).
+        ocp.multihost.get_barrier_sync_fn()(key="jaxpar-step-compiled", timeout_ms=30 * 60 * 1000)
+        mark("step: barrier passed")
     return compiled
 
 
@@ -363,12 +386,12 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     """
     config = run.config
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
-        lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
+        lrs = np.asarray(jax.jit(jax.vmap(learning_rate(config)))(np.arange(config.steps)))  # eager: 1.5 s of ops
     outputs = Outputs(config.metrics, config.tensorboard, start)
     evaluator = _evaluator(run)
     if config.precompute_reference and start < config.steps:
         preference.precompute_reference(run)
-    step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
+    step_fn = compiled_step(run, state, start) if start < config.steps else run.step_fn
     run.data.seek(start, config.steps)
     try:
         with Preemption() as preemption:
