@@ -414,15 +414,15 @@ def _inspect(run, args: argparse.Namespace, console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxpar.core.spelling import as_flags
+    from jaxpar.core.timeline import mark
+
+    mark("cli")  # its imports done (benchmarks/restart.py)
 
     with as_flags():  # errors from the layers below name this command line's flags, not the API's arguments
         return _main(argv)
 
 
 def _main(argv: list[str] | None) -> int:
-    from jaxpar.core.timeline import mark
-
-    mark("cli")
     args = build_parser().parse_args(argv)
     if args.command == "launch":
         from jaxpar.train.distributed import launch_local
@@ -478,13 +478,10 @@ def _main(argv: list[str] | None) -> int:
     try:
         from jaxpar.train import distributed
         from jaxpar.train.launcher import RANK_OUTPUT_ENV
-        mark("imports: jax")
         if distributed.initialize() and not distributed.is_leader():
             console.quiet = RANK_OUTPUT_ENV not in os.environ  # the launcher keeps this rank's output in a log file
         from jaxpar.core.plan import Plan
-        mark("distributed initialized")
         from jaxpar.run.training import prepare
-        mark("imports: training")
 
         if args.command == "inspect" and args.stages is not None:
             return _draw_schedule(args, console)
@@ -496,7 +493,6 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "inspect" and args.png and plan.shape["pipe"] == 1:
             raise ValueError("--png draws a pipeline schedule: give --stages N or a mesh with pipe > 1")
         run = prepare(config, plan)
-        mark("prepared")
     except ValueError as error:
         Console(stderr=True, quiet=console.quiet).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
@@ -508,4 +504,11 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxpar.train import ranks
+
+    if ranks.SPARE_ENV in os.environ:  # started ahead of a restart by `jaxpar launch`: the rest of its imports too
+        import jaxpar.run.report  # noqa: F401
+        import jaxpar.run.training  # noqa: F401
+
+        ranks.wait_if_spare()
     sys.exit(main())

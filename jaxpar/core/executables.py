@@ -57,6 +57,13 @@ def _devices(args) -> list:
     return sorted((d.id, d.process_index, d.platform, d.device_kind) for d in devices)
 
 
+def _execution_devices(args) -> list:
+    """The devices the step runs on, in the order jit assigns them: its first argument's mesh (one device: that)."""
+    sharding = next(leaf.sharding for leaf in jax.tree.leaves(args) if hasattr(leaf, "sharding"))
+    mesh = getattr(sharding, "mesh", None)
+    return list(mesh.devices.flat) if mesh is not None else sorted(sharding.device_set, key=lambda d: d.id)
+
+
 def key(program: Mapping[str, Any], args) -> str:
     """The key of the step compiled for `args`, `program` naming what else decides it (plan, model, settings)."""
     import jaxlib
@@ -86,9 +93,10 @@ def load(directory: str | Path | None, step_key: str, args) -> tuple[jax.stages.
 
     try:
         entry = pickle.loads(blob)
-        client = next(d for leaf in jax.tree.leaves(args) for d in leaf.sharding.device_set).client
+        devices = _execution_devices(args)
         compiled = serialize_executable.deserialize_and_load(entry["executable"], entry["in_tree"],
-                                                             entry["out_tree"], backend=client)
+                                                             entry["out_tree"], backend=devices[0].client,
+                                                             execution_devices=devices)
     except Exception as error:  # noqa: BLE001 (a damaged or foreign entry of any kind is a miss)
         warnings.warn(f"jaxpar: the stored step {path} cannot be loaded ({type(error).__name__}: {error}); "
                       f"compiling it again", stacklevel=2)

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from jaxpar.core import compile_cache
+from jaxpar.core.timeline import mark
 from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.interop import base_weights
@@ -258,6 +259,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
     base = base_weights.record(config.init_from) if plan.lora_rank else None
+    mark("prepared")
     return Run(config, plan, mcfg, model, optimizer, data, make_model, step_fn, mfu, hf_config, base, adapter)
 
 
@@ -346,7 +348,6 @@ def compiled_step(run: Run, state: TrainState, start: int):
     speeds (a loaded host) would reach the first step further apart than that.
     """
     from jaxpar.core import executables, usage
-    from jaxpar.core.timeline import mark
 
     mark("step: compile begins")
     batch = run.batch(start)

@@ -40,7 +40,7 @@ from typing import Callable
 
 from jaxpar.core.timeline import mark
 from jaxpar.train.rank_report import HEARTBEAT_ENV, alive_file  # noqa: F401 (the launcher's names for them)
-from jaxpar.train.ranks import RANK_OUTPUT_ENV, Rank, start  # noqa: F401
+from jaxpar.train.ranks import RANK_OUTPUT_ENV, Rank, Spares, start  # noqa: F401
 
 CONFIGURATION_ERROR = 2  # `jaxpar` exits 2 on a bad command line or configuration (cli.py), found before training
 DEATH_GRACE_S = 0.25  # survivors of a death get this long after SIGTERM before SIGKILL: waiting on a dead peer they
