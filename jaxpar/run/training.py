@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -28,12 +28,14 @@ from jaxpar.parallel import attention_kernels, expert_kernels, experts, lora, of
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.run import preference
 from jaxpar.planner import mfu as mfu_lib
-from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
 from jaxpar.train.distributed import heartbeat, is_leader
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state, state_from_base
 from jaxpar.train.step import Step, make_train_step
+
+if TYPE_CHECKING:  # imported where a run opens its checkpoints: Orbax is a quarter second of every start-up
+    from jaxpar.train.checkpoint import Checkpoints
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
@@ -183,6 +185,8 @@ def _learn_counts_from_newest(stream: BatchStream, directory) -> None:
     """The counts of the newest readable checkpoint in `directory`, if any (a damaged one is left to `resume`)."""
     if not hasattr(stream.batches, "learn_saved_counts") or not Path(directory).is_dir():
         return
+    from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
+
     try:
         checkpoints = Checkpoints(directory, read_only=True)
     except ValueError:  # no complete checkpoint yet
@@ -287,6 +291,8 @@ def open_checkpoints(run: Run) -> Checkpoints | None:
     config = run.config
     if not config.checkpoint_dir:
         return None
+    from jaxpar.train.checkpoint import Checkpoints
+
     return Checkpoints(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
                        config={**run_config(config, run.model_config, run.plan, run.hf_config),
                                **({base_weights.KEY: run.base} if run.base else {})})
@@ -304,6 +310,8 @@ def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]
     """
     if checkpoints is None or checkpoints.latest_step() is None:
         return run.init(), {"step": 0, "nonfinite_steps": 0}
+    from jaxpar.train.checkpoint import CorruptCheckpoint
+
     damaged = []
     for step in reversed(checkpoints.steps()):
         try:
