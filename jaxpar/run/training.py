@@ -400,7 +400,8 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     evaluator = _evaluator(run)
     if config.precompute_reference and start < config.steps:
         preference.precompute_reference(run)
-    step_fn = compiled_step(run, state, start) if start < config.steps else run.step_fn
+    ahead = start < config.steps and (jax.process_count() > 1 or isinstance(run.step_fn, Step))  # a Step, not a stand-in
+    step_fn = compiled_step(run, state, start) if ahead else run.step_fn
     run.data.seek(start, config.steps)
     try:
         with Preemption() as preemption:
