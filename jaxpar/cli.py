@@ -414,6 +414,9 @@ def _inspect(run, args: argparse.Namespace, console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxpar.core.spelling import as_flags
+    from jaxpar.core.timeline import mark
+
+    mark("cli")  # its imports done (benchmarks/restart.py)
 
     with as_flags():  # errors from the layers below name this command line's flags, not the API's arguments
         return _main(argv)
@@ -501,4 +504,11 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
+    from jaxpar.train import ranks
+
+    if ranks.SPARE_ENV in os.environ:  # started ahead of a restart by `jaxpar launch`: the rest of its imports too
+        import jaxpar.run.report  # noqa: F401
+        import jaxpar.run.training  # noqa: F401
+
+        ranks.wait_if_spare()
     sys.exit(main())

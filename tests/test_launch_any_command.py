@@ -112,7 +112,7 @@ def test_a_killed_rank_of_a_script_is_reported_as_for_jaxpar_train(tmp_path):
     assert "rank 1 was killed by SIGKILL" in report
     assert "last step it completed:   3" in report
     assert "last complete checkpoint: none (no --checkpoint-dir: the run cannot resume)" in report
-    assert "SIGKILLed 1 s after SIGTERM: [0]" in report or "rank 0 was killed by SIGTERM" in report
+    assert "SIGKILLed 0.25 s after SIGTERM: [0]" in report or "rank 0 was killed by SIGTERM" in report
     assert "no process of the job remains" in report
     assert f"resume with:              jaxpar launch -n 2 --devices-per-process 2 --log-dir {tmp_path / 'logs'} -- " \
            f"{sys.executable} {tmp_path / 'my_train.py'} die {tmp_path / 'died'}" in report

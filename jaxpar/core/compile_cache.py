@@ -79,6 +79,18 @@ def use_default() -> Path | None:
         return use(OFF)
 
 
+def directory() -> Path | None:
+    """The cache directory in use now (None: off)."""
+    given = jax.config.jax_compilation_cache_dir
+    return Path(given) if given else None
+
+
+def loaded_whole() -> None:
+    """Count a step loaded whole from the cache (core/executables.py) as a hit, for `Watch`."""
+    _counts.listen()
+    _counts._event(_HIT)
+
+
 class _Counts:
     """Persistent-cache hits and misses of this process, from JAX's monitoring events."""
 

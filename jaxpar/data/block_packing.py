@@ -44,15 +44,17 @@ import functools
 import math
 import threading
 from fractions import Fraction
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from grain.python import IndexSampler, NoSharding
 
 from jaxpar.core.spelling import name as option_name
 from jaxpar.data.tokens import check_batch_vocab
 from jaxpar.data.packing import Document, as_batch, pack
 from jaxpar.data.shared_counts import SharedCounts
+
+if TYPE_CHECKING:  # grain (and the Orbax it imports) is a second of start-up: imported where a sampler is made
+    from grain.python import IndexSampler
 
 BLOCK_DOCUMENTS = 256  # K: documents per block (a block of 256 web pages packs in tens of ms; a batch spans few blocks)
 CACHED_BLOCKS = 32  # packed blocks kept (the read-ahead of a few batches, and every process's current blocks)
@@ -93,6 +95,8 @@ class BlockBatches:
 
     @functools.cached_property
     def _sampler(self) -> IndexSampler:
+        from grain.python import IndexSampler, NoSharding
+
         return IndexSampler(self.blocks, shard_options=NoSharding(), shuffle=True, num_epochs=None, seed=self.seed)
 
     @functools.lru_cache(maxsize=4)

@@ -24,13 +24,15 @@ import dataclasses
 import functools
 import math
 from fractions import Fraction
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from grain.python import IndexSampler, NoSharding
 
 from jaxpar.core.spelling import name as option_name
 from jaxpar.data.tokens import check_batch_vocab
+
+if TYPE_CHECKING:  # grain (and the Orbax it imports) is a second of start-up: imported where a sampler is made
+    from grain.python import IndexSampler
 
 TOKEN_FIELDS = ("inputs", "targets")  # int32 token ids, checked against the vocabulary per batch
 
@@ -99,6 +101,8 @@ class EpochBatches:
 
     @functools.cached_property
     def _sampler(self) -> IndexSampler:
+        from grain.python import IndexSampler, NoSharding
+
         return IndexSampler(len(self.table), shard_options=NoSharding(), shuffle=True, num_epochs=None,
                             seed=self.seed)
 

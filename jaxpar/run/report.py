@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from jaxpar.core import compile_cache, device_facts, gpu_profile, zero_layout
+from jaxpar.core.timeline import mark
 from jaxpar.parallel import attention_kernels, expert_kernels
 from jaxpar.planner import inspect as inspect_lib
 from jaxpar.run import preference
@@ -120,6 +121,7 @@ def train_with_progress(run: Run, console: Console) -> int:
     try:
         checkpoints = open_checkpoints(run)
         state, position = resume(run, checkpoints)
+        mark("restored")
     except ValueError as error:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
         return 2
@@ -149,6 +151,7 @@ def train_with_progress(run: Run, console: Console) -> int:
                     for moe in expert_kernels.choices(run.step_fn.used):
                         progress.console.print(f"[bold]moe kernel[/] {escape(moe)}")
                     progress.console.print(f"[bold]step[/] {escape(compiles.source() or 'compiled')}")
+                    mark("first step")
                 losses.append(row["loss"])
                 times.append(row["step_time_s"])
                 progress.update(task, completed=row["step"], loss=row["loss"], tps=row["tokens_per_s"],

@@ -12,13 +12,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import jax
 import numpy as np
 import optax
 
 from jaxpar.core import compile_cache
+from jaxpar.core.timeline import mark
 from jaxpar.core.plan import Plan
 from jaxpar.data.stream import BatchStream, DataSpec, batch_stream
 from jaxpar.interop import base_weights
@@ -27,12 +28,14 @@ from jaxpar.parallel import attention_kernels, expert_kernels, experts, lora, of
 from jaxpar.pipeline.layer_order import to_natural_order
 from jaxpar.run import preference
 from jaxpar.planner import mfu as mfu_lib
-from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
 from jaxpar.train.run_config import differences, run_config
 from jaxpar.train.distributed import heartbeat, is_leader
 from jaxpar.train.preemption import Preemption
 from jaxpar.train.state import ModelDef, TrainState, describe, init_state, state_from_base
 from jaxpar.train.step import Step, make_train_step
+
+if TYPE_CHECKING:  # imported where a run opens its checkpoints: Orbax is a quarter second of every start-up
+    from jaxpar.train.checkpoint import Checkpoints
 
 NONFINITE_ACTIONS = ("skip", "stop")  # a step with a NaN/Inf loss or gradient: skip its update, or stop the run
 # Settings that change which losses a run computes; a resumed run that changes one is no longer the run that saved.
@@ -182,6 +185,8 @@ def _learn_counts_from_newest(stream: BatchStream, directory) -> None:
     """The counts of the newest readable checkpoint in `directory`, if any (a damaged one is left to `resume`)."""
     if not hasattr(stream.batches, "learn_saved_counts") or not Path(directory).is_dir():
         return
+    from jaxpar.train.checkpoint import Checkpoints, CorruptCheckpoint
+
     try:
         checkpoints = Checkpoints(directory, read_only=True)
     except ValueError:  # no complete checkpoint yet
@@ -258,6 +263,7 @@ def prepare(config: TrainConfig, plan: Plan) -> Run:
     mfu = mfu_lib.for_run(name, mcfg, config.batch_size, config.seq_len, plan.precision,
                           list(plan.mesh.devices.flat), config.peak_flops)
     base = base_weights.record(config.init_from) if plan.lora_rank else None
+    mark("prepared")
     return Run(config, plan, mcfg, model, optimizer, data, make_model, step_fn, mfu, hf_config, base, adapter)
 
 
@@ -285,6 +291,8 @@ def open_checkpoints(run: Run) -> Checkpoints | None:
     config = run.config
     if not config.checkpoint_dir:
         return None
+    from jaxpar.train.checkpoint import Checkpoints
+
     return Checkpoints(config.checkpoint_dir, save_every=config.save_every, keep=config.keep,
                        config={**run_config(config, run.model_config, run.plan, run.hf_config),
                                **({base_weights.KEY: run.base} if run.base else {})})
@@ -302,6 +310,8 @@ def resume(run: Run, checkpoints: Checkpoints | None) -> tuple[TrainState, dict]
     """
     if checkpoints is None or checkpoints.latest_step() is None:
         return run.init(), {"step": 0, "nonfinite_steps": 0}
+    from jaxpar.train.checkpoint import CorruptCheckpoint
+
     damaged = []
     for step in reversed(checkpoints.steps()):
         try:
@@ -333,18 +343,40 @@ def changed_settings(position: dict, run: Run) -> list[str]:
     return differences({k: saved.get(k, default[k]) for k in TRAJECTORY}, {k: current[k] for k in TRAJECTORY})
 
 
-def compiled_in_step(run: Run, state: TrainState, start: int):
-    """The step compiled ahead in every process, which then wait for each other before the first one runs.
+# Settings that only say where a run's outputs go: they never change the compiled step, so they stay out of its key.
+OUTPUT_SETTINGS = ("metrics", "tensorboard", "checkpoint_dir", "save_every", "keep", "compile_cache", "peak_flops")
+
+
+def compiled_step(run: Run, state: TrainState, start: int):
+    """The step compiled ahead, or loaded whole from the compile cache when this exact run compiled it before
+    (jaxpar.core.executables: no tracing, no lowering); with several processes they then wait for each other.
 
     On CPU each new group of processes sets up its collectives when it first
     meets, and gives up after XLA's fixed 30 s; processes compiling at different
     speeds (a loaded host) would reach the first step further apart than that.
     """
-    import orbax.checkpoint as ocp
+    from jaxpar.core import executables, usage
 
-    compiled = run.step_fn.lower(state, run.batch(start)).compile()
-    # The coordination service's barrier, not a collective (which would itself have the 30 s limit).
-    ocp.multihost.get_barrier_sync_fn()(key="jaxpar-step-compiled", timeout_ms=30 * 60 * 1000)
+    mark("step: compile begins")
+    batch = run.batch(start)
+    settings = {k: v for k, v in dataclasses.asdict(run.config).items() if k not in OUTPUT_SETTINGS}
+    key = executables.key({"plan": run.plan, "model": run.model_config, "train": settings, "base": run.base},
+                          (state, batch))
+    loaded = executables.load(compile_cache.directory(), key, (state, batch))
+    if loaded is not None:
+        compiled, run.step_fn.used = loaded
+        usage.check(run.plan, run.step_fn.used)  # its warnings again, as tracing gave them
+        compile_cache.loaded_whole()
+    else:
+        compiled = run.step_fn.lower(state, batch).compile()
+        executables.store(compile_cache.directory(), key, compiled, run.step_fn.used)
+    mark("step: compiled")
+    if jax.process_count() > 1:
+        import orbax.checkpoint as ocp
+
+        # The coordination service's barrier, not a collective (which would itself have the 30 s limit).
+        ocp.multihost.get_barrier_sync_fn()(key="jaxpar-step-compiled", timeout_ms=30 * 60 * 1000)
+        mark("step: barrier passed")
     return compiled
 
 
@@ -363,12 +395,13 @@ def iterate(run: Run, state: TrainState, start: int = 0, checkpoints: Checkpoint
     """
     config = run.config
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # once, on this host: no accelerator work per step
-        lrs = np.asarray(jax.vmap(learning_rate(config))(np.arange(config.steps)))
+        lrs = np.asarray(jax.jit(jax.vmap(learning_rate(config)))(np.arange(config.steps)))  # eager: 1.5 s of ops
     outputs = Outputs(config.metrics, config.tensorboard, start)
     evaluator = _evaluator(run)
     if config.precompute_reference and start < config.steps:
         preference.precompute_reference(run)
-    step_fn = compiled_in_step(run, state, start) if jax.process_count() > 1 and start < config.steps else run.step_fn
+    ahead = start < config.steps and (jax.process_count() > 1 or isinstance(run.step_fn, Step))  # a Step, not a stand-in
+    step_fn = compiled_step(run, state, start) if ahead else run.step_fn
     run.data.seek(start, config.steps)
     try:
         with Preemption() as preemption:

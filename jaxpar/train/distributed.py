@@ -15,6 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
+from jaxpar.core.timeline import mark
 from jaxpar.train.rank_report import CLUSTER_ENV, heartbeat, show_life, watch_exit  # noqa: F401 (heartbeat: public)
 
 LOST_RANKS_ENV = "JAXPAR_TEST_LOST_RANKS"  # a test hook: these ranks of the first start, once dead, never come back
@@ -66,6 +67,7 @@ def initialize() -> bool:
 
         raise ValueError(_port_in_use(str(global_state.coordinator_address).rsplit(":", 1)[-1])) from None
     watch_exit()  # an error from here on ends this rank at once with its code, not in jax's shutdown barrier
+    mark("distributed initialized")
     return True
 
 
@@ -226,6 +228,7 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
     beat_dir = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix="jaxpar-beats-"))
     now = {"processes": num_processes, "argv": job.argv}  # what the next (re)start runs: a shrink changes it
     lost = {int(r) for r in os.environ.get(LOST_RANKS_ENV, "").split(",") if r}
+    spares = launcher.Spares(job.max_restarts) if job.max_restarts and not job.any_command else None
 
     def start_ranks() -> list:
         address = f"localhost:{job.coordinator_port or _free_port()}"  # a fresh coordinator for every (re)start
@@ -237,7 +240,7 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
             env = os.environ
         envs = [{**env, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(n),
                  "JAX_PROCESS_ID": str(rank)} for rank in range(n)]
-        return launcher.start([command] * n, envs, log_dir, beat_dir)
+        return launcher.start([command] * n, envs, log_dir, beat_dir, spares)
 
     def shrink(left: int) -> str | None:
         """The largest count from `left` down to min_processes that the layout shrinks to; None without the option."""
@@ -252,5 +255,7 @@ def launch_local(num_processes: int, devices_per_process: int, argv: list[str], 
                             events=None if log_dir is None else log_dir / "events.jsonl",
                             lost=lambda rank: now["processes"] == num_processes and rank in lost, shrink=shrink)
     finally:
+        if spares is not None:
+            spares.close()
         if log_dir is None:
             shutil.rmtree(beat_dir, ignore_errors=True)  # the temporary heartbeats and logs

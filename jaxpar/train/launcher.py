@@ -2,8 +2,8 @@
 
 A job of N cooperating processes is only as alive as its weakest rank: when
 one dies the others block in a collective forever. So on a death the launcher
-ends the rest at once (SIGTERM, SIGKILL a second later: a rank whose peer is
-dead cannot save), checks that none remains, and prints one block saying who
+ends the rest at once (SIGTERM, SIGKILL 0.25 s later: a rank whose peer is
+dead cannot save, and a restart waits for them), checks that none remains, and prints one block saying who
 died, how, the last step it completed, the last checkpoint and the command that
 resumes. SIGTERM or SIGINT to the launcher (a scheduler's preemption notice, a
 Ctrl-C) is forwarded to every rank as SIGTERM, on which `jaxpar train` saves and
@@ -38,11 +38,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from jaxpar.core.timeline import mark
 from jaxpar.train.rank_report import HEARTBEAT_ENV, alive_file  # noqa: F401 (the launcher's names for them)
-from jaxpar.train.ranks import RANK_OUTPUT_ENV, Rank, start  # noqa: F401
+from jaxpar.train.ranks import RANK_OUTPUT_ENV, Rank, Spares, start  # noqa: F401
 
 CONFIGURATION_ERROR = 2  # `jaxpar` exits 2 on a bad command line or configuration (cli.py), found before training
-DEATH_GRACE_S = 1.0  # survivors of a death get this long after SIGTERM before SIGKILL (they wait on a dead peer)
+DEATH_GRACE_S = 0.25  # survivors of a death get this long after SIGTERM before SIGKILL: waiting on a dead peer they
+# cannot save, and a restart waits on them
 LIFE_S = 3.0  # a rank whose sign of life (touched every 0.5 s) is older than this is hung, not waiting
 MIN_HEARTBEAT_S, SLOWEST_STEPS = 60.0, 10  # the default heartbeat: 10x the slowest step seen, at least a minute
 
@@ -260,6 +262,7 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
     with _Signals() as signals:
         for attempt in range(max_restarts + 1):
             ranks = start_ranks()
+            mark("launcher: ranks started")
             record("start", attempt=attempt, pids=[r.process.pid for r in ranks])
             code, restartable, outcome = _supervise(ranks, grace_s, checkpoint_dir, list(resume), signals, heartbeat_s)
             checkpoint_dir = checkpoint_dir or told_checkpoints(ranks)  # a script's own, through its heartbeat
@@ -268,7 +271,9 @@ def run(start_ranks: Callable[[], list[Rank]], *, max_restarts: int = 0, grace_s
             if not restartable or signals.stop_requested or attempt == max_restarts:
                 record("stop", exit_code=code, **({} if restartable else outcome))
                 return code
+            mark("launcher: report printed")
             step = last_complete_checkpoint(checkpoint_dir)
+            mark("launcher: checkpoint read")
             where = "the start (no complete checkpoint)" if step is None else f"step {step}"
             if lost(outcome["rank"]):
                 try:
@@ -390,8 +395,10 @@ def _supervise(ranks: list[Rank], grace_s: float, checkpoint_dir: str | None, re
                 return _configuration_error(ranks, dead)
             hung = None if dead is not None else _hung(ranks, heartbeat_s)
             if dead is not None or hung is not None:
+                mark("launcher: death noticed")
                 culprit, reason = _cause_of(dead, ranks) if dead is not None else hung
                 killed = _end(ranks, DEATH_GRACE_S, signals)  # a death is certain: no save can complete, end them now
+                mark("launcher: others ended")
                 print(_report(ranks, culprit, killed, checkpoint_dir, resume, reason), file=sys.stderr, flush=True)
                 return _exit_code(culprit.process.returncode), True, {
                     "rank": culprit.rank, "cause": reason or describe_exit(culprit.rank, culprit.process.returncode),

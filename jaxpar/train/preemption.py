@@ -6,7 +6,6 @@ import signal
 import threading
 
 import jax
-import orbax.checkpoint as ocp
 
 
 class Preemption:
@@ -36,5 +35,7 @@ class Preemption:
     def reached(self, step: int) -> bool:
         """True once a preemption notice came (and, across processes, all agree to stop after `step`)."""
         if jax.process_count() > 1:
+            import orbax.checkpoint as ocp  # here: Orbax is a quarter second of a one-process run's start-up
+
             return ocp.multihost.reached_preemption(step)
         return self.noticed

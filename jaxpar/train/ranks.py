@@ -4,6 +4,10 @@ Each rank runs in a session of its own, so a terminal's Ctrl-C reaches the launc
 parent-death signal, so even a SIGKILLed launcher leaves no orphan. The signal is set by a small exec wrapper,
 not a `preexec_fn`: Python runs its fork hooks around a `preexec_fn`, and jax's warns that forking a multithreaded
 process may deadlock; without one, subprocess forks and execs in C.
+
+With restarts left, each start also starts the next one's ranks ahead (`Spares`): a `jaxpar` rank is mostly its
+interpreter and imports before it does anything of its own (seconds on a loaded host), so a spare does them while
+the job runs and then waits for the launcher's word (its environment, with the new coordinator) on its stdin.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 from jaxpar.train.rank_report import CHECKPOINT, HEARTBEAT_ENV, alive_file
 
 RANK_OUTPUT_ENV = "JAXPAR_RANK_OUTPUT"  # set for ranks whose output goes to a file: they print like rank 0
+SPARE_ENV = "JAXPAR_SPARE"  # set for a rank started ahead of a restart: it waits for its environment on stdin
+SPARE_ANY = ("JAX_COORDINATOR_ADDRESS",)  # what may differ between a spare's environment and its start's
 ERROR_LINES = 8  # the last lines of a failing rank's stderr that the launcher shows
 
 # PR_SET_PDEATHSIG (1): the kernel SIGKILLs this process when the launcher dies; kept across exec.
@@ -136,17 +142,19 @@ def _tee(source, console, log) -> None:
     log.close()
 
 
-def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, beat_dir: Path | None = None) -> list[Rank]:
+def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, beat_dir: Path | None = None,
+          spares: "Spares | None" = None) -> list[Rank]:
     """Start one process per command. Rank 0 prints to the console (and its logs); the others to their logs only.
 
     With `beat_dir`, each rank is told (HEARTBEAT_ENV) to write its step to `beat_dir/rankN.beat` after every
     step; without a `log_dir`, the output of ranks other than 0 goes to `beat_dir` (temporary): a failing rank's
-    last error lines are shown whether its logs are kept or not.
+    last error lines are shown whether its logs are kept or not. With `spares`, a rank started ahead for this
+    start is used where it fits, and the next start's are started.
     """
     for directory in (log_dir, beat_dir):
         if directory is not None:
             Path(directory).mkdir(parents=True, exist_ok=True)
-    ranks = []
+    ranks, specs = [], []
     for rank, (command, env) in enumerate(zip(commands, envs, strict=True)):
         beat = None if beat_dir is None else Path(beat_dir) / f"rank{rank}.beat"
         if beat is not None:
@@ -154,25 +162,91 @@ def start(commands: list[list[str]], envs: list[dict], log_dir: Path | None, bea
                 stale.unlink(missing_ok=True)
             env = {**env, HEARTBEAT_ENV: str(beat)}
         out_dir = log_dir if log_dir is not None else (beat_dir if rank else None)
-        ranks.append(_start_rank(rank, dying_with_launcher(command), env, out_dir, beat, kept=log_dir is not None))
+        spec = (rank, dying_with_launcher(command), env, out_dir, beat, log_dir is not None)
+        ranks.append((spares and spares.take(spec)) or _start_rank(*spec))
+        specs.append(spec)
+    if spares is not None:
+        spares.started(specs)
     return ranks
 
 
+class Spares:
+    """The ranks of the job's next start, started ahead while `restarts` are left (see the module docstring)."""
+
+    def __init__(self, restarts: int):
+        self.left = restarts
+        self.ready: list[tuple[tuple, Rank]] = []
+
+    def take(self, spec: tuple) -> Rank | None:
+        """The live spare started for `spec` (a rank's command, environment and output), told to go; else None."""
+        for index, (ready_spec, spare) in enumerate(self.ready):
+            if _same_start(ready_spec, spec) and spare.alive():
+                del self.ready[index]
+                try:
+                    spare.process.stdin.write((json.dumps(spec[2]) + "\n").encode())
+                    spare.process.stdin.close()
+                except OSError:
+                    return None
+                spare.err_from = spare.err.stat().st_size if spare.err is not None else 0  # this start's own lines
+                return spare
+        return None
+
+    def started(self, specs: list[tuple]) -> None:
+        """A start took what it could: let the other spares go, and start the next start's while restarts are left."""
+        self.close()
+        if self.left > 0:
+            self.left -= 1
+            self.ready = [(spec, _start_rank(*spec, spare=True)) for spec in specs]
+
+    def close(self) -> None:
+        """End the spares not taken (their stdin closed: they exit; SIGKILL whatever does not at once)."""
+        for _, spare in self.ready:
+            try:
+                spare.process.stdin.close()
+            except OSError:
+                pass
+            spare.process.kill()
+            spare.process.wait()
+        self.ready = []
+
+
+def _same_start(a: tuple, b: tuple) -> bool:
+    """Whether a spare started for `a` can be the rank `b`: all alike but the environment's SPARE_ANY."""
+    def env(spec):
+        return {k: v for k, v in spec[2].items() if k not in SPARE_ANY}
+
+    return a[:2] == b[:2] and a[3:] == b[3:] and env(a) == env(b)
+
+
+def wait_if_spare() -> None:
+    """In a rank started as a spare (SPARE_ENV), wait for the launcher's word: the environment to run in, or the
+    end of stdin (not needed: exit 0). Elsewhere returns at once."""
+    if SPARE_ENV not in os.environ:
+        return
+    line = sys.stdin.readline()
+    if not line:
+        os._exit(0)
+    del os.environ[SPARE_ENV]
+    os.environ.update(json.loads(line))
+
+
 def _start_rank(rank: int, command: list[str], env: dict, out_dir: Path | None, beat: Path | None,
-                kept: bool) -> Rank:
+                kept: bool, spare: bool = False) -> Rank:
+    """Start one rank; a `spare` waits for its word on its stdin (Spares.take) before it runs."""
+    more = {"stdin": subprocess.PIPE, "env": {**env, SPARE_ENV: "1"}} if spare else {"env": env}
     if out_dir is None:  # rank 0 without a log directory: on the console only
-        return Rank(rank, subprocess.Popen(command, env=env, start_new_session=True), heartbeat=beat)
+        return Rank(rank, subprocess.Popen(command, start_new_session=True, **more), heartbeat=beat)
     logs = (Path(out_dir) / f"rank{rank}.out", Path(out_dir) / f"rank{rank}.err")
     files = [path.open("ab") for path in logs]
     where = {"logs": logs if kept else (), "heartbeat": beat, "err": logs[1], "err_from": files[1].tell()}
     if rank:
-        process = subprocess.Popen(command, env={**env, RANK_OUTPUT_ENV: "1"}, stdout=files[0], stderr=files[1],
-                                   start_new_session=True)
+        more["env"] = {**more["env"], RANK_OUTPUT_ENV: "1"}
+        process = subprocess.Popen(command, stdout=files[0], stderr=files[1], start_new_session=True, **more)
         for file in files:
             file.close()  # the child holds its own copies
         return Rank(rank, process, **where)
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                               **more)
     copiers = tuple(threading.Thread(target=_tee, args=streams, daemon=True) for streams in
                     ((process.stdout, sys.stdout, files[0]), (process.stderr, sys.stderr, files[1])))
     for copier in copiers:
