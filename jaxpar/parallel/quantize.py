@@ -24,7 +24,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.special import ndtri
 
 KINDS = ("int8", "nf4")
 BLOCK = 64  # values per scale (the QLoRA paper's block size)
@@ -38,6 +37,8 @@ NF4_OFFSET = 0.9677083  # the outermost quantile: 1/2 (1/30 + 1/32) in from each
 
 def normal_float_levels(offset: float = NF4_OFFSET) -> np.ndarray:
     """NF4's 16 levels from their definition: quantiles of N(0, 1), 8 positive, 7 negative and 0, scaled to [-1, 1]."""
+    from scipy.special import ndtri  # here, not at import: scipy.special costs every start a quarter second
+
     positive = ndtri(np.linspace(offset, 0.5, 9)[:-1])  # in float64, as the published table was computed
     negative = -ndtri(np.linspace(offset, 0.5, 8)[:-1])
     levels = np.sort(np.concatenate([positive, [0.0], negative]))
