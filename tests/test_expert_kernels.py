@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import max_relative_error
 from test_experts import D, E, F, layer_inputs, layer_objective, plan_for
+from jaxpar.core import device_facts, target
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import expert_dispatch, expert_kernels, experts
 
@@ -126,6 +127,24 @@ def test_the_kernel_is_chosen_from_the_plans_devices_and_forced_or_refused_in_on
         expert_kernels.choose(False, dataclasses.replace(cpu, moe_kernel="tiled"))
     with pytest.raises(ValueError, match=r"moe_kernel must be one of \('auto', 'buffered', 'tiled', 'ragged'\)"):
         Plan.create("data=1", devices=jax.devices()[:1], moe_kernel="grouped")
+
+
+NO_TARGET = target.plugin_missing() or (None if jax.config.jax_platforms == "cpu" else "JAX_PLATFORMS is not cpu")
+
+
+@pytest.mark.skipif(NO_TARGET is not None, reason=str(NO_TARGET))
+def test_auto_on_an_h100_target_asks_the_targets_compiler_whether_ragged_dot_stays_grouped():
+    """On a GPU the choice compiles one small ragged_dot for the plan's devices (never the process's): jax 0.12's
+    XLA:GPU for h100x8 expands it into dense dots (no ragged-dot left), so auto runs `tiled` and says why; a forced
+    `ragged` is run and noted."""
+    plan = Plan.create("data=8", target="h100x8")
+    assert expert_kernels.choose(True, plan) == (
+        "tiled", "auto: dropless, no native grouped matmul on XLA:GPU (ragged_dot would expand into a dense dot): "
+                 "each expert's sorted rows a tile at a time")
+    facts = device_facts.of_mesh(plan.mesh)
+    assert expert_kernels._GROUPED[("gpu", facts.kind, "h100x8")] is False
+    assert expert_kernels.choose(True, dataclasses.replace(plan, moe_kernel="ragged")) == (
+        "ragged", "asked for (moe_kernel=ragged); XLA:GPU expands ragged_dot into a dense dot over every expert")
 
 
 def compiled_temp(kernel: str, n_experts: int, top_k: int, d: int, f: int, tokens: int) -> int:
