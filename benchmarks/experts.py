@@ -140,8 +140,64 @@ def layer_memory_row(kernel: str, shape: dict, target: str | None = None) -> dic
     temp = compiled.memory_analysis().temp_size_in_bytes
     routed = tokens * k * (d + f) * 4
     chosen = expert_kernels.choose(True, plan)
+    grads = 3 * e * d * f * 4 if target else 0  # data=8 sums the replicated experts' gradient: its buffer is temp
     return {"kernel": kernel, **({"chosen": chosen[0], "why": chosen[1]} if kernel == "auto" else {}), **shape,
-            "temp_bytes": temp, "routed_rows_bytes": routed, "temp_over_routed": round(temp / routed, 3)}
+            "temp_bytes": temp, "routed_rows_bytes": routed, "temp_over_routed": round(temp / routed, 3),
+            **({"expert_weight_grad_bytes": grads, "temp_less_weight_grads_over_routed":
+                round((temp - grads) / routed, 3)} if target else {})}
+
+
+def sent_rows_bytes(hlo: str) -> list[int]:
+    """Bytes of the operand each ragged-all-to-all of a compiled module sends from: its first operand's shape
+    (XLA:GPU's async start names it first in its type, ((operand, output, offsets...), output))."""
+    import re  # noqa: PLC0415
+
+    shapes = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+\[[0-9,]*\])", hlo, re.M))
+    sizes = {"f32": 4, "bf16": 2, "f16": 2}
+    out = []
+    for line in hlo.splitlines():
+        start = re.search(r"=\s*\(\((\w+\[[0-9,]*\]).*ragged-all-to-all-start\(", line)
+        plain = re.search(r"ragged-all-to-all\(%?([\w.\-]+)", line)
+        if not (start or plain):
+            continue
+        dtype, dims = re.match(r"(\w+)\[([0-9,]*)\]", start.group(1) if start else shapes[plain.group(1)]).groups()
+        out.append(int(np.prod([int(n) for n in dims.split(",") if n])) * sizes[dtype])
+    return out
+
+
+def exchange_row(shape: dict, target: str) -> dict:
+    """One dropless layer (tiled) with its experts over expert=8 compiled for `target`: the exchange chosen, and the
+    bytes each ragged-all-to-all sends from beside the routed rows' tokens x k x d x 4 per device."""
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    from jaxpar.core import device_facts, gpu_profile  # noqa: PLC0415
+    from jaxpar.parallel import expert_exchange, experts  # noqa: PLC0415
+
+    e, k, d, f, tokens = (shape[n] for n in ("n_experts", "top_k", "d_model", "d_ff", "tokens"))
+    cfg = experts.MoEConfig(e, top_k=k, dropless=True)
+    plan = Plan.create("expert=8", target=target, moe_kernel="tiled")
+    whole, split = NamedSharding(plan.mesh, PartitionSpec()), NamedSharding(plan.mesh, PartitionSpec("expert"))
+    p = {"router": jax.ShapeDtypeStruct((d, e), np.float32)}
+    p |= {n: jax.ShapeDtypeStruct((e, *s), np.float32, sharding=split)
+          for n, s in (("expert_gate", (d, f)), ("expert_up", (d, f)), ("expert_down", (f, d)))}
+    x = jax.ShapeDtypeStruct((8, tokens, d), np.float32)
+
+    def objective(p, x):
+        y, stats = experts.moe_ffn(p, x, cfg)
+        return (y * y).sum() + stats["load_balance_loss"]
+
+    specs = {n: whole if n == "router" else split for n in p}
+    options = {**gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)), **DEVICELESS_SORT}
+    with plan.activate():
+        fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)), in_shardings=(specs, split),
+                     out_shardings=(whole, (specs, split)))
+        compiled, _, _ = gpu_profile.compile_with(fn.lower(p, x), options)
+    routed = tokens * k * d * 4
+    sent = sent_rows_bytes(compiled.as_text())
+    return {"target": target, "mesh": "expert=8", **shape, "exchange": expert_exchange.choose(plan, "expert"),
+            "ragged_all_to_all_operand_bytes": sent, "routed_rows_bytes": routed,
+            "dispatch_over_routed": [round(b / routed, 4) for b in sent if b <= routed],
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
 def main():
@@ -161,7 +217,8 @@ def main():
     layer = [layer_memory_row(kernel, LAYER, args.target) for kernel in kernels]
     if args.layer_only:
         where = {"target": args.target} if args.target else {"platform": jax.devices()[0].platform}
-        print(json.dumps({**where, "layer_memory": layer}, indent=1))
+        exchange = {"exchange": exchange_row(LAYER, args.target)} if args.target else {}
+        print(json.dumps({**where, "layer_memory": layer, **exchange}, indent=1))
         return
     config = dataclasses.replace(CONFIGS[args.model], seq_len=args.seq_len)
     report = {

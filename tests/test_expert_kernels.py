@@ -206,7 +206,9 @@ def test_cli_prints_the_moe_kernel_and_refuses_a_sorted_one_for_capacity_routing
 
 def test_the_planner_counts_the_sorted_layer_and_fits_gpt_oss_20b_dropless_on_8_h100s():
     """Without expert parallelism a dropless layer keeps its input (d per token) and a backward workspace of the
-    routed rows; over `expert` the capacity exchange's buffers (2 d per slot, E slots per token dropless)."""
+    routed rows; over `expert` the capacity exchange's buffers (2 d per slot, E slots per token dropless), or with
+    the ragged exchange its receiving buffer (expert x k rows per token) and the k rows returned. The layout
+    names the kernel it was counted in."""
     from jaxpar.planner.activations import moe_mlp_values_per_token, sorted_moe_workspace
     from jaxpar.planner.layout import Layout, Workload
     from jaxpar.planner.model import Model, model_seq
@@ -219,8 +221,13 @@ def test_the_planner_counts_the_sorted_layer_and_fits_gpt_oss_20b_dropless_on_8_
     assert moe_mlp_values_per_token(model, over_expert, seq) == model.n_experts * (1 + 2 * model.d_model)
     assert sorted_moe_workspace(model, alone, 1000) == 1000 * (12 * (model.n_experts + model.d_model) + 16 * 4)
     assert sorted_moe_workspace(model, over_expert, 1000) == 0
+    ragged = dataclasses.replace(over_expert, moe_exchange="ragged")
+    assert moe_mlp_values_per_token(model, ragged, seq) == model.d_model * (1 + 4 * 4 + 4)
+    assert sorted_moe_workspace(model, ragged, 1000) == 1000 * (12 * (model.n_experts + model.d_model) + 16 * 4
+                                                                + 8 * 4 * 4 * model.d_model)
     best = plan(model, 8, Workload(default_batch(model, 8, seq), seq), "h100", "bf16").best
     assert best is not None and best.fits and best.layout.expert == 1
+    assert best.layout.moe_kernel == "tiled" and "moe_kernel=tiled" in str(best.layout)
 
 
 def test_a_forced_moe_kernel_on_a_model_without_experts_is_refused(capsys):
