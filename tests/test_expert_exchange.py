@@ -4,6 +4,8 @@ routed to its experts. XLA:CPU has no ragged-all-to-all, so here the collective 
 the buffered layer at 1e-6; a GPU target's compile (the CUDA plugin) checks the real collective's bytes."""
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ from helpers import max_relative_error
 from test_expert_kernels import NO_TARGET, OPTIONS, option_params
 from test_experts import layer_inputs, layer_objective, plan_for
 from jaxpar.parallel import expert_exchange, experts
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def reference_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -63,3 +65,42 @@ def test_the_exchange_is_chosen_from_the_plans_devices():
     plan = plan_for("data=2,expert=4")
     assert expert_exchange.choose(plan, "expert") == (
         "buffers", "XLA:CPU has no ragged-all-to-all: the capacity buffers' all-to-all")
+
+
+def ragged_operand_bytes(hlo: str) -> list[int]:
+    """Bytes each ragged-all-to-all sends from (XLA:GPU's async start names its operand first in its type)."""
+    found = re.findall(r"=\s*\(\((f32)\[([0-9,]*)\][^\n]*ragged-all-to-all-start\(", hlo)
+    return [4 * math.prod(int(n) for n in dims.split(",")) for _, dims in found]
+
+
+@pytest.mark.skipif(NO_TARGET is not None, reason=str(NO_TARGET))
+def test_on_an_h100_target_each_rank_is_sent_exactly_its_experts_rows():
+    """Compiled for h100x8 with experts over expert=8, the layer's rows go by ragged-all-to-all: the dispatch (and
+    its cotangent's) sends the routed rows, tokens x k x d x 4 bytes per device, nothing of a capacity buffer;
+    the returns send from the receiving buffer (8 x those rows), of which each rank's received rows move."""
+    from jaxpar.core import device_facts, gpu_profile
+    from jaxpar.core.plan import Plan
+
+    e, k, d, f, tokens = 16, 2, 32, 16, 64
+    cfg = experts.MoEConfig(e, top_k=k, dropless=True)
+    plan = Plan.create("expert=8", target="h100x8", moe_kernel="tiled")
+    assert expert_exchange.choose(plan, "expert")[0] == "ragged"
+    whole, split = NamedSharding(plan.mesh, P()), NamedSharding(plan.mesh, P("expert"))
+    p = {"router": jax.ShapeDtypeStruct((d, e), jnp.float32)}
+    p |= {n: jax.ShapeDtypeStruct((e, *s), jnp.float32) for n, s in
+          (("expert_gate", (d, f)), ("expert_up", (d, f)), ("expert_down", (f, d)))}
+    specs = {n: whole if n == "router" else split for n in p}
+
+    def objective(p, x):
+        y, stats = experts.moe_ffn(p, x, cfg)
+        return jnp.sum(y * y) + stats["load_balance_loss"]
+
+    with plan.activate():
+        fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)), in_shardings=(specs, split),
+                     out_shardings=(whole, (specs, split)))
+        options = {**gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)),
+                   "xla_gpu_enable_cub_radix_sort": False}
+        compiled, _, _ = gpu_profile.compile_with(fn.lower(p, jax.ShapeDtypeStruct((8, tokens, d), jnp.float32)),
+                                                  options)
+    routed = tokens * k * d * 4
+    assert sorted(ragged_operand_bytes(compiled.as_text())) == [routed, routed, 8 * routed, 8 * routed]

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 
 from jaxpar.core import device_facts, usage
 from jaxpar.parallel.expert_dispatch import _axes, _varying
+from jaxpar.parallel.expert_kernels import EXCHANGE_MARK
 
-MARK = "moe exchange: "  # the usage marks recording each MoE layer's exchange over `expert`
+MARK = EXCHANGE_MARK  # the usage marks recording each MoE layer's exchange over `expert`
 RAGGED_BACKENDS = ("gpu", "tpu")  # XLA's with a ragged-all-to-all (XLA:CPU's thunk emitter has none)
 ragged_all_to_all = jax.lax.ragged_all_to_all  # the collective (tests put a reference in its place on XLA:CPU)
 

@@ -27,6 +27,7 @@ from jaxpar.core.trace import active_plan
 
 KERNELS = ("auto", "buffered", "tiled", "ragged")
 options.register_choices("moe_kernel", KERNELS)
+EXCHANGE_MARK = "moe exchange: "  # jaxpar.parallel.expert_exchange's marks, read back by `choices`
 MARK = "moe kernel: "  # the prefix of the usage marks that record each MoE layer's choice
 NATIVE_RAGGED_DOT = ("tpu",)  # the platforms whose XLA lowers ragged_dot to a grouped matmul, not a dense dot
 
@@ -104,5 +105,6 @@ def chosen(dropless: bool) -> str:
 
 
 def choices(used: set[str]) -> list[str]:
-    """Every distinct MoE kernel choice marked while a step was traced."""
-    return usage.marked_choices(used, MARK)
+    """Every distinct MoE kernel choice marked while a step was traced, then each exchange over `expert` chosen
+    (`jaxpar.parallel.expert_exchange`), as "exchange NAME (why)"."""
+    return usage.marked_choices(used, MARK) + ["exchange " + c for c in usage.marked_choices(used, EXCHANGE_MARK)]
