@@ -8,11 +8,15 @@
 - the dropped-token fraction at capacity factor 1.0 and 1.25 (and dropless), at the first step and
   after training, with the load-balancing loss that pushes the router towards even loads;
 - one dropless MoE layer's compiled temp (forward + backward, XLA's memory analysis, nothing run) by
-  `moe_kernel` (buffered, tiled; ragged with --ragged) on one device, against the routed rows'
-  activations tokens x k x (d + f) x bytes (issue 57: E=128, k=8, d=512, f=256, 4,096 tokens, fp32).
+  `moe_kernel` (buffered, tiled; ragged with --ragged; and what auto chose) on one device, against the routed
+  rows' activations tokens x k x (d + f) x bytes (issue 57: E=128, k=8, d=512, f=256, 4,096 tokens, fp32).
+  `--target h100x8` compiles it for a GPU target instead (`jaxpar.core.target`; JAX_PLATFORMS=cpu, the CUDA
+  plugin): 8 devices of 4,096 tokens each, the temp per device. CUB's radix sort is turned off there
+  (`xla_gpu_enable_cub_radix_sort=false`): a deviceless compile cannot ask a GPU for its scratch size ("invalid
+  device ordinal" for sorts of 32,768 rows), so the target's sort is XLA's own.
 
     python benchmarks/experts.py [--model moe-tiny] [--batch-size 16] [--seq-len 64] [--steps 5] [--train-steps 20]
-    python benchmarks/experts.py --layer-only [--ragged]     # the layer's memory by kernel only
+    python benchmarks/experts.py --layer-only [--ragged] [--target h100x8]    # the layer's memory by kernel only
 """
 
 import argparse
@@ -102,28 +106,98 @@ def drops_row(config, capacity: float | None, batch_size: int, train_steps: int)
 LAYER = {"n_experts": 128, "top_k": 8, "d_model": 512, "d_ff": 256, "tokens": 4096}
 
 
-def layer_memory_row(kernel: str, shape: dict) -> dict:
-    """Compiled temp bytes of value_and_grad of one dropless layer (params and input) under moe_kernel=`kernel`."""
-    from jaxpar.parallel import experts  # noqa: PLC0415
+DEVICELESS_SORT = {"xla_gpu_enable_cub_radix_sort": False}  # CUB asks a GPU for its scratch: none in a target compile
+
+
+def layer_memory_row(kernel: str, shape: dict, target: str | None = None) -> dict:
+    """Compiled temp bytes per device of value_and_grad of one dropless layer (params and input) under
+    moe_kernel=`kernel` ("auto": the kernel auto chose is reported), on one CPU device or a target's 8."""
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    from jaxpar.core import device_facts, gpu_profile  # noqa: PLC0415
+    from jaxpar.parallel import expert_kernels, experts  # noqa: PLC0415
 
     e, k, d, f, tokens = (shape[n] for n in ("n_experts", "top_k", "d_model", "d_ff", "tokens"))
     cfg = experts.MoEConfig(e, top_k=k, dropless=True)
     p = {"router": jax.ShapeDtypeStruct((d, e), np.float32), "expert_gate": jax.ShapeDtypeStruct((e, d, f), np.float32),
          "expert_up": jax.ShapeDtypeStruct((e, d, f), np.float32),
          "expert_down": jax.ShapeDtypeStruct((e, f, d), np.float32)}
-    x = jax.ShapeDtypeStruct((1, tokens, d), np.float32)
+    devices = 8 if target else 1
+    x = jax.ShapeDtypeStruct((devices, tokens, d), np.float32)
 
     def objective(p, x):
         y, stats = experts.moe_ffn(p, x, cfg)
         return (y * y).sum() + stats["load_balance_loss"]
 
-    plan = Plan.create("data=1", devices=jax.devices()[:1], moe_kernel=kernel)
+    plan = Plan.create(f"data={devices}", target=target, moe_kernel=kernel) if target else \
+        Plan.create("data=1", devices=jax.devices()[:1], moe_kernel=kernel)
+    whole, rows = NamedSharding(plan.mesh, PartitionSpec()), NamedSharding(plan.mesh, PartitionSpec("data"))
+    options = {**gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)), **DEVICELESS_SORT} if target else {}
     with plan.activate():
-        compiled = jax.jit(jax.value_and_grad(objective, argnums=(0, 1))).lower(p, x).compile()
+        fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)), in_shardings=(whole, rows),
+                     out_shardings=(whole, (whole, rows)))
+        compiled, _, _ = gpu_profile.compile_with(fn.lower(p, x), options)
     temp = compiled.memory_analysis().temp_size_in_bytes
     routed = tokens * k * (d + f) * 4
-    return {"kernel": kernel, **shape, "temp_bytes": temp, "routed_rows_bytes": routed,
-            "temp_over_routed": round(temp / routed, 3)}
+    chosen = expert_kernels.choose(True, plan)
+    grads = 3 * e * d * f * 4 if target else 0  # data=8 sums the replicated experts' gradient: its buffer is temp
+    return {"kernel": kernel, **({"chosen": chosen[0], "why": chosen[1]} if kernel == "auto" else {}), **shape,
+            "temp_bytes": temp, "routed_rows_bytes": routed, "temp_over_routed": round(temp / routed, 3),
+            **({"expert_weight_grad_bytes": grads, "temp_less_weight_grads_over_routed":
+                round((temp - grads) / routed, 3)} if target else {})}
+
+
+def sent_rows_bytes(hlo: str) -> list[int]:
+    """Bytes of the operand each ragged-all-to-all of a compiled module sends from: its first operand's shape
+    (XLA:GPU's async start names it first in its type, ((operand, output, offsets...), output))."""
+    import re  # noqa: PLC0415
+
+    shapes = dict(re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+\[[0-9,]*\])", hlo, re.M))
+    sizes = {"f32": 4, "bf16": 2, "f16": 2}
+    out = []
+    for line in hlo.splitlines():
+        start = re.search(r"=\s*\(\((\w+\[[0-9,]*\]).*ragged-all-to-all-start\(", line)
+        plain = re.search(r"ragged-all-to-all\(%?([\w.\-]+)", line)
+        if not (start or plain):
+            continue
+        dtype, dims = re.match(r"(\w+)\[([0-9,]*)\]", start.group(1) if start else shapes[plain.group(1)]).groups()
+        out.append(int(np.prod([int(n) for n in dims.split(",") if n])) * sizes[dtype])
+    return out
+
+
+def exchange_row(shape: dict, target: str) -> dict:
+    """One dropless layer (tiled) with its experts over expert=8 compiled for `target`: the exchange chosen, and the
+    bytes each ragged-all-to-all sends from beside the routed rows' tokens x k x d x 4 per device."""
+    from jax.sharding import NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    from jaxpar.core import device_facts, gpu_profile  # noqa: PLC0415
+    from jaxpar.parallel import expert_exchange, experts  # noqa: PLC0415
+
+    e, k, d, f, tokens = (shape[n] for n in ("n_experts", "top_k", "d_model", "d_ff", "tokens"))
+    cfg = experts.MoEConfig(e, top_k=k, dropless=True)
+    plan = Plan.create("expert=8", target=target, moe_kernel="tiled")
+    whole, split = NamedSharding(plan.mesh, PartitionSpec()), NamedSharding(plan.mesh, PartitionSpec("expert"))
+    p = {"router": jax.ShapeDtypeStruct((d, e), np.float32)}
+    p |= {n: jax.ShapeDtypeStruct((e, *s), np.float32, sharding=split)
+          for n, s in (("expert_gate", (d, f)), ("expert_up", (d, f)), ("expert_down", (f, d)))}
+    x = jax.ShapeDtypeStruct((8, tokens, d), np.float32)
+
+    def objective(p, x):
+        y, stats = experts.moe_ffn(p, x, cfg)
+        return (y * y).sum() + stats["load_balance_loss"]
+
+    specs = {n: whole if n == "router" else split for n in p}
+    options = {**gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)), **DEVICELESS_SORT}
+    with plan.activate():
+        fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)), in_shardings=(specs, split),
+                     out_shardings=(whole, (specs, split)))
+        compiled, _, _ = gpu_profile.compile_with(fn.lower(p, x), options)
+    routed = tokens * k * d * 4
+    sent = sent_rows_bytes(compiled.as_text())
+    return {"target": target, "mesh": "expert=8", **shape, "exchange": expert_exchange.choose(plan, "expert"),
+            "ragged_all_to_all_operand_bytes": sent, "routed_rows_bytes": routed,
+            "dispatch_over_routed": [round(b / routed, 4) for b in sent if b <= routed],
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
 
 
 def main():
@@ -135,11 +209,16 @@ def main():
     parser.add_argument("--train-steps", type=int, default=20, help="steps of the dropped-token runs")
     parser.add_argument("--layer-only", action="store_true", help="only the MoE layer's memory by kernel")
     parser.add_argument("--ragged", action="store_true", help="the layer's memory under moe_kernel=ragged as well")
+    parser.add_argument("--target", help="compile the layer for a GPU target (h100x8, ...; with --layer-only)")
     args = parser.parse_args()
-    kernels = ["buffered", "tiled"] + (["ragged"] if args.ragged else [])
-    layer = [layer_memory_row(kernel, LAYER) for kernel in kernels]
+    if args.target and not args.layer_only:
+        parser.error("--target compiles the layer only: add --layer-only")
+    kernels = ["buffered", "tiled", "auto"] + (["ragged"] if args.ragged else [])
+    layer = [layer_memory_row(kernel, LAYER, args.target) for kernel in kernels]
     if args.layer_only:
-        print(json.dumps({"platform": jax.devices()[0].platform, "layer_memory": layer}, indent=1))
+        where = {"target": args.target} if args.target else {"platform": jax.devices()[0].platform}
+        exchange = {"exchange": exchange_row(LAYER, args.target)} if args.target else {}
+        print(json.dumps({**where, "layer_memory": layer, **exchange}, indent=1))
         return
     config = dataclasses.replace(CONFIGS[args.model], seq_len=args.seq_len)
     report = {

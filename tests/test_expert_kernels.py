@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from helpers import max_relative_error
 from test_experts import D, E, F, layer_inputs, layer_objective, plan_for
+from jaxpar.core import device_facts, target
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import expert_dispatch, expert_kernels, experts
 
@@ -128,6 +129,24 @@ def test_the_kernel_is_chosen_from_the_plans_devices_and_forced_or_refused_in_on
         Plan.create("data=1", devices=jax.devices()[:1], moe_kernel="grouped")
 
 
+NO_TARGET = target.plugin_missing() or (None if jax.config.jax_platforms == "cpu" else "JAX_PLATFORMS is not cpu")
+
+
+@pytest.mark.skipif(NO_TARGET is not None, reason=str(NO_TARGET))
+def test_auto_on_an_h100_target_asks_the_targets_compiler_whether_ragged_dot_stays_grouped():
+    """On a GPU the choice compiles one small ragged_dot for the plan's devices (never the process's): jax 0.12's
+    XLA:GPU for h100x8 expands it into dense dots (no ragged-dot left), so auto runs `tiled` and says why; a forced
+    `ragged` is run and noted."""
+    plan = Plan.create("data=8", target="h100x8")
+    assert expert_kernels.choose(True, plan) == (
+        "tiled", "auto: dropless, no native grouped matmul on XLA:GPU (ragged_dot would expand into a dense dot): "
+                 "each expert's sorted rows a tile at a time")
+    facts = device_facts.of_mesh(plan.mesh)
+    assert expert_kernels._GROUPED[("gpu", facts.kind, "h100x8")] is False
+    assert expert_kernels.choose(True, dataclasses.replace(plan, moe_kernel="ragged")) == (
+        "ragged", "asked for (moe_kernel=ragged); XLA:GPU expands ragged_dot into a dense dot over every expert")
+
+
 def compiled_temp(kernel: str, n_experts: int, top_k: int, d: int, f: int, tokens: int) -> int:
     cfg = experts.MoEConfig(n_experts, top_k=top_k, dropless=True)
     shapes = {"router": (d, n_experts), "expert_gate": (n_experts, d, f), "expert_up": (n_experts, d, f),
@@ -187,7 +206,9 @@ def test_cli_prints_the_moe_kernel_and_refuses_a_sorted_one_for_capacity_routing
 
 def test_the_planner_counts_the_sorted_layer_and_fits_gpt_oss_20b_dropless_on_8_h100s():
     """Without expert parallelism a dropless layer keeps its input (d per token) and a backward workspace of the
-    routed rows; over `expert` the capacity exchange's buffers (2 d per slot, E slots per token dropless)."""
+    routed rows; over `expert` the capacity exchange's buffers (2 d per slot, E slots per token dropless), or with
+    the ragged exchange its receiving buffer (expert x k rows per token) and the k rows returned. The layout
+    names the kernel it was counted in."""
     from jaxpar.planner.activations import moe_mlp_values_per_token, sorted_moe_workspace
     from jaxpar.planner.layout import Layout, Workload
     from jaxpar.planner.model import Model, model_seq
@@ -200,8 +221,13 @@ def test_the_planner_counts_the_sorted_layer_and_fits_gpt_oss_20b_dropless_on_8_
     assert moe_mlp_values_per_token(model, over_expert, seq) == model.n_experts * (1 + 2 * model.d_model)
     assert sorted_moe_workspace(model, alone, 1000) == 1000 * (12 * (model.n_experts + model.d_model) + 16 * 4)
     assert sorted_moe_workspace(model, over_expert, 1000) == 0
+    ragged = dataclasses.replace(over_expert, moe_exchange="ragged")
+    assert moe_mlp_values_per_token(model, ragged, seq) == model.d_model * (1 + 4 * 4 + 4)
+    assert sorted_moe_workspace(model, ragged, 1000) == 1000 * (12 * (model.n_experts + model.d_model) + 16 * 4
+                                                                + 8 * 4 * 4 * model.d_model)
     best = plan(model, 8, Workload(default_batch(model, 8, seq), seq), "h100", "bf16").best
     assert best is not None and best.fits and best.layout.expert == 1
+    assert best.layout.moe_kernel == "tiled" and "moe_kernel=tiled" in str(best.layout)
 
 
 def test_a_forced_moe_kernel_on_a_model_without_experts_is_refused(capsys):

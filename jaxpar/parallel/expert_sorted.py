@@ -4,10 +4,11 @@ Routing is the buffered layer's (`jaxpar.parallel.expert_routing.route_groups`, 
 sigmoid scores, group-limited top-k, the correction bias, router biases, Llama 4's input gate, the statistics).
 With the experts on this device, its tokens x k assignments are sorted by expert and the grouped FFN
 (`jaxpar.parallel.expert_dispatch`) adds each result, gate-weighted, back into its token's row: no
-[experts, tokens, d] buffer exists. With experts split over `expert`, the exchange is still the capacity
-buffers' all-to-all (XLA:CPU has no `ragged-all-to-all`: "not supported by XLA:CPU ThunkEmitter" on jax 0.10.2
-and 0.12), with each (group, expert)'s row count sent beside it, so that the receiving device runs its experts
-on the rows it received, not on every slot.
+[experts, tokens, d] buffer exists. With experts split over `expert`, the rows go to their experts'
+ranks by `jax.lax.ragged_all_to_all` where the backend has it (`jaxpar.parallel.expert_exchange`: each rank
+receives exactly its experts' rows); elsewhere (XLA:CPU has no `ragged-all-to-all`: "not supported by XLA:CPU
+ThunkEmitter" on jax 0.10.2 and 0.12) by the capacity buffers' all-to-all, with each (group, expert)'s row count
+sent beside it, so that the receiving device runs its experts on the rows it received, not on every slot.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.parallel import expert_dispatch
+from jaxpar.parallel import expert_dispatch, expert_exchange
 from jaxpar.parallel.expert_routing import (
     MoEConfig, ROUTER_PARAMS, combine, dispatch, from_experts, gated, route_groups, to_experts,
 )
@@ -107,12 +108,49 @@ def _exchanged_experts(p: dict, received: jax.Array, received_counts: jax.Array,
     return _kernel(cfg, form, order.shape[0])(p, flat, order, counts, None).reshape(received.shape)
 
 
-def forward(p: dict, x: jax.Array, cfg: MoEConfig, axis, form: str):
+def _ragged_forward(router: dict, p: dict, x: jax.Array, cfg: MoEConfig, axis, form: str):
+    """The layer with experts split over `axis` and the ragged exchange: (y, stats, (received, returned))."""
+    (tokens, weight, stats), (order, counts) = _sorted_tokens(router, x, cfg)
+    ranks = cfg.n_experts // p["expert_gate"].shape[0]
+    ex = expert_exchange.exchange(counts, axis, ranks)
+    received = expert_exchange.to_ranks(tokens[order], ex, axis, ranks)
+    r_order, r_counts = expert_exchange.received_rows(ex, received.shape[0])
+    out = _kernel(cfg, form, r_order.shape[0])(p, received, r_order, r_counts, None)
+    returned = expert_exchange.from_ranks(out, ex, axis, order.shape[0])
+    y = jnp.zeros(tokens.shape, jnp.float32).at[order].add(
+        returned.astype(jnp.float32) * weight.astype(jnp.float32)[:, None])
+    return y.astype(x.dtype).reshape(x.shape), stats, (received, returned)
+
+
+def _ragged_backward(router: dict, p: dict, x: jax.Array, saved, ct_y, ct_stats, cfg: MoEConfig, axis, form: str):
+    """`_ragged_forward`'s gradients: the combine's by hand, the exchanges reversed, the experts' by the kernel's
+    own backward, the routing's by JAX."""
+    received, returned = saved
+    (tokens, weight, _), route_vjp, (order, counts) = jax.vjp(
+        lambda r, t: _sorted_tokens(r, t, cfg), router, x, has_aux=True)
+    ranks = cfg.n_experts // p["expert_gate"].shape[0]
+    ex = expert_exchange.exchange(counts, axis, ranks)
+    ct_rows = ct_y.reshape(tokens.shape)[order].astype(jnp.float32)
+    ct_weight = jnp.sum(ct_rows * returned.astype(jnp.float32), axis=-1).astype(weight.dtype)
+    ct_out = expert_exchange.to_ranks((ct_rows * weight.astype(jnp.float32)[:, None]).astype(returned.dtype), ex,
+                                      axis, ranks)
+    r_order, r_counts = expert_exchange.received_rows(ex, received.shape[0])
+    ct_params, ct_received, _ = _kernel(cfg, form, r_order.shape[0], grads=True)(
+        p, received, r_order, r_counts, None, ct_out)
+    ct_sorted = expert_exchange.from_ranks(ct_received, ex, axis, order.shape[0])
+    ct_tokens = jnp.zeros(tokens.shape, jnp.float32).at[order].add(ct_sorted.astype(jnp.float32))
+    ct_router, ct_x = route_vjp((ct_tokens.astype(tokens.dtype), ct_weight, ct_stats))
+    return {**ct_params, **ct_router}, ct_x
+
+
+def forward(p: dict, x: jax.Array, cfg: MoEConfig, axis, form: str, exchange: str = "buffers"):
     """One device's layer: (y, per-group stats, what the backward pass keeps)."""
     router, params = _split(p)
     if not axis:
         y, stats = _local(router, params, x, cfg, form)
         return y, stats, ()
+    if exchange == "ragged":
+        return _ragged_forward(router, params, x, cfg, axis, form)
     (gate, slots, stats), (slot, expert) = _routed(router, x, cfg)
     received, received_counts = to_experts(slots, axis), _exchange_counts(expert, cfg.n_experts, axis)
     returned = from_experts(_exchanged_experts(params, received, received_counts, cfg, form), axis)
@@ -120,12 +158,16 @@ def forward(p: dict, x: jax.Array, cfg: MoEConfig, axis, form: str):
     return y, stats, (received, received_counts, returned)
 
 
-def backward(p: dict, x: jax.Array, saved, ct_y, ct_stats, cfg: MoEConfig, axis, form: str):
+def backward(p: dict, x: jax.Array, saved, ct_y, ct_stats, cfg: MoEConfig, axis, form: str,
+             exchange: str = "buffers"):
     """One device's gradients. Without an exchange, JAX's of the local layer (the kernel's own backward recomputes
-    each tile); with one, two all-to-alls as the buffered layer's, the experts differentiated on their rows."""
+    each tile); with one, two all-to-alls as the buffered layer's (or the ragged ones reversed), the experts
+    differentiated on their rows."""
     router, params = _split(p)
     if not axis:
         return _local_backward(router, params, x, ct_y, ct_stats, cfg, form)
+    if exchange == "ragged":
+        return _ragged_backward(router, params, x, saved, ct_y, ct_stats, cfg, axis, form)
     received, received_counts, returned = saved
     (gate, _, _), route_vjp, (slot, _) = jax.vjp(lambda r, t: _routed(r, t, cfg), router, x, has_aux=True)
     _, combine_vjp = jax.vjp(lambda out, g: jax.vmap(combine)(out, g, slot), returned, gate)

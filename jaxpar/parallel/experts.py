@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.core import usage
-from jaxpar.parallel import expert_kernels, expert_sorted
+from jaxpar.core.trace import active_plan
+from jaxpar.parallel import expert_exchange, expert_kernels, expert_sorted
 from jaxpar.parallel.constrain import rule_axes
 from jaxpar.parallel.expert_routing import (  # noqa: F401  (re-exported: experts.X is the public face)
     ACTIVATIONS, BIAS_PARAMS, CORRECTION, EXPERT_PARAMS, ROUTER_PARAMS, SCORES, MoEConfig, Routing, combine,
@@ -98,8 +99,9 @@ def moe_ffn(p: dict, x: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, dict[str,
         forward = functools.partial(_forward, cfg=cfg, axis=axis)
         backward = functools.partial(_backward, cfg=cfg, axis=axis)
     else:
-        forward = functools.partial(expert_sorted.forward, cfg=cfg, axis=axis, form=kernel)
-        backward = functools.partial(expert_sorted.backward, cfg=cfg, axis=axis, form=kernel)
+        exchange = expert_exchange.chosen(active_plan(), axis) if axis and active_plan() is not None else "buffers"
+        forward = functools.partial(expert_sorted.forward, cfg=cfg, axis=axis, form=kernel, exchange=exchange)
+        backward = functools.partial(expert_sorted.backward, cfg=cfg, axis=axis, form=kernel, exchange=exchange)
     if batch_axes:
         tokens = P(batch_axes)
         experts = P(tuple(a for a in expert_axes if a not in outer) or None)

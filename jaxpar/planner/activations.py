@@ -55,35 +55,56 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
 
 
 def sorted_dropless(model: Model, layout: Layout) -> bool:
-    """Whether a MoE layer runs on its assignments sorted by expert with every expert's rows on the device: a
-    dropless model without expert parallelism, under `moe_kernel=auto` (tiled, or ragged on TPU:
-    jaxpar.parallel.expert_kernels), whose memory follows the routed rows. Over `expert` the exchange is still
-    the capacity buffers' (no ragged all-to-all on XLA:CPU), with the tiled kernel on the rows received."""
-    return bool(model.n_experts) and model.dropless and layout.expert == 1
+    """Whether a MoE layer runs on its assignments sorted by expert (moe_kernel tiled or ragged, or auto on a
+    dropless model: jaxpar.parallel.expert_kernels), whose memory follows the routed rows: on one device's rows,
+    or over `expert` with the ragged exchange. Over `expert` without it (XLA:CPU) the exchange is the capacity
+    buffers' (`moe_mlp_values_per_token`), with the tiled kernel on the rows received."""
+    sorted_kernel = layout.moe_kernel in ("tiled", "ragged") or (layout.moe_kernel == "auto" and model.dropless)
+    return bool(model.n_experts) and sorted_kernel and (layout.expert == 1 or layout.moe_exchange == "ragged")
+
+
+def exchanged_rows(model: Model, layout: Layout) -> float:
+    """Rows per token a rank's ragged receiving buffer holds (jaxpar.parallel.expert_exchange: sized for every
+    source's rows, expert x k), 0 without the ragged exchange."""
+    return layout.expert * model.top_k if layout.expert > 1 and sorted_dropless(model, layout) else 0.0
 
 
 def moe_mlp_values_per_token(model: Model, layout: Layout, seq: int) -> float:
     """What a MoE layer keeps per token in place of the dense MLP. Buffered (capacity routing): the router's
     logits (E), and per capacity slot (E C / group of them per token) the dispatched input and the combined
-    output (2 d) and the expert's gate, up and product (3 fe, split by t). Dropless over `expert`: the slots
-    received and returned (2 d each), the tiled kernel recomputing each tile's hidden values. Sorted dropless:
-    the layer's input (d), its backward recomputing the routing and every tile."""
+    output (2 d) and the expert's gate, up and product (3 fe, split by t). Dropless over `expert` with the
+    capacity exchange: the slots received and returned (2 d each), the tiled kernel recomputing each tile's
+    hidden values. Sorted dropless: the layer's input (d), its backward recomputing the routing and every tile;
+    over `expert` with the ragged exchange also the receiving buffer (expert x k rows) and the k rows returned."""
     if sorted_dropless(model, layout):
-        return model.d_model
+        return model.d_model * (1 + exchanged_rows(model, layout) + (model.top_k if layout.expert > 1 else 0))
     group = model.group_size or seq
     slots = model.n_experts * capacity(model, group) / group
     hidden = 0 if model.dropless else 3 * model.expert_d_ff / layout.tensor
     return model.n_experts + slots * (2 * model.d_model + hidden)
 
 
-def sorted_moe_workspace(model: Model, layout: Layout, tokens: float) -> float:
+def sorted_moe_workspace(model: Model, layout: Layout, tokens: float, value_bytes: int = 4) -> float:
     """Bytes one sorted dropless layer's backward keeps alive at once for `tokens` tokens: the router's fp32
     logits, probabilities and their cotangent (3 E), the fp32 output accumulator, the rows' cotangent and the
     tokens' (3 d), and per routed row (k of them per token) its token index, gate, sort key and gate cotangent
-    (4 x 4 bytes); each tile's own work is a tile's rows, negligible."""
+    (4 x 4 bytes); each tile's own work is a tile's rows, negligible. With the ragged exchange, the receiving
+    buffer's cotangent as sent and the kernel's fp32 one (2 x 4 bytes per value of expert x k rows)."""
     if not sorted_dropless(model, layout):
+        return exchange_buffers_workspace(model, layout, tokens, value_bytes)
+    exchanged = 8 * exchanged_rows(model, layout) * model.d_model
+    return tokens * (4 * (3 * model.n_experts + 3 * model.d_model) + 16 * model.top_k + exchanged)
+
+
+def exchange_buffers_workspace(model: Model, layout: Layout, tokens: float, value_bytes: int = 4) -> float:
+    """Bytes a dropless layer exchanging capacity buffers over `expert` (XLA:CPU: no ragged exchange) keeps alive
+    in its backward under full remat, which recomputes them: the slots, the buffers received and returned and the
+    returned cotangent as exchanged (`value_bytes` each), and the kernel's fp32 cotangent: five [E, group, d]
+    buffers per group (a scaled Qwen3-MoE at data=2,expert=4: 1.063 of the compiled temp on jax 0.10, 0.96 on
+    0.12)."""
+    if not (model.n_experts and model.dropless and layout.expert > 1 and layout.remat == "full"):
         return 0.0
-    return tokens * (4 * (3 * model.n_experts + 3 * model.d_model) + 16 * model.top_k)
+    return tokens * (4 * value_bytes + 4) * model.n_experts * model.d_model
 
 
 def scores_kept(layout: Layout, seq: int) -> int:

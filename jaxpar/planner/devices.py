@@ -54,6 +54,7 @@ class Device:
     low_precision_in_fp32: bool = False
     scatter_as_all_reduce: bool = False
     host_bandwidth: float = 55 * GB
+    ragged_exchange: bool = True  # XLA has ragged-all-to-all (a MoE layer's rows sent exactly; XLA:CPU has none)
 
     @property
     def capacity(self) -> float:
@@ -95,7 +96,7 @@ DEVICES: dict[str, Device] = {
     "tpu-v5p": Device("TPU v5p", 95 * GB, *_peaks("TPU v5"), 2.76e12, 300 * GB, 25 * GB, 8960),
     # The host CPU that the tests force into 8 XLA devices: only memory and traffic are meaningful here.
     "cpu": Device("host CPU (XLA:CPU)", 16 * GiB, 1e11, 1e11, 20 * GB, 10 * GB, 10 * GB, 8, usable=1.0,
-                  efficiency=0.5, widens_low_precision=True, low_precision_in_fp32=_old_xla_cpu(),
+                  efficiency=0.5, widens_low_precision=True, ragged_exchange=False, low_precision_in_fp32=_old_xla_cpu(),
                   scatter_as_all_reduce=True),
 }
 ALIASES = {"tpuv5p": "tpu-v5p", "v5p": "tpu-v5p", "tpu_v5p": "tpu-v5p", "h100-sxm": "h100", "a100-80gb": "a100"}

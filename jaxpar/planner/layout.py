@@ -45,6 +45,8 @@ class Layout:
     attention: str = "auto"  # jaxpar.parallel.attention_kernels: only xla keeps [seq, seq] scores
     offload: str = "none"  # "optimizer": the optimizer state (and fp32 master) in host memory (jaxpar.parallel.offload)
     replica: int = 1  # HSDP: replicas of the ZeRO group over `data` (jaxpar.core.plan zero_axes = data)
+    moe_kernel: str = "auto"  # jaxpar.parallel.expert_kernels: the form the planner counted a MoE layer in
+    moe_exchange: str = "buffers"  # over `expert`: "ragged" where the backend has ragged-all-to-all (no option)
 
     def __post_init__(self):
         for axis in AXES:
@@ -53,7 +55,8 @@ class Layout:
         choices = {"zero": (0, 1, 2, 3), "schedule": SCHEDULES, "remat": REMATS, "precision": PRECISIONS,
                    "tensor_form": ("annotation", "explicit"), "context_form": ("all-gather", "ring"),
                    "attention": ("auto", "xla", "flash", "cudnn", "pallas", "splash"),
-                   "offload": ("none", "optimizer")}
+                   "offload": ("none", "optimizer"), "moe_kernel": ("auto", "buffered", "tiled", "ragged"),
+                   "moe_exchange": ("buffers", "ragged")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -78,7 +81,7 @@ class Layout:
         """The `jaxpar.core.plan.Plan` options of this layout (defaults left out)."""
         default = Layout()
         names = ("zero", "schedule", "microbatches", "virtual_stages", "grad_accum", "remat", "precision",
-                 "sequence_parallel", "tensor_form", "context_form", "attention", "offload")
+                 "sequence_parallel", "tensor_form", "context_form", "attention", "offload", "moe_kernel")
         out = {n: getattr(self, n) for n in names if getattr(self, n) != getattr(default, n)}
         if self.context == 1:
             out.pop("context_form", None)

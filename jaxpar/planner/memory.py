@@ -145,7 +145,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     # LoRA: each layer's backward forms its folded weights W + A B again (compute dtype) and their cotangent
     adapted = inventory(model, layout.data, layout.tensor, layout.pipe, layout.expert, "adapted").stacked_local
     transient += (C + G) * adapted / depth
-    workspace = transient + layer_workspace(model, layout, work) + update_workspace(tr, layout, z, G)
+    workspace = transient + layer_workspace(model, layout, work, act_bytes) + update_workspace(tr, layout, z, G)
     batch = 2 * 4 * b * s * layout.grad_accum * layout.microbatches
     host = offloaded_bytes(layout, z, at_rest, optimizer)
     arguments = at_rest + optimizer + batch - host
@@ -176,7 +176,7 @@ def offloaded_bytes(layout: Layout, zero: int, params_at_rest: float, optimizer:
     return optimizer + (params_at_rest if master else 0.0)
 
 
-def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
+def layer_workspace(model: Model, layout: Layout, work: Workload, value_bytes: int = 4) -> float:
     """The largest transients of one microbatch: the fp32 logits and their gradient over the vocabulary
     shard (on each stage's share of positions under a pipeline; of one chunk of tokens when the loss is
     computed in chunks, jaxpar.parallel.loss_chunks), one layer's attention scores when
@@ -186,7 +186,7 @@ def layer_workspace(model: Model, layout: Layout, work: Workload) -> float:
     columns = model.vocab // layout.tensor
     logits = 2 * 4 * b * s * columns / layout.pipe / loss_chunks.pick(int(b), int(s), columns)
     recomputed = remat_policy(layout, model) in ("full", "selective") and layout.context == 1
-    experts = sorted_moe_workspace(model, layout, b * s)  # one sorted dropless MoE layer's backward
+    experts = sorted_moe_workspace(model, layout, b * s, value_bytes)  # one dropless MoE layer's backward
     return logits + (4 * b * model.n_heads / layout.tensor * s * s if recomputed else 0.0) + experts
 
 

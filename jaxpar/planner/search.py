@@ -58,7 +58,18 @@ def layouts(model: Model, devices: int, work: Workload, device: Device, precisio
                                     continue
                                 out.append(Layout(n, t, p, e, z, sched, steps, v, remat=remat, precision=precision,
                                                   sequence_parallel=sp))
-    return [dataclasses.replace(layout, offload=offload) for layout in out] if offload != "none" else out
+    moe = moe_options(model, device)
+    return [dataclasses.replace(layout, offload=offload, **moe) for layout in out] if offload != "none" or moe \
+        else out
+
+
+def moe_options(model: Model, device: Device) -> dict:
+    """The MoE kernel a layout is counted in, named in its plan: tiled for a dropless model (the sorted rows, in
+    memory of the routed rows), buffered for a capacity-routed one; the exchange over `expert` the device has."""
+    if not model.n_experts:
+        return {}
+    kernel = "tiled" if model.dropless else "buffered"
+    return {"moe_kernel": kernel, "moe_exchange": "ragged" if device.ragged_exchange and model.dropless else "buffers"}
 
 
 @dataclasses.dataclass
