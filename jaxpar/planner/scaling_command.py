@@ -52,7 +52,6 @@ def main(args) -> int:
     import sys
 
     from rich.console import Console
-    from rich.markup import escape
 
     console = Console(stderr=bool(args.json))
     if not console.is_terminal:
@@ -69,7 +68,7 @@ def main(args) -> int:
                       if p.devices in names and not p.reason]
             checks = check_scaling(args.model, points, args.target, device)
     except ValueError as error:
-        console.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+        print(f"error: {error}", file=sys.stderr)
         return 2
     console.print(table(result, model, args.scaling, device))
     if checks is not None:
