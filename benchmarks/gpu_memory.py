@@ -10,6 +10,7 @@ a small CPU), then a markdown table of every row.
 
     JAX_PLATFORMS=cpu python benchmarks/gpu_memory.py                        # 1b and qwen3-8b, seq 4096 and 8192
     JAX_PLATFORMS=cpu python benchmarks/gpu_memory.py --models 1b --seqs 4096 --batch 16
+    python benchmarks/gpu_memory.py --replan rows.jsonl    # an earlier run's compiled rows, the planner's again
 """
 
 from __future__ import annotations
@@ -28,16 +29,27 @@ LAYOUTS = ("data=8 zero=3", "data=4,tensor=2 zero=1", "data=2,pipe=4 schedule=1f
            "data=2,tensor=2,pipe=2")
 
 
+def planned(model_name: str, seq: int, spec: str, batch: int, target: str, precision: str):
+    """The planner's estimate of one row, on the target's device."""
+    layout = Layout.parse(f"{spec} precision={precision}")
+    device = for_facts(parse(target).facts())
+    return layout, device, estimate(Model.named(model_name, {"seq_len": seq}), layout, Workload(batch, seq), device)
+
+
+def replanned(old: dict, precision: str) -> dict:
+    """A row of an earlier run (its compiled figures) with the planner's side computed again: no compile."""
+    _, _, est = planned(old["model"], old["seq"], old["layout"], old["batch"], old["target"], precision)
+    return {**old, "planner": {k: est.memory[k] for k in ("arguments", "temp_total", "total")},
+            "ratio": est.memory["total"] / old["compiled"]["total"]}
+
+
 def row(model_name: str, seq: int, spec: str, batch: int, target: str, precision: str) -> dict:
     """One layout compiled for `target` beside the planner's estimate of it."""
     from jaxpar.core.plan import Plan
     from jaxpar.run.report import inspection
     from jaxpar.run.training import TrainConfig, prepare
 
-    layout = Layout.parse(f"{spec} precision={precision}")
-    device = for_facts(parse(target).facts())
-    work = Workload(batch, seq)
-    est = estimate(Model.named(model_name, {"seq_len": seq}), layout, work, device)
+    layout, device, est = planned(model_name, seq, spec, batch, target, precision)
     began = time.perf_counter()
     plan = Plan.create(layout.mesh, target=target, **layout.options())
     report = inspection(prepare(TrainConfig(model=model_name, batch_size=batch, seq_len=seq), plan))
@@ -68,7 +80,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--target", default="h100x8")
     parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--replan", default=None, metavar="JSONL", help="no compile: the rows of an earlier run's "
+                                                                         "output, the planner's side computed again")
     args = parser.parse_args()
+    if args.replan:
+        with open(args.replan) as f:
+            rows = [replanned(json.loads(line), args.precision) for line in f if line.startswith("{")]
+        print(markdown(rows))
+        return
     rows = []
     for model in args.models.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
