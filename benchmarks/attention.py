@@ -92,11 +92,11 @@ def compile_only(name: str, seq: int, args, dtype, plan) -> dict:
         compiled = step.lower(*abstract).compile()
         call = attention_kernels.Call(dtype, args.head_dim, args.head_dim, False, Scoring(), 1)
         auto = attention_kernels.choose(call)[0]
-    device = plan.mesh.devices.flat[0]
+    device, kernels = plan.mesh.devices.flat[0], kernels_in(compiled)
+    note = {"flops_note": "a Triton kernel's FLOPs are not counted"} if "triton" in kernels else {}
     return {"seq": seq, "implementation": name, "compile_s": round(time.perf_counter() - start, 2),
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "flops": flops(compiled),
-            "kernels": kernels_in(compiled), "auto_picks": auto,
-            **({"flops_note": "a Triton kernel's FLOPs are not counted"} if "triton" in kernels_in(compiled) else {}), "target": args.target,
+            "kernels": kernels, "auto_picks": auto, **note, "target": args.target,
             "device": device.device_kind, "dtype": jnp.dtype(dtype).name, "fwd_bwd_ms": None,
             "why": "compile-only target: nothing runs"}
 
@@ -153,7 +153,8 @@ def main() -> None:
         with plan.activate() if plan is not None else contextlib.nullcontext():
             names = implementations(dtype, args.head_dim)
         for name in names:
-            rows.append(compile_only(name, seq, args, dtype, plan) if plan is not None else measure(name, seq, args, dtype))
+            rows.append(compile_only(name, seq, args, dtype, plan) if plan is not None
+                        else measure(name, seq, args, dtype))
             print(json.dumps(rows[-1]), flush=True)
     by = {(r["seq"], r["implementation"]): r for r in rows}
     summary = {}

@@ -63,12 +63,13 @@ def row(model_name: str, seq: int, spec: str, batch: int, target: str, precision
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | seq | layout | compiled GB/device | planner GB/device | planner / compiled | attention | fits |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | seq | layout | compiled GB/device | planner GB/device | planner / compiled | attention "
+             "| fits |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kernel = ", ".join(a.split(" ")[0] for a in r["attention"])
         lines.append(f"| {r['model']} | {r['seq']} | `{r['layout']}` | {r['compiled']['total'] / 1e9:.2f} | "
-                     f"{r['planner']['total'] / 1e9:.2f} | {r['ratio']:.3f} | {kernel} | {'yes' if r['fits'] else 'no'} |")
+                     f"{r['planner']['total'] / 1e9:.2f} | {r['ratio']:.3f} | {kernel} | "
+                     f"{'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines)
 
 
