@@ -14,7 +14,8 @@ from jaxpar.planner.devices import load_device
 from jaxpar.planner.estimate import estimate
 from jaxpar.planner.layout import Layout, Workload
 from jaxpar.planner.model import Model
-from jaxpar.planner.scaling import point
+from jaxpar.planner.scaling import Point, point
+from jaxpar.run.verify import check_scaling
 
 MISSING = target.plugin_missing()
 
@@ -51,6 +52,16 @@ def test_strong_scaling_keeps_the_batch(capsys):
 def test_a_family_that_cannot_split_says_why():
     p = point(Model.named("tiny"), "3d", 6, Workload(6, 64), load_device("h100"), "bf16")
     assert p.reason == "3d is tensor=2 x pipe=2 x data: 6 devices do not divide by 4"
+
+
+def test_a_stand_in_that_cannot_run_is_reported_not_compiled():
+    """--target compiles each whole-host count at one sequence per device; a layout that accumulates gradients
+    cannot run that, and says so in its row (nothing is compiled)."""
+    h100, work = load_device("h100"), Workload(64, 64)
+    p = Point("best", 8, work, estimate(Model.named("tiny"), Layout(data=8, grad_accum=2), work, h100))
+    [check] = check_scaling("tiny", [(p, "h100x8")], "h100x8", h100)
+    assert "grad_accum x microbatches = 16" in check.reason and check.ratios() == {}
+    assert "not compiled" in check.line()
 
 
 @pytest.mark.parametrize("argv,message", [

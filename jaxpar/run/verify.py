@@ -73,12 +73,15 @@ class ScalingCheck:
     layout: str
     predicted: dict
     compiled: dict
+    reason: str = ""  # why the stand-in was not compiled (its layout cannot run one sequence per device)
 
     def ratios(self) -> dict:
         return {a: self.predicted[a] / self.compiled[a] if self.compiled[a] else math.inf
                 for a in self.predicted if self.predicted[a] or self.compiled[a]}
 
     def line(self) -> str:
+        if self.reason:
+            return f"{self.family} on {self.target} ({self.layout}): not compiled: {self.reason}"
         return (f"{self.family} on {self.target} ({self.layout}): " + ", ".join(
             f"{a} {self.predicted[a] / 1e9:.4g} / {self.compiled[a] / 1e9:.4g} GB = {r:.3f}"
             for a, r in self.ratios().items()))
@@ -123,8 +126,10 @@ def check_scaling(model_name: str, points, target: str, device) -> list[ScalingC
         if layout.microbatches > 1 and work.batch_size // max(layout.data * layout.replica, 1) % layout.microbatches:
             layout = dataclasses.replace(layout, microbatches=work.batch_size // (layout.data * layout.replica))
         est = estimate(model, layout, work, device)
-        if est.reason:
-            raise ValueError(f"{point.family} at {point.devices}: the compiled stand-in cannot run: {est.reason}")
+        if est.reason:  # e.g. the planner's choice accumulates gradients: one sequence per device is too few
+            out.append(ScalingCheck(point.family, point.devices, name, layout.label(precision=False), {}, {},
+                                    est.reason))
+            continue
         plan = Plan.create(layout.mesh, target=name, **layout.options())
         config = TrainConfig(model=model_name, batch_size=work.batch_size, seq_len=work.seq_len,
                              model_overrides={**SMALL, "seq_len": SMALL_SEQ})
