@@ -25,6 +25,12 @@ summary line: jaxpar / hand-written.
     python benchmarks/mfu.py                  # one H200: estimated 2-3 min (two compiles, 15 steps each)
     python benchmarks/mfu.py --tiny           # a tiny model on the CPU in seconds (checks the script)
     python benchmarks/mfu.py [--steps 10] [--warmup 2] [--batch 8] [--remat selective] [--profile-steps 3]
+    JAX_PLATFORMS=cpu python benchmarks/mfu.py --target h100x8   # compile only, for one H100 (no GPU needed)
+
+`--target NAME` (a GPU target, jaxpar.core.target: the CUDA plugin, no GPU) is the compile-only half: jaxpar's
+step compiled for one device of the target on abstract state (`jaxpar.inspect`): XLA's memory, the FLOPs of
+the compiled module (its matmuls and fused attention by trip count) beside the planner's, the attention
+kernel chosen, and the MFU the step would reach at a given step time (`mfu_at_1s`: scale by 1 / seconds).
 """
 
 from __future__ import annotations
@@ -147,6 +153,48 @@ def profile(run, state, place, batch, first: int, steps: int):
             return None, f"profile failed: {type(e).__name__}: {e}"
 
 
+def compile_only(args) -> int:
+    """jaxpar's step compiled for one device of `args.target`: one JSON line; nothing runs."""
+    import time
+
+    import optax
+    from flax import nnx
+
+    import jaxpar.inspect
+    from jaxpar.core import target
+    from jaxpar.models.llama import Llama
+    from jaxpar.train.state import describe
+    from jaxpar.train.step import make_train_step
+
+    config, default_batch = CONFIGS[args.config]
+    batch_size = args.batch or default_batch
+    try:
+        devices = target.one_device(args.target)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    plan = Plan.create("data=1", devices=devices, precision="bf16", remat=args.remat)
+    model = describe(lambda: Llama(config, nnx.Rngs(0)))
+    optimizer = optax.adamw(1e-3)
+    state = jaxpar.inspect.abstract_state(model, optimizer, plan)
+    batch = {k: jax.ShapeDtypeStruct((batch_size, config.seq_len), np.int32, sharding=plan.sharding(plan.batch_spec(2)))
+             for k in ("inputs", "targets")}
+    step = make_train_step(model, lambda module, b: module(b), optimizer, plan)
+    began = time.perf_counter()
+    report = jaxpar.inspect.inspect_step(step, state, batch)
+    run_mfu = mfu.for_run("llama", config, batch_size, config.seq_len, "bf16", list(devices), args.peak_flops)
+    print(json.dumps({
+        "benchmark": "mfu", "mode": "compile-only", "target": args.target, "device_kind": devices[0].device_kind,
+        "config": args.config, "jax": jax.__version__, "params": config.param_count(), "batch": batch_size,
+        "seq_len": config.seq_len, "remat": args.remat, "compile_s": round(time.perf_counter() - began, 2),
+        "memory_gb": {k: round(v / 1e9, 3) for k, v in report["memory"].items()},
+        "compiled_flops": report["flops"], "matmul_flops": report["matmul_flops"],
+        "model_flops_per_step": run_mfu.flops_per_step, "attention": report["attention"],
+        "mfu_at_1s": None if run_mfu(1.0) is None else round(run_mfu(1.0), 4),
+    }), flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="1b")
@@ -157,7 +205,11 @@ def main() -> int:
     parser.add_argument("--profile-steps", type=int, default=3, help="steps traced for the top ops (0: none)")
     parser.add_argument("--remat", choices=("none", "selective", "full"), default="selective")
     parser.add_argument("--peak-flops", type=float, default=None, help="FLOP/s of the device, if not in jaxpar.planner.devices")
+    parser.add_argument("--target", default=None, help="compile only, for one device of this GPU target (h100x8, "
+                                                           "...: needs the CUDA plugin and JAX_PLATFORMS=cpu)")
     args = parser.parse_args()
+    if args.target:
+        return compile_only(args)
     config, default_batch = CONFIGS[args.config]
     batch_size = args.batch or default_batch
     device = jax.devices()[0]

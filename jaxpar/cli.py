@@ -192,6 +192,15 @@ def _add_plan_command(sub) -> None:
     plan.add_argument("--json", action="store_true", help="also print everything as one JSON object on stdout")
     plan.add_argument("--png", default=None, help="write PREFIX_memory.png and PREFIX_scaling.png")
     plan.add_argument("--write-config", default=None, help="write the top layout as a `jaxpar train --config` TOML file")
+    plan.add_argument("--scaling", choices=("weak", "strong"), default=None,
+                      help="the planner's step time, communication share and efficiency over device counts (weak: "
+                           "the sequences per device kept, --batch-size at the first count; strong: the global batch "
+                           "kept; default: one sequence per device at the first / the last count); with --target (one host) the 1, 2 and 4-host counts are also compiled and their "
+                           "collectives' bytes printed beside the planner's")
+    plan.add_argument("--family", default="dp,zero3,3d", help="with --scaling: the layout families, of dp, zero3, 3d "
+                                                              "(tensor=2 x pipe=2 x data), best (the planner's choice)")
+    plan.add_argument("--counts", default=None, help="with --scaling: device counts (default 8,16,...,4096)")
+    plan.add_argument("--plot", default=None, help="with --scaling: write efficiency against devices to this PNG")
 
 
 def read_config(path: str | None) -> dict:
@@ -382,6 +391,18 @@ def _plan(args: argparse.Namespace) -> int:
     """`jaxpar plan`, with --verify's compiles for the --target (checked first: one line, exit 2)."""
     from jaxpar.planner.command import main as plan_main
 
+    if args.scaling:
+        from jaxpar.planner.scaling_command import main as scaling_main
+
+        try:
+            _check_target(args)  # --scaling --target compiles the whole-host counts
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return scaling_main(args)
+    if args.plot or args.counts or args.family != "dp,zero3,3d":
+        print("error: --family / --counts / --plot go with --scaling weak|strong", file=sys.stderr)
+        return 2
     if not args.verify:
         return plan_main(args)
     try:

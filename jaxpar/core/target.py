@@ -126,3 +126,13 @@ def _devices(target: Target) -> tuple:
                                 devices=len(found), cudnn=_cudnn_loads())
     device_facts.register_target(found, facts)
     return found
+
+
+def one_device(name: str) -> tuple:
+    """One compile-only device of target `name`'s kind (a one-GPU topology): what a benchmark of one device
+    compiles for (benchmarks/attention.py, benchmarks/mfu.py --target)."""
+    target = parse(name)
+    missing = plugin_missing()
+    if missing:
+        raise ValueError(missing)
+    return _devices(dataclasses.replace(target, name=f"{target.name} (one device)", hosts=1, per_host=1))

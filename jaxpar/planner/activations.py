@@ -46,12 +46,25 @@ def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float
     if policy == "selective":
         return qkv + 2 * f / t + 2 * d / d_split if split else 2 * f
     keys = scores_kept(layout, seq)
+    if policy == "none":
+        qk = qk_norm_values(model, layout)
+        if split:
+            return 2 * h * keys / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t + qk
+        return 4 * d / d_split + qkv + h * keys / t + h * vd / t + 3 * f / t + qk
     if policy == "dots":
         attention_out = h * vd / t if keys else 0  # flash attention's output is no matmul's: recomputed
         return qkv + h * keys / t + attention_out + 2 * f / t + 2 * d / d_split
-    if split:
-        return 2 * h * keys / t + 6 * d / d_split + 8 * f / t + qkv + (h + kv) * hd / t
-    return 4 * d / d_split + qkv + h * keys / t + h * vd / t + 3 * f / t
+    raise ValueError(f"unknown remat policy {policy!r}")
+
+
+def qk_norm_values(model: Model, layout: Layout) -> float:
+    """Values a block without remat keeps per token for Qwen3's q/k norms: each norm's input and output in fp32,
+    2 (h + kv) hd / t of them, counted in the compute dtype's values (two per fp32 value in 16 bits). Read in
+    XLA:GPU's buffer assignment of Qwen3-8B (f32[layers, b, s, heads, hd] twice for q and twice for k)."""
+    if not any(leaf.path.endswith("q_norm") for leaf in model.leaves):
+        return 0.0
+    wide = 1 if layout.precision == "fp32" else 2
+    return wide * 2 * (model.n_heads + model.n_kv_heads) * model.head_dim / layout.tensor
 
 
 def sorted_dropless(model: Model, layout: Layout) -> bool:
@@ -130,7 +143,8 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
     h, kv, hd, f, d = model.n_heads, model.n_kv_heads, model.head_dim, model.d_ff, model.d_model
     if layout.pipe > 1 and remat_policy(layout, model) == "none":
         keys = scores_kept(layout, seq)
-        return (2 * h * keys + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
+        return ((2 * h * keys + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
+                + qk_norm_values(model, layout))
     values = activation_values_per_token(model, layout, seq)
     if model.n_experts and remat_policy(layout, model) != "full":
         share = model.moe_layers / model.n_layers

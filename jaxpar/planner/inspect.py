@@ -91,7 +91,7 @@ def _execution_counts(computations: dict[str, list[str]]) -> dict[str, int]:
     Every branch of a conditional counts as running (an upper bound), except
     that of the pipeline's conditionals of one slot kind at its places in a
     tick (`jaxpar.pipeline.tick.PLACE_SCOPE`) only the first counts: a stage runs
-    the slot at one of them.
+    the slot at one of them (per tick: a double-buffered loop body holds two).
     """
     from jaxpar.pipeline.tick import PLACE_SCOPE
 
@@ -104,10 +104,12 @@ def _execution_counts(computations: dict[str, list[str]]) -> dict[str, int]:
         placed = set()
         for line in computations.get(name, []):
             slot = place.search(line) if " conditional(" in line else None
-            if slot and slot.group(1) in placed:
+            # XLA:GPU's double buffering unrolls a loop body twice: the copy's tick has its own places
+            key = slot and (slot.group(1), line.split("=")[0].count("double_buffer_clone"))
+            if slot and key in placed:
                 continue
             if slot:
-                placed.add(slot.group(1))
+                placed.add(key)
             trip = _TRIP.search(line)
             for role, callees in _CALLEE.findall(line):
                 multiplier = int(trip.group(1)) if (role == "body" and trip) else 1

@@ -138,6 +138,7 @@ def memory_breakdown(model: Model, layout: Layout, work: Workload, device: Devic
     b, s = microbatch_sequences(layout, work), work.seq_len
     stage_weights = C * inv.stacked_local if z == 2 else P * inv.stacked_local - (P - C) * fz.stacked_local
     activations = activation_bytes(model, layout, work, act_bytes, stage_weights)
+    activations += gpu_ring_extra(model, layout, work, device, act_bytes, inv.stacked_local, P, C)
     gathered = 0.0  # ZeRO-3: one layer's parameters, or the ones outside the layer stack, gathered at a time
     if z == 3:  # (the embedding and head are used before and after the layer scan, never beside a layer's)
         layer = C * per_layer - (C - qb) * q.stacked_local / depth  # a quantized base is gathered as its codes
@@ -206,3 +207,24 @@ def update_workspace(inv: Inventory, layout: Layout, z: int, grad_bytes: int) ->
     if layout.pipe > 1:
         whole += grad_bytes * (inv.sharded if z >= 2 else inv.local)
     return whole
+
+
+def gpu_ring_extra(model: Model, layout: Layout, work: Workload, device: Device, act_bytes: int,
+                   stacked_local: float, P: int, C: int) -> float:
+    """What the residual ring (1F1B, interleaved, ZB-H1) keeps beyond its rows on a backend that multiplies
+    16-bit operands as they are (GPU; XLA:GPU's buffer assignment, 1B at seq 4,096 and 8,192): one more
+    chunk-sized set of activations, the current microbatch's values stacked by the layer scan
+    ([1, layers, ...] buffers) beside the ring they are copied into, and with fp32 parameters computed in 16
+    bits each row's compute-dtype weight casts (bf16[rows, layers, ...] of gate, up, down, q and o), residuals
+    of each microbatch's VJP. XLA:CPU widens 16-bit operands and updates the ring in place: none of it there
+    (its compiles fitted the rest); ZeRO-2's gathered weights are counted with the activations already."""
+    from jaxpar.planner.activations import block_values_per_token
+    from jaxpar.planner.ticks import explicit_backward, in_flight
+
+    if layout.pipe == 1 or not explicit_backward(layout) or device.widens_low_precision:
+        return 0.0
+    layers = model.n_layers / (layout.pipe * layout.virtual_stages)
+    one_set = (act_bytes * microbatch_sequences(layout, work) * local_seq(layout, work) * layers
+               * block_values_per_token(model, layout, work.seq_len))
+    casts = C * stacked_local / layout.virtual_stages * in_flight(layout) if C < P and layout.zero != 2 else 0.0
+    return one_set + casts
