@@ -169,7 +169,7 @@ def _add_plan_command(sub) -> None:
     """`jaxpar plan`: rank layouts for a model on N devices by the analytic model (jaxpar.planner), no compile."""
     plan = sub.add_parser("plan", help="choose the layout for a model and a cluster: memory, traffic, bubble, "
                                        "step time and MFU predicted per layout (nothing is compiled)")
-    plan.add_argument("--model", default="7b", help="model name (tiny, small, 1b, 7b, 70b, 405b, moe-tiny, ...)")
+    plan.add_argument("--model", default="7b", help="model name (tiny, small, 1b, 7b, 8b, 70b, 405b, moe-tiny, ...)")
     plan.add_argument("--devices", type=int, default=None, help="number of accelerators in the cluster (default 8)")
     plan.add_argument("--device", default=None, help="h100 (default), h200, a100, tpu-v5p, cpu, or a device .toml file")
     plan.add_argument("--target", default=None, help="the cluster as a GPU target (h100x8, 2xh100x8, a target "

@@ -123,6 +123,8 @@ CONFIGS: dict[str, LlamaConfig] = {
                       d_ff=8192, seq_len=2048),
     "7b": LlamaConfig(vocab=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
                       d_ff=11008, seq_len=4096),
+    "8b": LlamaConfig(vocab=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                      d_ff=14336, seq_len=8192, rope_theta=500000.0),  # Llama 3's 8B shapes
     "70b": LlamaConfig(vocab=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
                        d_ff=28672, seq_len=4096),
     "405b": LlamaConfig(vocab=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8, head_dim=128,
