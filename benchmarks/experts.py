@@ -11,9 +11,8 @@
   `moe_kernel` (buffered, tiled; ragged with --ragged; and what auto chose) on one device, against the routed
   rows' activations tokens x k x (d + f) x bytes (issue 57: E=128, k=8, d=512, f=256, 4,096 tokens, fp32).
   `--target h100x8` compiles it for a GPU target instead (`jaxpar.core.target`; JAX_PLATFORMS=cpu, the CUDA
-  plugin): 8 devices of 4,096 tokens each, the temp per device. CUB's radix sort is turned off there
-  (`xla_gpu_enable_cub_radix_sort=false`): a deviceless compile cannot ask a GPU for its scratch size ("invalid
-  device ordinal" for sorts of 32,768 rows), so the target's sort is XLA's own.
+  plugin): 8 devices of 4,096 tokens each, the temp per device. Like every target compile (`gpu_profile.DEVICELESS`)
+  it sorts with XLA's own sort, not CUB's radix sort, which needs a GPU to size its scratch space.
 
     python benchmarks/experts.py [--model moe-tiny] [--batch-size 16] [--seq-len 64] [--steps 5] [--train-steps 20]
     python benchmarks/experts.py --layer-only [--ragged] [--target h100x8]    # the layer's memory by kernel only
@@ -106,9 +105,6 @@ def drops_row(config, capacity: float | None, batch_size: int, train_steps: int)
 LAYER = {"n_experts": 128, "top_k": 8, "d_model": 512, "d_ff": 256, "tokens": 4096}
 
 
-DEVICELESS_SORT = {"xla_gpu_enable_cub_radix_sort": False}  # CUB asks a GPU for its scratch: none in a target compile
-
-
 def layer_memory_row(kernel: str, shape: dict, target: str | None = None) -> dict:
     """Compiled temp bytes per device of value_and_grad of one dropless layer (params and input) under
     moe_kernel=`kernel` ("auto": the kernel auto chose is reported), on one CPU device or a target's 8."""
@@ -132,7 +128,7 @@ def layer_memory_row(kernel: str, shape: dict, target: str | None = None) -> dic
     plan = Plan.create(f"data={devices}", target=target, moe_kernel=kernel) if target else \
         Plan.create("data=1", devices=jax.devices()[:1], moe_kernel=kernel)
     whole, rows = NamedSharding(plan.mesh, PartitionSpec()), NamedSharding(plan.mesh, PartitionSpec("data"))
-    options = {**gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)), **DEVICELESS_SORT} if target else {}
+    options = gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)) if target else {}
     with plan.activate():
         fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)), in_shardings=(whole, rows),
                      out_shardings=(whole, (whole, rows)))
@@ -187,7 +183,7 @@ def exchange_row(shape: dict, target: str) -> dict:
         return (y * y).sum() + stats["load_balance_loss"]
 
     specs = {n: whole if n == "router" else split for n in p}
-    options = {**gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)), **DEVICELESS_SORT}
+    options = gpu_profile.compile_options(device_facts.of_mesh(plan.mesh))
     with plan.activate():
         fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)), in_shardings=(specs, split),
                      out_shardings=(whole, (specs, split)))

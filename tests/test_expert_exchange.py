@@ -98,8 +98,7 @@ def test_on_an_h100_target_each_rank_is_sent_exactly_its_experts_rows():
     with plan.activate():
         fn = jax.jit(jax.value_and_grad(objective, argnums=(0, 1)), in_shardings=(specs, split),
                      out_shardings=(whole, (specs, split)))
-        options = {**gpu_profile.compile_options(device_facts.of_mesh(plan.mesh)),
-                   "xla_gpu_enable_cub_radix_sort": False}
+        options = gpu_profile.compile_options(device_facts.of_mesh(plan.mesh))
         compiled, _, _ = gpu_profile.compile_with(fn.lower(p, jax.ShapeDtypeStruct((8, tokens, d), jnp.float32)),
                                                   options)
     routed = tokens * k * d * 4

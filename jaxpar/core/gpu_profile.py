@@ -65,17 +65,24 @@ def apply(profile: str = "auto", environ=os.environ) -> dict[str, str]:
     return add_flags(FLAGS, environ)
 
 
+# A compile-only target has no GPU for XLA's CUB radix sort to size its scratch space on: a sort of 32,768 rows or
+# more (a MoE layer's dispatch) fails with "cudaErrorInvalidDevice". XLA's own sort needs no device.
+DEVICELESS = {"xla_gpu_enable_cub_radix_sort": "false"}
+
+
 def compile_options(facts, profile: str = "auto", environ=os.environ) -> dict[str, bool | int | str]:
     """The profile's flags as compile options for a compile-only NVIDIA target (`facts`: the plan's
-    jaxpar.core.device_facts), where XLA_FLAGS set for this process's own backend would not reach it; a flag the
-    user's XLA_FLAGS sets is left to it. Empty for the process's own devices (`apply` set XLA_FLAGS there)."""
+    jaxpar.core.device_facts), where XLA_FLAGS set for this process's own backend would not reach it, with what
+    a compile without a device needs (`DEVICELESS`, whatever the profile); a flag the user's XLA_FLAGS sets is
+    left to it. Empty for the process's own devices (`apply` set XLA_FLAGS there)."""
     if profile not in PROFILES:
         raise ValueError(f"--gpu-flags must be one of {PROFILES}, got {profile!r}")
-    if profile == "none" or not facts.target or not facts.nvidia:
+    if not facts.target or not facts.nvidia:
         return {}
     named = {f.lstrip("-").split("=", 1)[0] for f in environ.get("XLA_FLAGS", "").split()}
     typed = lambda v: v == "true" if v in ("true", "false") else int(v) if v.isdigit() else v  # noqa: E731
-    return {name: typed(value) for name, value in FLAGS.items() if name not in named}
+    flags = DEVICELESS if profile == "none" else {**FLAGS, **DEVICELESS}
+    return {name: typed(value) for name, value in flags.items() if name not in named}
 
 
 def compile_with(lowered, options: dict) -> tuple[object, dict, list[str]]:
