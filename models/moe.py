@@ -140,37 +140,41 @@ CONFIGS: dict[str, MoeLlamaConfig] = {
 class ExpertBlocks(llama.Blocks):
     """The MoE blocks: Llama attention and norms, then a router and the experts, stacked over `layers`."""
 
-    def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs, count=cfg.n_moe_layers, dense_ffn=False)
+    def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs, axis: str = "layers"):
+        """`axis`: the stack's logical axis (`zero_layout.PREFIX_SCANNED` for blocks no pipeline stage cuts)."""
+        super().__init__(cfg, rngs, count=cfg.n_moe_layers, dense_ffn=False, axis=axis)
         n, e, d, fe = cfg.n_moe_layers, cfg.n_experts, cfg.d_model, cfg.expert_d_ff
         dt = jnp.dtype(cfg.param_dtype)
         s_in, s_out = d**-0.5, fe**-0.5 / (2 * cfg.n_layers) ** 0.5
-        hidden = ("layers", "experts", "embed", "expert_mlp")
-        self.router = llama._param(rngs, (n, d, e), ("layers", "embed", None), dt, s_in)
+        hidden = (axis, "experts", "embed", "expert_mlp")
+        self.router = llama._param(rngs, (n, d, e), (axis, "embed", None), dt, s_in)
         self.expert_gate = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
         self.expert_up = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
-        self.expert_down = llama._param(rngs, (n, e, fe, d), ("layers", "experts", "expert_mlp", "embed"), dt, s_out)
+        self.expert_down = llama._param(rngs, (n, e, fe, d), (axis, "experts", "expert_mlp", "embed"), dt, s_out)
         if cfg.shared_expert:
-            self.shared_gate = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
-            self.shared_up = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
-            self.shared_down = llama._param(rngs, (n, fe, d), ("layers", "mlp", "embed"), dt, s_out)
+            self.shared_gate = llama._param(rngs, (n, d, fe), (axis, "embed", "mlp"), dt, s_in)
+            self.shared_up = llama._param(rngs, (n, d, fe), (axis, "embed", "mlp"), dt, s_in)
+            self.shared_down = llama._param(rngs, (n, fe, d), (axis, "mlp", "embed"), dt, s_out)
         if cfg.expert_bias:  # zero-initialised in gpt-oss; small random here so that a test sees them
-            self.router_bias = llama._param(rngs, (n, e), ("layers", None), dt, s_in)
-            self.expert_gate_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
-            self.expert_up_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
-            self.expert_down_bias = llama._param(rngs, (n, e, d), ("layers", "experts", "embed"), dt, s_out)
+            self.router_bias = llama._param(rngs, (n, e), (axis, None), dt, s_in)
+            self.expert_gate_bias = llama._param(rngs, (n, e, fe), (axis, "experts", "expert_mlp"), dt, s_in)
+            self.expert_up_bias = llama._param(rngs, (n, e, fe), (axis, "experts", "expert_mlp"), dt, s_in)
+            self.expert_down_bias = llama._param(rngs, (n, e, d), (axis, "experts", "embed"), dt, s_out)
 
 
 class MoeBlocks(nnx.Module):
     """The `first_dense` dense blocks (`prefix`), then the groups of `moe_every` blocks (`models.moe_layout`): the
-    dense ones (`dense`) and the MoE ones (`moe`), each a stack in layer order."""
+    dense ones (`dense`) and the MoE ones (`moe`), each a stack in layer order (on `prefix_layers`, which no
+    pipeline cuts, where they run apart)."""
 
     def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
         first = cfg.first_dense
         self.prefix = llama.Blocks(cfg, rngs, count=first, axis=zero_layout.PREFIX_SCANNED) if first else None
         dense = cfg.n_layers - first - cfg.n_moe_layers
-        self.dense = llama.Blocks(cfg, rngs, count=dense) if dense else None
-        self.moe = ExpertBlocks(cfg, rngs)
+        # blocks that run apart: no pipeline stage cuts them (a pipeline plan is refused by name when traced)
+        axis = zero_layout.PREFIX_SCANNED if moe_layout.runs_apart(cfg) else zero_layout.SCANNED
+        self.dense = llama.Blocks(cfg, rngs, count=dense, axis=axis) if dense else None
+        self.moe = ExpertBlocks(cfg, rngs, axis=axis)
         self.cfg = cfg
 
     def stacked(self) -> dict[str, dict[str, jax.Array]]:

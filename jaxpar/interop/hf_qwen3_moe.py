@@ -50,7 +50,7 @@ def moe_fields_from_hf(hf: dict) -> dict:
         raise ValueError(f"config.json: norm_topk_prob={str(norm).lower()} with num_experts_per_tok={top_k} is not "
                          "supported: jaxpar's router renormalises the chosen probabilities for k > 1 and keeps "
                          "the one probability for k = 1 (norm_topk_prob=true for k > 1, false for k = 1)")
-    first, every, pattern = moe_layout(hf)
+    first, every, pattern = layout_from_hf(hf)
     if hf.get("output_router_logits"):
         raise ValueError("config.json: output_router_logits=true is not supported: transformers then adds a load-"
                          "balancing loss pooled over all layers, jaxpar's is per layer; set it to false (jaxpar's "
@@ -60,7 +60,7 @@ def moe_fields_from_hf(hf: dict) -> dict:
             "router_z_coef": 0.0}
 
 
-def moe_layout(hf: dict) -> tuple[int, int, str]:
+def layout_from_hf(hf: dict) -> tuple[int, int, str]:
     """jaxpar's (`first_dense`, `moe_every`, `moe_pattern`) of a config's `decoder_sparse_step` and
     `mlp_only_layers` (`moe_layout.layout_of`); ValueError naming the fields where no layer is MoE."""
     n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import math
 
+from jaxpar.models import moe_layout
+
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
@@ -200,22 +202,24 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
         if first:  # the dense prefix: its own stack, on every pipeline stage
             leaves += [dataclasses.replace(leaf, names=("prefix_layers", *leaf.names[1:]))
                        for leaf in blocks("blocks.prefix.", first)]
-        if c.n_layers - first - groups:  # the other dense blocks
-            leaves += blocks("blocks.dense.", c.n_layers - first - groups)
-        leaves += blocks("blocks.moe.", groups, dense_ffn=False)
-        leaves += [Leaf("blocks.moe.router", (groups, d, e), ("layers", "embed", None)),
-                   Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
-                   Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
-                   Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
+        rest = blocks("blocks.dense.", c.n_layers - first - groups) if c.n_layers - first - groups else []
+        rest += blocks("blocks.moe.", groups, dense_ffn=False)
+        rest += [Leaf("blocks.moe.router", (groups, d, e), ("layers", "embed", None)),
+                 Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
+                 Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
+                 Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
         if getattr(c, "shared_expert", False):  # Llama 4
-            leaves += [Leaf("blocks.moe.shared_gate", (groups, d, fe), ("layers", "embed", "mlp")),
-                       Leaf("blocks.moe.shared_up", (groups, d, fe), ("layers", "embed", "mlp")),
-                       Leaf("blocks.moe.shared_down", (groups, fe, d), ("layers", "mlp", "embed"))]
+            rest += [Leaf("blocks.moe.shared_gate", (groups, d, fe), ("layers", "embed", "mlp")),
+                     Leaf("blocks.moe.shared_up", (groups, d, fe), ("layers", "embed", "mlp")),
+                     Leaf("blocks.moe.shared_down", (groups, fe, d), ("layers", "mlp", "embed"))]
         if getattr(c, "expert_bias", False):  # gpt-oss
-            leaves += [Leaf("blocks.moe.router_bias", (groups, e), ("layers", None)),
-                       Leaf("blocks.moe.expert_gate_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
-                       Leaf("blocks.moe.expert_up_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
-                       Leaf("blocks.moe.expert_down_bias", (groups, e, d), ("layers", "experts", "embed"))]
+            rest += [Leaf("blocks.moe.router_bias", (groups, e), ("layers", None)),
+                     Leaf("blocks.moe.expert_gate_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                     Leaf("blocks.moe.expert_up_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                     Leaf("blocks.moe.expert_down_bias", (groups, e, d), ("layers", "experts", "embed"))]
+        if moe_layout.runs_apart(c):  # blocks of no period: stacks no pipeline cuts (jaxpar.models.moe_layout)
+            rest = [dataclasses.replace(leaf, names=("prefix_layers", *leaf.names[1:])) for leaf in rest]
+        leaves += rest
     else:
         leaves += blocks("blocks.", c.n_layers)
     leaves.append(Leaf("final_norm", (d,), ("norm",)))
