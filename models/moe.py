@@ -1,16 +1,18 @@
 """The reference Llama with a mixture-of-experts feed-forward layer in every `moe_every`-th block.
 
 Blocks come in groups of `moe_every`: `moe_every - 1` dense Llama blocks, then
-one block whose MLP is `jaxpar.parallel.experts.moe_ffn`. Groups are stacked along the
-`layers` axis and scanned, like the dense model's blocks, so the compiled step
-stays the same size whatever the depth. The first `first_dense` blocks may be dense
-ones before the groups (a Qwen3-MoE's `mlp_only_layers=[0]`): a stack of their own
-along `zero_layout.PREFIX_SCANNED`, run with the embedding as DeepSeek-V3's first
-dense blocks are (`models.deepseek`): before a pipeline's first stage, on every
-stage. The loss adds the routers' auxiliary losses, and the aux dict carries the
-routing metrics. With local/global layers (`sliding_pattern` P) the groups are
-scanned a pattern of P / moe_every groups at a time (`run_patterns`); inference
-scans the groups too (`MoeBlocks.inference`).
+one block whose MLP is `jaxpar.parallel.experts.moe_ffn` (or, with `moe_pattern`, any
+kinds in any order: dense layers wherever a Qwen3-MoE's `mlp_only_layers` puts them,
+`models.moe_layout`). Groups are stacked along the `layers` axis and scanned, like the
+dense model's blocks, so the compiled step stays the same size whatever the depth; a
+pattern of no period is one group, its runs of blocks scanned one after another
+(`run_apart`). The first `first_dense` blocks may be dense ones before the groups (a
+Qwen3-MoE's `mlp_only_layers=[0]`): a stack of their own along `zero_layout.PREFIX_SCANNED`,
+run with the embedding as DeepSeek-V3's first dense blocks are (`models.deepseek`): before a
+pipeline's first stage, on every stage. The loss adds the routers' auxiliary losses, and
+the aux dict carries the routing metrics. With local/global layers (`sliding_pattern` P)
+the groups are scanned a pattern of P / moe_every groups at a time (`run_patterns`);
+inference scans the groups too (`MoeBlocks.inference`).
 """
 
 from __future__ import annotations
