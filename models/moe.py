@@ -248,9 +248,10 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
                moe_layer: MoeLayer = experts.moe_ffn):
     """Scan the block groups over the leading axis of `stacked`: (x, statistics stacked per MoE layer).
 
-    Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
-    each MoE block's parameters gathered just before it runs. A dense prefix is not among `stacked`: it runs
-    with the embedding (`embed_and_prefix`).
+    Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3 each group's parameters
+    gathered just before it runs; a group runs its blocks' homogeneous runs in order (`moe_layout.runs`), and
+    blocks of no period run apart (`run_apart`). A dense prefix is not among `stacked`: it runs with the
+    embedding (`embed_and_prefix`).
     """
     if cfg.sliding_pattern > 1 and "dense" in stacked:  # local/global layers and dense blocks: patterns of groups
         return run_patterns(stacked, x, cfg, remat, moe_layer)
