@@ -157,6 +157,7 @@ def test_a_written_config_names_the_layout_and_reads_back(fields, layout):
     ({"decoder_sparse_step": 2, "mlp_only_layers": [1, 3]}, r"make layers \[\] of 4 MoE layers: a model without"),
     ({"decoder_sparse_step": 5}, r"decoder_sparse_step=5, mlp_only_layers=\[\] make layers \[\] of 4"),
     ({"decoder_sparse_step": 0}, "decoder_sparse_step=0 must be an int >= 1"),
+    ({"num_experts": 0}, r"num_experts=0, decoder_sparse_step=1, mlp_only_layers=\[\] make layers \[\] of 4"),
 ])
 def test_layouts_without_an_moe_layer_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message):

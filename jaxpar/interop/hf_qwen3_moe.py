@@ -62,15 +62,18 @@ def moe_fields_from_hf(hf: dict) -> dict:
 
 def layout_from_hf(hf: dict) -> tuple[int, int, str]:
     """jaxpar's (`first_dense`, `moe_every`, `moe_pattern`) of a config's `decoder_sparse_step` and
-    `mlp_only_layers` (`moe_layout.layout_of`); ValueError naming the fields where no layer is MoE."""
+    `mlp_only_layers` as transformers builds them (`moe_layout.layout_of`); ValueError naming the fields where no
+    layer is MoE."""
     n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
     dense = set(hf.get("mlp_only_layers") or [])
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"config.json: decoder_sparse_step={step!r} must be an int >= 1")
-    kinds = "".join("M" if i not in dense and (i + 1) % step == 0 else "D" for i in range(n))
+    experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+    kinds = "".join("M" if i not in dense and (i + 1) % step == 0 and experts > 0 else "D" for i in range(n))
     if "M" not in kinds:
-        raise ValueError(f"config.json: decoder_sparse_step={step}, mlp_only_layers={sorted(dense)} make layers [] of "
-                         f"{n} MoE layers: a model without an MoE layer is a Qwen3 (model_type qwen3)")
+        raise ValueError(f"config.json: num_experts={experts}, decoder_sparse_step={step}, mlp_only_layers="
+                         f"{sorted(dense)} make layers [] of {n} MoE layers: a model without an MoE layer is a Qwen3 "
+                         "(model_type qwen3)")
     return moe_layout.layout_of(kinds)
 
 
