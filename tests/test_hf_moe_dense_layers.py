@@ -31,18 +31,18 @@ FIELDS = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_l
               max_position_embeddings=128, bos_token_id=1, eos_token_id=2, num_experts=4, num_experts_per_tok=2,
               norm_topk_prob=True, moe_intermediate_size=24)
 # layout -> the config fields that make layers 1 and 3 the MoE ones, 0 and 2 dense; a dense first layer; a
-# dense first layer before groups of (dense, MoE) on 5 layers; dense layers 1 and 3 of 6 (M D M D M M: no period);
+# dense first layer before groups of (dense, MoE) on 5 layers; a dense layer 2 of 4 (M M D M: no period);
 # decoder_sparse_step=2 with a dense first layer on 5 (D M D M D: a prefix, then groups of (MoE, dense))
 LAYOUTS = {"decoder_sparse_step": {"decoder_sparse_step": 2},
            "mlp_only_layers": {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]},
            "dense_prefix": {"decoder_sparse_step": 1, "mlp_only_layers": [0]},
            "prefix_and_groups": {"decoder_sparse_step": 1, "mlp_only_layers": [0, 1, 3], "num_hidden_layers": 5},
-           "no_period": IRREGULAR,
+           "no_period": DENSE_THIRD,
            "prefix_step_2_dense_last": PREFIX_STEP_2}
 # layout -> jaxpar's (first_dense, moe_every, moe_pattern, its block stacks)
 STACKS = {"decoder_sparse_step": (0, 2, "", ["dense", "moe"]), "mlp_only_layers": (0, 2, "", ["dense", "moe"]),
           "dense_prefix": (1, 1, "", ["moe", "prefix"]), "prefix_and_groups": (1, 2, "", ["dense", "moe", "prefix"]),
-          "no_period": (0, 6, "MDMDMM", ["dense", "moe"]),
+          "no_period": (0, 4, "MMDM", ["dense", "moe"]),
           "prefix_step_2_dense_last": (1, 2, "MD", ["dense", "moe", "prefix"])}
 
 
