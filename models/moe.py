@@ -1,16 +1,18 @@
 """The reference Llama with a mixture-of-experts feed-forward layer in every `moe_every`-th block.
 
 Blocks come in groups of `moe_every`: `moe_every - 1` dense Llama blocks, then
-one block whose MLP is `jaxpar.parallel.experts.moe_ffn`. Groups are stacked along the
-`layers` axis and scanned, like the dense model's blocks, so the compiled step
-stays the same size whatever the depth. The first `first_dense` blocks may be dense
-ones before the groups (a Qwen3-MoE's `mlp_only_layers=[0]`): a stack of their own
-along `zero_layout.PREFIX_SCANNED`, run with the embedding as DeepSeek-V3's first
-dense blocks are (`models.deepseek`): before a pipeline's first stage, on every
-stage. The loss adds the routers' auxiliary losses, and the aux dict carries the
-routing metrics. With local/global layers (`sliding_pattern` P) the groups are
-scanned a pattern of P / moe_every groups at a time (`run_patterns`); inference
-scans the groups too (`MoeBlocks.inference`).
+one block whose MLP is `jaxpar.parallel.experts.moe_ffn` (or, with `moe_pattern`, any
+kinds in any order: dense layers wherever a Qwen3-MoE's `mlp_only_layers` puts them,
+`models.moe_layout`). Groups are stacked along the `layers` axis and scanned, like the
+dense model's blocks, so the compiled step stays the same size whatever the depth; a
+pattern of no period is one group, its runs of blocks scanned one after another
+(`run_apart`). The first `first_dense` blocks may be dense ones before the groups (a
+Qwen3-MoE's `mlp_only_layers=[0]`): a stack of their own along `zero_layout.PREFIX_SCANNED`,
+run with the embedding as DeepSeek-V3's first dense blocks are (`models.deepseek`): before a
+pipeline's first stage, on every stage. The loss adds the routers' auxiliary losses, and
+the aux dict carries the routing metrics. With local/global layers (`sliding_pattern` P)
+the groups are scanned a pattern of P / moe_every groups at a time (`run_patterns`);
+inference scans the groups too (`MoeBlocks.inference`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.core import zero_layout
-from jaxpar.models import layer_pattern, llama
+from jaxpar.core.trace import active_plan
+from jaxpar.models import layer_pattern, llama, moe_layout
 from jaxpar.models.block import dense_feed_forward
 from jaxpar.parallel import experts, tensor, zero
 from jaxpar.parallel.constrain import constrain
@@ -57,6 +60,9 @@ class MoeLlamaConfig(llama.LlamaConfig):
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
     first_dense: int = 0  # dense blocks before the groups (their own stack, run with the embedding)
+    # one group's moe_every blocks in order, D dense and M MoE (e.g. "MDMDMM": a Qwen3-MoE's mlp_only_layers
+    # anywhere, `models.moe_layout`); "" for moe_every - 1 dense blocks, then one MoE block
+    moe_pattern: str = ""
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,6 +74,13 @@ class MoeLlamaConfig(llama.LlamaConfig):
         if self.first_dense and self.sliding_pattern > 1:
             raise ValueError(f"first_dense={self.first_dense} with sliding_pattern={self.sliding_pattern}: dense "
                              "blocks before the MoE groups take no local/global layer pattern")
+        if self.moe_pattern:
+            moe_layout.check(self.moe_pattern, self.moe_every)
+            if self.moe_pattern == moe_layout.classic(self.moe_every):  # one spelling of each layout
+                object.__setattr__(self, "moe_pattern", "")
+        if self.moe_pattern and self.sliding_pattern > 1:
+            raise ValueError(f"moe_pattern={self.moe_pattern!r} with sliding_pattern={self.sliding_pattern}: a "
+                             "pattern of dense and MoE blocks takes no local/global layer pattern")
         self.moe.group(self.seq_len)
 
     @property
@@ -82,7 +95,7 @@ class MoeLlamaConfig(llama.LlamaConfig):
 
     @property
     def n_moe_layers(self) -> int:
-        return (self.n_layers - self.first_dense) // self.moe_every
+        return moe_layout.kinds(self).count("M")
 
     def param_count(self) -> int:
         d, e, fe, n_moe = self.d_model, self.n_experts, self.expert_d_ff, self.n_moe_layers
@@ -129,65 +142,86 @@ CONFIGS: dict[str, MoeLlamaConfig] = {
 class ExpertBlocks(llama.Blocks):
     """The MoE blocks: Llama attention and norms, then a router and the experts, stacked over `layers`."""
 
-    def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
-        super().__init__(cfg, rngs, count=cfg.n_moe_layers, dense_ffn=False)
+    def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs, axis: str = "layers"):
+        """`axis`: the stack's logical axis (`zero_layout.PREFIX_SCANNED` for blocks no pipeline stage cuts)."""
+        super().__init__(cfg, rngs, count=cfg.n_moe_layers, dense_ffn=False, axis=axis)
         n, e, d, fe = cfg.n_moe_layers, cfg.n_experts, cfg.d_model, cfg.expert_d_ff
         dt = jnp.dtype(cfg.param_dtype)
         s_in, s_out = d**-0.5, fe**-0.5 / (2 * cfg.n_layers) ** 0.5
-        hidden = ("layers", "experts", "embed", "expert_mlp")
-        self.router = llama._param(rngs, (n, d, e), ("layers", "embed", None), dt, s_in)
+        hidden = (axis, "experts", "embed", "expert_mlp")
+        self.router = llama._param(rngs, (n, d, e), (axis, "embed", None), dt, s_in)
         self.expert_gate = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
         self.expert_up = llama._param(rngs, (n, e, d, fe), hidden, dt, s_in)
-        self.expert_down = llama._param(rngs, (n, e, fe, d), ("layers", "experts", "expert_mlp", "embed"), dt, s_out)
+        self.expert_down = llama._param(rngs, (n, e, fe, d), (axis, "experts", "expert_mlp", "embed"), dt, s_out)
         if cfg.shared_expert:
-            self.shared_gate = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
-            self.shared_up = llama._param(rngs, (n, d, fe), ("layers", "embed", "mlp"), dt, s_in)
-            self.shared_down = llama._param(rngs, (n, fe, d), ("layers", "mlp", "embed"), dt, s_out)
+            self.shared_gate = llama._param(rngs, (n, d, fe), (axis, "embed", "mlp"), dt, s_in)
+            self.shared_up = llama._param(rngs, (n, d, fe), (axis, "embed", "mlp"), dt, s_in)
+            self.shared_down = llama._param(rngs, (n, fe, d), (axis, "mlp", "embed"), dt, s_out)
         if cfg.expert_bias:  # zero-initialised in gpt-oss; small random here so that a test sees them
-            self.router_bias = llama._param(rngs, (n, e), ("layers", None), dt, s_in)
-            self.expert_gate_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
-            self.expert_up_bias = llama._param(rngs, (n, e, fe), ("layers", "experts", "expert_mlp"), dt, s_in)
-            self.expert_down_bias = llama._param(rngs, (n, e, d), ("layers", "experts", "embed"), dt, s_out)
+            self.router_bias = llama._param(rngs, (n, e), (axis, None), dt, s_in)
+            self.expert_gate_bias = llama._param(rngs, (n, e, fe), (axis, "experts", "expert_mlp"), dt, s_in)
+            self.expert_up_bias = llama._param(rngs, (n, e, fe), (axis, "experts", "expert_mlp"), dt, s_in)
+            self.expert_down_bias = llama._param(rngs, (n, e, d), (axis, "experts", "embed"), dt, s_out)
 
 
 class MoeBlocks(nnx.Module):
-    """The `first_dense` dense blocks (`prefix`), then per group of `moe_every` blocks: the dense Llama blocks,
-    then one MoE block."""
+    """The `first_dense` dense blocks (`prefix`), then the groups of `moe_every` blocks (`models.moe_layout`): the
+    dense ones (`dense`) and the MoE ones (`moe`), each a stack in layer order (on `prefix_layers`, which no
+    pipeline cuts, where they run apart)."""
 
     def __init__(self, cfg: MoeLlamaConfig, rngs: nnx.Rngs):
         first = cfg.first_dense
         self.prefix = llama.Blocks(cfg, rngs, count=first, axis=zero_layout.PREFIX_SCANNED) if first else None
-        dense = cfg.n_moe_layers * (cfg.moe_every - 1)
-        self.dense = llama.Blocks(cfg, rngs, count=dense) if dense else None
-        self.moe = ExpertBlocks(cfg, rngs)
+        dense = cfg.n_layers - first - cfg.n_moe_layers
+        # blocks that run apart: no pipeline stage cuts them (a pipeline plan is refused by name when traced)
+        axis = zero_layout.PREFIX_SCANNED if moe_layout.runs_apart(cfg) else zero_layout.SCANNED
+        self.dense = llama.Blocks(cfg, rngs, count=dense, axis=axis) if dense else None
+        self.moe = ExpertBlocks(cfg, rngs, axis=axis)
+        self.cfg = cfg
 
     def stacked(self) -> dict[str, dict[str, jax.Array]]:
-        """Each group's weights along a leading group axis (the dense blocks' as [groups, moe_every - 1, ...]);
-        the prefix's (`prefix`), where the model has one, along its own."""
-        moe = self.moe.stacked()
+        """Each group's weights along a leading group axis (the dense blocks' as [groups, dense per group, ...], the
+        MoE ones' so too where a group has several); the prefix's (`prefix`), where the model has one, along its
+        own. Blocks that run apart (`moe_layout.runs_apart`) keep their stacks' [layers, ...]."""
+        cfg, moe = self.cfg, self.moe.stacked()
         prefix = {} if self.prefix is None else {"prefix": self.prefix.stacked()}
-        if self.dense is None:
-            return {**prefix, "moe": moe}
-        return {**prefix, "dense": zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0]), "moe": moe}
+        dense = {} if self.dense is None else {"dense": self.dense.stacked()}
+        if moe_layout.runs_apart(cfg):
+            return {**prefix, **dense, "moe": moe}
+        groups = (cfg.n_layers - cfg.first_dense) // cfg.moe_every
+        if moe["router"].shape[0] > groups:  # several MoE blocks per group
+            moe = zero.regroup(moe, groups=groups)
+        return {**prefix, **{k: zero.regroup(v, groups=groups) for k, v in dense.items()}, "moe": moe}
 
     def inference(self):
-        """(per-layer weights, feed-forward) for `inference.inference_layers`; with dense blocks, one stack and one
-        feed-forward per place in a group (its `moe_every - 1` dense blocks, then its MoE block).
+        """(per-layer weights, feed-forward) for `inference.inference_layers`: one stack and one feed-forward per
+        place in a group (its blocks in order) where a group has several blocks, a list of runs (the prefix's, then
+        the groups', or each run of blocks that run apart).
 
-        The layer's routing statistics (its auxiliary losses) are training's and are dropped here. With a dense
-        prefix, a list of two runs, the prefix's and the groups' (`inference.inference_layers`).
+        The layer's routing statistics (its auxiliary losses) are training's and are dropped here.
         """
-        moe = self.moe.stacked()
-        if self.dense is None:
-            groups = moe, experts_feed_forward
+        cfg, stacked = self.cfg, self.stacked()
+        kinds = {"D": dense_feed_forward, "M": experts_feed_forward}
+        group = cfg.moe_pattern or moe_layout.classic(cfg.moe_every)
+        if moe_layout.runs_apart(cfg):
+            places = moe_layout.runs(group)
+            stacks = [jax.tree.map(lambda a, s=start, n=n: a[s:s + n], stacked["dense" if kind == "D" else "moe"])
+                      for kind, start, n in places]
+            body = stacks, [kinds[kind] for kind, _, _ in places]
+        elif len(group) == 1:
+            body = [stacked["moe"]], [experts_feed_forward]
         else:
-            dense = zero.regroup(self.dense.stacked(), groups=moe["router"].shape[0])
-            places = dense["attn_norm"].shape[1]
-            stacks = tuple(jax.tree.map(lambda a, j=j: a[:, j], dense) for j in range(places))
-            groups = (*stacks, moe), (dense_feed_forward,) * places + (experts_feed_forward,)
+            seen, stacks = {"D": 0, "M": 0}, []
+            for kind in group:
+                name = "dense" if kind == "D" else "moe"
+                grouped = stacked[name]["attn_norm"].ndim == 3  # [groups, per group, d]
+                stacks.append(jax.tree.map(lambda a, j=seen[kind]: a[:, j], stacked[name]) if grouped
+                              else stacked[name])
+                seen[kind] += 1
+            body = [tuple(stacks)], [tuple(kinds[kind] for kind in group)]
         if self.prefix is None:
-            return groups
-        return [self.prefix.stacked(), groups[0]], [dense_feed_forward, groups[1]]
+            return (body[0][0], body[1][0]) if len(body[0]) == 1 else body
+        return [stacked["prefix"], *body[0]], [dense_feed_forward, *body[1]]
 
 
 def experts_feed_forward(p, x, cfg: MoeLlamaConfig):
@@ -214,21 +248,61 @@ def run_groups(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
                moe_layer: MoeLayer = experts.moe_ffn):
     """Scan the block groups over the leading axis of `stacked`: (x, statistics stacked per MoE layer).
 
-    Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3
-    each MoE block's parameters gathered just before it runs. A dense prefix is not among `stacked`: it runs
-    with the embedding (`embed_and_prefix`).
+    Like `llama.run_layers`: the plan's remat policy by default, and under ZeRO-3 each group's parameters
+    gathered just before it runs; a group runs its blocks' homogeneous runs in order (`moe_layout.runs`), and
+    blocks of no period run apart (`run_apart`). A dense prefix is not among `stacked`: it runs with the
+    embedding (`embed_and_prefix`).
     """
     if cfg.sliding_pattern > 1 and "dense" in stacked:  # local/global layers and dense blocks: patterns of groups
         return run_patterns(stacked, x, cfg, remat, moe_layer)
     if cfg.sliding_pattern > 1:  # local and global layers (models.layer_pattern), each with its experts
         return layer_pattern.run_groups(lambda p, h, c: moe_block(p, h, c, moe_layer), stacked["moe"], x, cfg, remat)
+    group = cfg.moe_pattern or moe_layout.classic(cfg.moe_every)
+    if moe_layout.runs_apart(cfg):
+        return run_apart(stacked, x, cfg, group, remat, moe_layer)
+    several = group.count("M") > 1  # the MoE blocks too stacked [groups, per group, ...]
+    moe_run = functools.partial(run_moe_blocks, cfg=cfg, remat=lambda f: f, moe_layer=moe_layer)
 
-    def group(p, h):
-        if "dense" in p:
-            h = llama.run_layers(p["dense"], h, cfg, remat=lambda f: f)
-        return moe_block(p["moe"], h, cfg, moe_layer)
+    def run_group(p, h):
+        stats = []
+        for kind, start, n in moe_layout.runs(group):
+            if kind == "D":
+                h = llama.run_layers(part(p["dense"], start, n), h, cfg, remat=lambda f: f)
+            elif several:
+                h, run_stats = moe_run(part(p["moe"], start, n), h)
+                stats.append(run_stats)
+            else:
+                h, run_stats = moe_block(p["moe"], h, cfg, moe_layer)
+        return h, jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if several else run_stats
 
-    return scan_layers(group, stacked, x, remat=remat)
+    x, stats = scan_layers(run_group, stacked, x, remat=remat)
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), stats) if several else stats
+
+
+def part(stacked, start: int, n: int):
+    """Layers start..start + n - 1 of a group's stacks (all of them where that is the whole)."""
+    if jax.tree.leaves(stacked)[0].shape[0] == n:
+        return stacked
+    return jax.tree.map(lambda a: a[start:start + n], stacked)
+
+
+def run_moe_blocks(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
+                   moe_layer: MoeLayer = experts.moe_ffn):
+    """Scan MoE blocks over the leading axis of `stacked`: (x, statistics stacked per block)."""
+    return scan_layers(lambda p, h: moe_block(p, h, cfg, moe_layer), stacked, x, remat=remat)
+
+
+def run_apart(stacked, x, cfg: MoeLlamaConfig, group: str, remat: Callable | None, moe_layer: MoeLayer):
+    """A pattern of no period (`moe_layout.runs_apart`): its homogeneous runs one after another, each a scan over
+    its slice of the dense or MoE stack, gathered a layer at a time under ZeRO-3 (`zero.layer_range`)."""
+    stats = []
+    for kind, start, n in moe_layout.runs(group):
+        if kind == "D":
+            x = llama.run_layers(zero.layer_range(stacked["dense"], start, start + n), x, cfg, remat)
+        else:
+            x, run_stats = run_moe_blocks(zero.layer_range(stacked["moe"], start, start + n), x, cfg, remat, moe_layer)
+            stats.append(run_stats)
+    return x, jax.tree.map(lambda *a: jnp.concatenate(a), *stats)
 
 
 def run_patterns(stacked, x, cfg: MoeLlamaConfig, remat: Callable | None = None,
@@ -276,6 +350,9 @@ class MoeLlama(llama.Llama):
         Metrics: ce_loss, load_balance_loss (and router_z_loss) summed over the
         MoE layers; dropped_fraction and expert_share [E] averaged over them.
         """
+        plan = active_plan()
+        if plan is not None and plan.shape["pipe"] > 1:
+            moe_layout.check_pipeline(self.cfg, plan.shape["pipe"], plan.virtual_stages)
         stacked, embed, embed_params = self.blocks.stacked(), llama.embed_tokens, self.embedding[...]
         if "prefix" in stacked:  # the dense prefix runs with the embedding, before a pipeline's first stage
             embed = functools.partial(embed_and_prefix, cfg=self.cfg, remat=remat)

@@ -302,21 +302,25 @@ def clamped_swiglu(gate, up, cfg):
 
 
 def moe_loss(params, batch, cfg):
-    """(loss, metrics) of the MoE Llama: `first_dense` dense blocks (`prefix`), then per group `moe_every - 1`
-    dense blocks and one MoE block."""
+    """(loss, metrics) of the MoE Llama: `first_dense` dense blocks (`prefix`), then groups of `moe_every` blocks,
+    `moe_pattern`'s kinds (D dense, M MoE; by default `moe_every - 1` dense, then one MoE), the dense ones read in
+    order from `dense` and the MoE ones from `moe`."""
     blocks = params["blocks"]
-    per, first = cfg.moe_every - 1, getattr(cfg, "first_dense", 0)
+    first = getattr(cfg, "first_dense", 0)
+    group = getattr(cfg, "moe_pattern", "") or "D" * (cfg.moe_every - 1) + "M"
     x = embed(params, batch["inputs"], cfg)
     aux = jnp.zeros((), jnp.float32)
     for i in range(first):
         x = dense_block(layer(blocks["prefix"], i), x, cfg, sliding_window(cfg, i))
-    for g in range((cfg.n_layers - first) // cfg.moe_every):
-        start = first + g * cfg.moe_every
-        for i in range(per):
-            x = dense_block(layer(blocks["dense"], g * per + i), x, cfg, sliding_window(cfg, start + i))
-        p = layer(blocks["moe"], g)
-        window = sliding_window(cfg, start + per)
-        x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, window)
+    dense, moe = 0, 0
+    for i in range(first, cfg.n_layers):
+        if group[(i - first) % len(group)] == "D":
+            x = dense_block(layer(blocks["dense"], dense), x, cfg, sliding_window(cfg, i))
+            dense += 1
+            continue
+        p = layer(blocks["moe"], moe)
+        moe += 1
+        x = x + self_attention(p, norm(x, p["attn_norm"], cfg.norm_eps), cfg, sliding_window(cfg, i))
         y, balance, z = experts_ffn(p, norm(x, p["mlp_norm"], cfg.norm_eps), cfg)
         x = x + y
         aux = aux + cfg.load_balance_coef * balance + (cfg.router_z_coef * z if cfg.router_z_coef else 0.0)

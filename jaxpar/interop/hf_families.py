@@ -73,7 +73,7 @@ def dense_layer_params(cfg: LlamaConfig) -> dict[str, tuple[str, str]]:
 def layer_stacks(cfg: LlamaConfig) -> list[tuple[str, list[int], dict[str, tuple[str, str]]]]:
     """Each stack of block parameters as (its path in the parameter tree, the Hugging Face layers it holds in order,
     its parameters' (name, layout)): one, or an MoE model's dense prefix (its first `first_dense` blocks), its
-    dense blocks between the MoE ones (`jaxpar.models.moe`) and its MoE blocks, each where it has them."""
+    other dense blocks and its MoE blocks (`jaxpar.models.moe_layout`), each where it has them."""
     n = cfg.n_layers
     if not hf_mixtral.is_moe(cfg) or (cfg.moe_every == 1 and not cfg.first_dense):
         return [(blocks_path(cfg), list(range(n)), layer_params(cfg))]
@@ -100,7 +100,7 @@ def jaxpar_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         return {**shapes, **_block_shapes(cfg, "blocks", n, experts=False)}
     if cfg.first_dense:  # the dense blocks before the MoE ones: a stack of their own
         shapes |= _block_shapes(cfg, "blocks/prefix", cfg.first_dense, experts=False)
-    if cfg.moe_every > 1:  # the dense blocks between the MoE ones: a stack of their own
+    if n - cfg.first_dense - cfg.n_moe_layers:  # the dense blocks among the MoE ones: a stack of their own
         shapes |= _block_shapes(cfg, "blocks/dense", n - cfg.first_dense - cfg.n_moe_layers, experts=False)
     return {**shapes, **_block_shapes(cfg, "blocks/moe", cfg.n_moe_layers, experts=True)}
 

@@ -103,7 +103,7 @@ def _attention_from_hf(hf: dict) -> dict:
 
 def moe_fields_to_hf(cfg: MoeLlamaConfig) -> dict:
     """The Llama 4 text `config.json` fields of a Llama 4 config; ValueError for what it cannot express."""
-    wanted = {"top_k": 1, "shared_expert": True, "first_dense": 0}
+    wanted = {"top_k": 1, "shared_expert": True, "first_dense": 0, "moe_pattern": ""}
     problems = [f"{name}={getattr(cfg, name)}" for name, value in wanted.items() if getattr(cfg, name) != value]
     if cfg.qkv_bias or cfg.qk_norm or cfg.sliding_window is not None:
         problems.append(f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, sliding_window={cfg.sliding_window}")

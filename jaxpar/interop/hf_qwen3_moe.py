@@ -9,20 +9,22 @@ experts drop no token (`dropless`) and transformers adds its pooled auxiliary lo
 `output_router_logits`, which is refused; the import's `load_balance_coef` is 0.
 
 A layer is an MoE layer when `(i + 1) % decoder_sparse_step == 0` and i is not in `mlp_only_layers`, and the
-others have a dense MLP of `intermediate_size` (`mlp.gate_proj.weight`, ...). jaxpar's MoE Llama takes
-`first_dense` dense layers, then MoE layers every `moe_every`-th: the import takes any step and MLP-only layers
-whose MoE layers are that pattern (MoE iff i >= k and (i - k + 1) % m == 0, m dividing the n - k layers after
-the prefix; the shortest prefix k that fits), and refuses any other set by name, listing its MoE layers (a dense
-layer after an MoE one that breaks the period: a dense last layer, say). The export writes
-`decoder_sparse_step=moe_every` and, with a prefix, the dense layers that step does not make
-(`decoder_sparse_step=1` and every dense layer where the prefix is no whole number of steps); the source's own,
-where they are the same layers, are kept. The checkpoints hold one tensor per expert
+others have a dense MLP of `intermediate_size` (`mlp.gate_proj.weight`, ...). jaxpar's MoE Llama takes any such
+set (`jaxpar.models.moe_layout`): `first_dense` dense layers, then groups of `moe_every` blocks of the kinds of
+`moe_pattern`, the shortest group that makes the layers (a period, so that a pipeline can cut the groups into
+stages; with none, one group of every layer after the prefix, its runs of layers scanned one after another). A
+config without an MoE layer is refused by name. The export writes the largest `decoder_sparse_step` every MoE
+layer keeps (the greatest common divisor of their i + 1) and, in `mlp_only_layers`, the dense layers that step does
+not make; the source's own, where they are the same layers, are kept. The checkpoints hold one tensor per expert
 (`mlp.experts.{e}.gate_proj.weight`); the router is `mlp.gate`.
 """
 
 from __future__ import annotations
 
+import math
+
 from jaxpar.interop import hf_mixtral
+from jaxpar.models import moe_layout
 from jaxpar.models.moe import MoeLlamaConfig
 
 MODEL_TYPE = "qwen3_moe"
@@ -48,45 +50,44 @@ def moe_fields_from_hf(hf: dict) -> dict:
         raise ValueError(f"config.json: norm_topk_prob={str(norm).lower()} with num_experts_per_tok={top_k} is not "
                          "supported: jaxpar's router renormalises the chosen probabilities for k > 1 and keeps "
                          "the one probability for k = 1 (norm_topk_prob=true for k > 1, false for k = 1)")
-    first, every = moe_layout(hf)
+    first, every, pattern = layout_from_hf(hf)
     if hf.get("output_router_logits"):
         raise ValueError("config.json: output_router_logits=true is not supported: transformers then adds a load-"
                          "balancing loss pooled over all layers, jaxpar's is per layer; set it to false (jaxpar's "
                          "own is the model field load_balance_coef)")
-    return {"n_experts": experts, "top_k": top_k, "moe_every": every, "first_dense": first,
+    return {"n_experts": experts, "top_k": top_k, "moe_every": every, "first_dense": first, "moe_pattern": pattern,
             "expert_d_ff": hf["moe_intermediate_size"], "dropless": True, "load_balance_coef": 0.0,
             "router_z_coef": 0.0}
 
 
-def moe_layout(hf: dict) -> tuple[int, int]:
-    """jaxpar's (`first_dense`, `moe_every`) of a config's `decoder_sparse_step` and `mlp_only_layers`: the
-    shortest dense prefix after which the MoE layers are every m-th; ValueError naming the MoE layers where no
-    prefix and period make them."""
+def layout_from_hf(hf: dict) -> tuple[int, int, str]:
+    """jaxpar's (`first_dense`, `moe_every`, `moe_pattern`) of a config's `decoder_sparse_step` and
+    `mlp_only_layers` as transformers builds them (`moe_layout.layout_of`); ValueError naming the fields where no
+    layer is MoE."""
     n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
     dense = set(hf.get("mlp_only_layers") or [])
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"config.json: decoder_sparse_step={step!r} must be an int >= 1")
-    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    for first in range(moe[0] + 1 if moe else 0):  # the prefix ends within the first MoE layer's group
-        every = moe[0] - first + 1
-        if (n - first) % every == 0 and moe == list(range(moe[0], n, every)):
-            return first, every
-    raise ValueError(f"config.json: decoder_sparse_step={step}, mlp_only_layers={sorted(dense)} make layers "
-                     f"{moe} of {n} MoE layers; jaxpar's are dense layers 0..k-1, then every m-th (layers "
-                     "k + m - 1, k + 2m - 1, ... with m dividing num_hidden_layers - k)")
+    experts = hf.get("num_experts", hf.get("num_local_experts")) or 0
+    kinds = "".join("M" if i not in dense and (i + 1) % step == 0 and experts > 0 else "D" for i in range(n))
+    if "M" not in kinds:
+        raise ValueError(f"config.json: num_experts={experts}, decoder_sparse_step={step}, mlp_only_layers="
+                         f"{sorted(dense)} make layers [] of {n} MoE layers: a model without an MoE layer is a Qwen3 "
+                         "(model_type qwen3)")
+    return moe_layout.layout_of(kinds)
 
 
 def moe_layers(cfg: MoeLlamaConfig) -> list[int]:
-    """The MoE layers of `cfg`: every `moe_every`-th after the `first_dense` dense ones (the others dense)."""
-    return list(range(cfg.first_dense + cfg.moe_every - 1, cfg.n_layers, cfg.moe_every))
+    """The MoE layers of `cfg` in order (`moe_layout.kinds`; the others dense)."""
+    return [i for i, kind in enumerate(moe_layout.kinds(cfg)) if kind == "M"]
 
 
 def moe_fields_to_hf(cfg: MoeLlamaConfig) -> dict:
     """The Qwen3-MoE `config.json` fields of an MoE config with q/k norms; ValueError for what it cannot express."""
     if cfg.qkv_bias:
         raise ValueError("qkv_bias=True: a Hugging Face Qwen3-MoE has no q/k/v biases")
-    step = cfg.moe_every if cfg.first_dense % cfg.moe_every == 0 else 1
     moe = moe_layers(cfg)
+    step = math.gcd(*(i + 1 for i in moe))
     dense = [i for i in range(cfg.n_layers) if i not in moe and (i + 1) % step == 0]
     return {"num_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k, "norm_topk_prob": cfg.top_k > 1,
             "moe_intermediate_size": cfg.expert_d_ff, "intermediate_size": cfg.d_ff, "decoder_sparse_step": step,

@@ -309,6 +309,20 @@ def regroup(stacked, groups: int):
     return jax.tree.map(one, stacked)
 
 
+def layer_range(stacked, start: int, stop: int):
+    """Layers start..stop - 1 of every stacked array, keeping per-layer casts and ZeRO gathers (a run of layers
+    scanned on its own: an MoE model's blocks of no period, `jaxpar.models.moe`)."""
+    def one(leaf):
+        taken = leaf[start:stop]
+        found = _lookup(leaf)
+        if found is not None:
+            source, use = found
+            _remember(taken, source[start:stop], use)
+        return taken
+
+    return jax.tree.map(one, stacked)
+
+
 def gather_layer(layer, uses: list):
     """One layer's parameters (a slice of `layer_sources`' sources), each cast and gathered by its `Use`."""
     leaves, treedef = jax.tree.flatten(layer)

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import math
 
+from jaxpar.models import moe_layout
+
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
@@ -54,6 +56,7 @@ class Model:
     layer_pattern: int = 1  # layers of one local/global attention pattern (Gemma 2: 2), never cut by a pipeline
     plan_options: tuple[tuple[str, object], ...] = ()  # what trains, as Plan options: LoRA's (planner.adapters)
     dense_first: int = 0  # DeepSeek-V3's dense first blocks: a stack of their own before the MoE blocks, no pipeline
+    moe_pattern: str = ""  # one group's blocks, D dense and M MoE ("": moe_every - 1 dense, then one MoE)
     # DeepSeek-V3's latent attention: head_dim is the query/key head (nope + rope), v_head_dim the value head (0: the
     # same), latent_width the per-token widths of its compressions (q latent, kv latent and the shared rotary key)
     v_head_dim: int = 0
@@ -85,7 +88,9 @@ class Model:
 
     @property
     def moe_layers(self) -> int:
-        return (self.n_layers - self.dense_first) // self.moe_every if self.n_experts else 0
+        if not self.n_experts:
+            return 0
+        return (self.n_layers - self.dense_first) // self.moe_every * (self.moe_pattern.count("M") or 1)
 
     @property
     def scan_depth(self) -> int:
@@ -97,7 +102,8 @@ class Model:
         """What each pipeline chunk must hold a whole number of: scan_depth's entries in whole attention patterns
         (one unit when local layers follow the last whole pattern, as Gemma 3's: no pipeline cuts those layers)."""
         units, left = divmod(self.scan_depth, self.layer_pattern)
-        return 1 if left or self.dense_first else units
+        apart = self.moe_pattern and self.n_layers - self.dense_first == self.moe_every  # no period: no pipeline
+        return 1 if left or self.dense_first or apart else units
 
     @functools.cached_property
     def separate_head(self) -> bool:
@@ -142,6 +148,7 @@ class Model:
         moe = {}
         if getattr(config, "n_experts", 0):
             moe = dict(n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every,
+                       moe_pattern=getattr(config, "moe_pattern", ""),
                        expert_d_ff=config.expert_d_ff, capacity_factor=config.capacity_factor,
                        dropless=config.dropless, group_size=config.group_size)
         pattern = getattr(config, "sliding_pattern", 1)
@@ -191,26 +198,28 @@ def llama_leaves(c) -> tuple[Leaf, ...]:
     leaves = [Leaf("embedding", (v, d), ("vocab", "embed"))]
     if getattr(c, "n_experts", 0):
         first = getattr(c, "first_dense", 0)
-        groups, e, fe = (c.n_layers - first) // c.moe_every, c.n_experts, c.expert_d_ff
+        groups, e, fe = c.n_moe_layers, c.n_experts, c.expert_d_ff  # the MoE blocks' stack
         if first:  # the dense prefix: its own stack, on every pipeline stage
             leaves += [dataclasses.replace(leaf, names=("prefix_layers", *leaf.names[1:]))
                        for leaf in blocks("blocks.prefix.", first)]
-        if c.moe_every > 1:
-            leaves += blocks("blocks.dense.", groups * (c.moe_every - 1))
-        leaves += blocks("blocks.moe.", groups, dense_ffn=False)
-        leaves += [Leaf("blocks.moe.router", (groups, d, e), ("layers", "embed", None)),
-                   Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
-                   Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
-                   Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
+        rest = blocks("blocks.dense.", c.n_layers - first - groups) if c.n_layers - first - groups else []
+        rest += blocks("blocks.moe.", groups, dense_ffn=False)
+        rest += [Leaf("blocks.moe.router", (groups, d, e), ("layers", "embed", None)),
+                 Leaf("blocks.moe.expert_gate", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
+                 Leaf("blocks.moe.expert_up", (groups, e, d, fe), ("layers", "experts", "embed", "expert_mlp")),
+                 Leaf("blocks.moe.expert_down", (groups, e, fe, d), ("layers", "experts", "expert_mlp", "embed"))]
         if getattr(c, "shared_expert", False):  # Llama 4
-            leaves += [Leaf("blocks.moe.shared_gate", (groups, d, fe), ("layers", "embed", "mlp")),
-                       Leaf("blocks.moe.shared_up", (groups, d, fe), ("layers", "embed", "mlp")),
-                       Leaf("blocks.moe.shared_down", (groups, fe, d), ("layers", "mlp", "embed"))]
+            rest += [Leaf("blocks.moe.shared_gate", (groups, d, fe), ("layers", "embed", "mlp")),
+                     Leaf("blocks.moe.shared_up", (groups, d, fe), ("layers", "embed", "mlp")),
+                     Leaf("blocks.moe.shared_down", (groups, fe, d), ("layers", "mlp", "embed"))]
         if getattr(c, "expert_bias", False):  # gpt-oss
-            leaves += [Leaf("blocks.moe.router_bias", (groups, e), ("layers", None)),
-                       Leaf("blocks.moe.expert_gate_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
-                       Leaf("blocks.moe.expert_up_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
-                       Leaf("blocks.moe.expert_down_bias", (groups, e, d), ("layers", "experts", "embed"))]
+            rest += [Leaf("blocks.moe.router_bias", (groups, e), ("layers", None)),
+                     Leaf("blocks.moe.expert_gate_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                     Leaf("blocks.moe.expert_up_bias", (groups, e, fe), ("layers", "experts", "expert_mlp")),
+                     Leaf("blocks.moe.expert_down_bias", (groups, e, d), ("layers", "experts", "embed"))]
+        if moe_layout.runs_apart(c):  # blocks of no period: stacks no pipeline cuts (jaxpar.models.moe_layout)
+            rest = [dataclasses.replace(leaf, names=("prefix_layers", *leaf.names[1:])) for leaf in rest]
+        leaves += rest
     else:
         leaves += blocks("blocks.", c.n_layers)
     leaves.append(Leaf("final_norm", (d,), ("norm",)))
