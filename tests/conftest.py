@@ -12,9 +12,10 @@ import tempfile
 # compiled HLO, its collectives and memory_analysis are the same, compiles take half the time.
 OPTIMIZATION_LEVEL_0 = "--xla_backend_optimization_level=0"
 # Older XLA:CPU (jaxlib 0.10) also has its classic elemental emitters beside the MLIR fusion emitters; at the
-# tests' sizes they compile the same fusions in about 55% of the CPU time. Newer XLA has only the fusion
-# emitters and aborts on the unknown flag, so one probe per test session (inherited by workers and subprocesses
-# through the environment) decides.
+# tests' sizes they compile the same fusions in about 55% of the CPU time. Their buffer assignment can differ, so
+# where the planner is held against what a user's XLA:CPU compiles, the test compiles with the default emitters
+# (helpers.inspection_as_users_compile). Newer XLA has only the fusion emitters and aborts on the unknown flag, so
+# one probe per test session (inherited by workers and subprocesses through the environment) decides.
 CLASSIC_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 PROBED = "JAXPAR_TEST_FAST_COMPILE"
 

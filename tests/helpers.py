@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import optax
@@ -123,3 +125,24 @@ def flash_recomputed_flops(config, sequences: int, seq: int) -> float:
     """The matmul FLOPs flash attention's backward adds to the model FLOPs (6 N + attention): it recomputes q . k^T,
     2 s^2 h hd per sequence and layer (one block pair at the tests' lengths, so the whole square)."""
     return sequences * config.n_layers * 2 * seq * seq * config.n_heads * config.head_dim
+
+
+def inspection_as_users_compile(run) -> dict:
+    """`jaxpar inspect --json` of `run`, compiled with XLA:CPU's default fusion emitters where the suite compiles
+    with its classic ones (conftest.CLASSIC_EMITTERS: their buffer assignment can differ): the memory the planner
+    is held against is what a user's XLA:CPU compiles."""
+    from jaxpar.core import gpu_profile
+    from jaxpar.run.report import inspection
+
+    original = gpu_profile.compile_options
+    classic = "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "")
+
+    def with_default_emitters(facts, profile="auto", environ=os.environ):
+        options = original(facts, profile, environ)
+        return options if facts.target or not classic else {**options, "xla_cpu_use_fusion_emitters": True}
+
+    gpu_profile.compile_options = with_default_emitters
+    try:
+        return inspection(run)
+    finally:
+        gpu_profile.compile_options = original

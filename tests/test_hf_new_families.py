@@ -190,7 +190,7 @@ QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 64, "n
     ({"norm_topk_prob": False}, "norm_topk_prob=false with num_experts_per_tok=2"),
     ({"num_experts_per_tok": 1}, "norm_topk_prob=true with num_experts_per_tok=1"),
     ({"decoder_sparse_step": 3}, "decoder_sparse_step=3"),
-    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+    ({"mlp_only_layers": [0, 1]}, r"mlp_only_layers=\[0, 1\] make layers \[\] of 2 MoE layers"),  # none is MoE
     ({"output_router_logits": True}, "output_router_logits=true"),
     ({"num_experts": None}, "num_experts is missing"),
 ])

@@ -25,6 +25,8 @@ from jaxpar.planner.search import default_batch, plan
 from jaxpar.planner.ticks import bubble, megatron_bubble, schedule_ticks
 from jaxpar.pipeline.schedule import Schedule
 
+from helpers import inspection_as_users_compile
+
 TINY = {"seq_len": 32}
 WORK = Workload(batch_size=16, seq_len=32)
 
@@ -257,11 +259,10 @@ TOLERANCE = {"arguments": 0.10, "temp": 0.25}  # traffic per mesh axis: 0.10
 def compiled_cell(mesh: str, options: dict, model: str) -> dict:
     """`jaxpar inspect --json` of one layout: an abstract compile, nothing trained."""
     from jaxpar.core.plan import Plan
-    from jaxpar.run.report import inspection
     from jaxpar.run.training import TrainConfig, prepare
 
     run = prepare(TrainConfig(model=model, batch_size=WORK.batch_size, seq_len=WORK.seq_len), Plan.create(mesh, **options))
-    return inspection(run)
+    return inspection_as_users_compile(run)
 
 
 def predicted_cell(mesh: str, options: dict, model: str) -> Estimate:

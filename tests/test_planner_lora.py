@@ -13,6 +13,8 @@ from jaxpar.planner.layout import Layout, Workload
 from jaxpar.planner.memory import state_bytes_per_param
 from jaxpar.planner.model import Model
 
+from helpers import inspection_as_users_compile
+
 ALL = "q,k,v,o,gate,up,down"
 WORK = Workload(batch_size=16, seq_len=32)
 # head_dim, d_model and d_ff whole blocks of 64 (what NF4 needs); still tiny
@@ -61,11 +63,10 @@ def test_only_the_adapters_have_gradients_and_optimizer_state_and_nf4_holds_the_
 def compiled(mesh: str, options: dict, model: str, overrides: dict, lora: dict) -> dict:
     """`jaxpar inspect --json` of one layout: an abstract compile, nothing trained."""
     from jaxpar.core.plan import Plan
-    from jaxpar.run.report import inspection
     from jaxpar.run.training import TrainConfig, prepare
 
     config = TrainConfig(model=model, batch_size=WORK.batch_size, seq_len=WORK.seq_len, model_overrides=overrides)
-    return inspection(prepare(config, Plan.create(mesh, **options, **lora)))
+    return inspection_as_users_compile(prepare(config, Plan.create(mesh, **options, **lora)))
 
 
 # (mesh, options, model, overrides, base dtype): LoRA on every matrix; the arguments, the traffic and the temp within
