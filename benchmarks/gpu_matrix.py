@@ -22,6 +22,7 @@ import time
 from jaxpar.core import target as target_lib
 from jaxpar.core.plan import Plan
 from jaxpar.planner import compare
+from jaxpar.planner.adapters import with_lora
 from jaxpar.planner.devices import for_facts
 from jaxpar.planner.estimate import estimate
 from jaxpar.planner.layout import Layout, Workload
@@ -61,7 +62,7 @@ CELLS = {
     "attention-flash": ("h100x8", "data=8", {"attention": "flash"}, "tiny", {}, {"data"}),
     "attention-xla": ("h100x8", "data=8", {"attention": "xla"}, "tiny", {}, {"data"}),
     "hosts-hsdp": ("2xh100x8", "replica=2,data=8", {"zero": 2}, "tiny", {}, {"data", "replica"}),
-    "hosts-pipe": ("2xh100x8", "pipe=2,data=8", {"microbatches": 4}, "tiny", {}, {"data", "pipe"}),
+    "hosts-pipe": ("2xh100x8", "pipe=2,data=8", {"microbatches": 2}, "tiny", {}, {"data", "pipe"}),
 }
 
 
@@ -91,9 +92,13 @@ def planner_row(name: str, seq_len: int, batch_size: int, report: dict) -> dict:
     target, mesh, options, model, overrides, _ = CELLS[name]
     sizes = {axis: int(n) for axis, n in (part.split("=") for part in mesh.split(","))}
     layout_options = {k: v for k, v in {"precision": "bf16", **options}.items() if k in Layout.__dataclass_fields__}
+    counted = Model.named(model, {"seq_len": seq_len, **overrides})
+    if options.get("lora_rank"):  # the planner's LoRA inventory: adapters trained beside the frozen (maybe NF4) base
+        plan = Plan.create(mesh, target=target, **options)
+        counted = with_lora(counted, plan.lora_rank, plan.lora_targets, plan.base_dtype)
     try:
-        est = estimate(Model.named(model, {"seq_len": seq_len, **overrides}), Layout(**sizes, **layout_options),
-                       Workload(batch_size=batch_size, seq_len=seq_len), for_facts(target_lib.parse(target).facts()))
+        est = estimate(counted, Layout(**sizes, **layout_options), Workload(batch_size=batch_size, seq_len=seq_len),
+                       for_facts(target_lib.parse(target).facts()))
     except ValueError as error:  # a layout the planner's search does not hold (its schedules, say)
         return {"planner": f"not counted: {error}"}
     if est.reason:
