@@ -399,7 +399,9 @@ def _plan(args: argparse.Namespace) -> int:
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        return scaling_main(args)
+        from jaxpar.run.verify import check_scaling_hosts
+
+        return scaling_main(args, check_scaling_hosts)
     if args.plot or args.counts or args.family != "dp,zero3,3d":
         print("error: --family / --counts / --plot go with --scaling weak|strong", file=sys.stderr)
         return 2

@@ -46,8 +46,9 @@ def _setup(args):
     return model, device, counts, families, batch, seq
 
 
-def main(args) -> int:
-    """Print the table (and --json), write --plot, and with --target compile the whole-host counts."""
+def main(args, compile_hosts=None) -> int:
+    """Print the table (and --json), write --plot, and with --target compile the whole-host counts
+    (`compile_hosts`: `jaxpar.run.verify.check_scaling_hosts`, handed in by the CLI, a layer above the planner)."""
     import json
     import sys
 
@@ -60,13 +61,8 @@ def main(args) -> int:
         model, device, counts, families, batch, seq = _setup(args)
         result = scaling(model, args.scaling, families, counts, batch, seq, device, args.precision)
         checks = None
-        if args.target is not None:
-            from jaxpar.run.verify import check_scaling, host_targets
-
-            names = host_targets(args.target, counts, device.devices_per_node)
-            points = [(p, names[p.devices]) for rows in result.values() for p, _ in rows
-                      if p.devices in names and not p.reason]
-            checks = check_scaling(args.model, points, args.target, device)
+        if args.target is not None and compile_hosts is not None:
+            checks = compile_hosts(args.model, result, counts, args.target, device)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

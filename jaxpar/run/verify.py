@@ -109,6 +109,14 @@ def host_targets(target: str, counts, per_host: int) -> dict[int, str]:
     return out
 
 
+def check_scaling_hosts(model_name: str, result: dict, counts, target: str, device) -> list[ScalingCheck]:
+    """`plan --scaling --target`: the counts of `result` (family: [(point, ...)]) that are whole hosts of
+    `target`, each compiled and held against the planner (`check_scaling`)."""
+    names = host_targets(target, counts, device.devices_per_node)
+    points = [(p, names[p.devices]) for rows in result.values() for p, _ in rows if p.devices in names and not p.reason]
+    return check_scaling(model_name, points, target, device)
+
+
 def check_scaling(model_name: str, points, target: str, device) -> list[ScalingCheck]:
     """Compile each point's layout (the stand-in model: `SMALL` layers, `SMALL_SEQ` tokens, one sequence per
     device) for its host count of `target`, and read its traffic per axis beside the planner's."""
