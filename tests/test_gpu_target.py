@@ -40,6 +40,11 @@ CELLS = {
     "3d": ("h100x8", "data=2,tensor=2,pipe=2", {"zero": 1, "precision": "bf16", "microbatches": 4}, "tiny"),
     "experts": ("h100x8", "data=2,expert=4", {"precision": "bf16"}, "moe-tiny"),
     "hosts": ("2xh100x8", "replica=2,data=8", {"zero": 2, "attention": "pallas"}, "tiny", {"head_dim": 16}),
+    # more of the CPU matrix's strategies (the whole matrix: benchmarks/gpu_matrix.py)
+    "zero3": ("h100x8", "data=8", {"zero": 3, "precision": "bf16"}, "tiny"),
+    "explicit": ("h100x8", "data=2,tensor=4", {"tensor_form": "explicit", "precision": "bf16"}, "tiny"),
+    "1f1b": ("h100x8", "data=2,pipe=4", {"schedule": "1f1b", "microbatches": 8, "precision": "bf16"}, "tiny"),
+    "ring": ("h100x8", "data=2,context=4", {"context_form": "ring", "precision": "bf16"}, "tiny"),
 }
 _REPORTS: dict[str, dict] = {}
 
@@ -79,11 +84,14 @@ def test_cudnn_attention_compiles_where_the_partitioner_crashed(cell):
 
 
 @needs_plugin
-@pytest.mark.parametrize("cell", ["tensor", "hosts"])
+@pytest.mark.parametrize("cell", ["tensor", "hosts", "zero3", "explicit", "1f1b", "ring"])
 def test_arguments_and_traffic_match_the_planner(cell):
     """The compiled step's argument bytes and traffic per mesh axis against the planner on the target's device,
-    at the CPU grid's tolerance (10%); the two-host HSDP step's replica all-reduce crosses the hosts."""
+    at the CPU grid's tolerance (10%), its collectives crossing every split axis; the two-host HSDP step's replica
+    all-reduce crosses the hosts."""
     report = compiled(cell)
+    split = {axis for axis, size in report["mesh"].items() if size > 1}
+    assert split <= {axis for op in report["collectives"] for axis in op["axes"]}, report["collectives"]
     est = predicted(cell)
     assert not est.reason, est.reason
     ratios = compare.ratios(est, report)
