@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import max_relative_error
-from test_expert_kernels import NO_TARGET, OPTIONS, option_params
-from test_experts import layer_inputs, layer_objective, plan_for
+from test_expert_kernels import NO_TARGET, placed_layer
+from test_experts import plan_for
 from jaxpar.parallel import expert_exchange, experts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -34,19 +34,13 @@ def reference_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 
 @functools.cache
 def run(option: str, mesh: str, kernel: str, ragged: bool):
-    plan = plan_for(mesh, moe_kernel=kernel)
-    _, x, probe = layer_inputs()
-    spec = lambda k: P() if k in experts.ROUTER_PARAMS else P(plan.rules["experts"])  # noqa: E731
-    p = {k: jax.device_put(v, plan.sharding(spec(k))) for k, v in option_params(option).items()}
-    x, probe = (jax.device_put(a, plan.sharding(plan.batch_spec(3))) for a in (x, probe))
-    fn = jax.value_and_grad(functools.partial(layer_objective, experts.moe_ffn, OPTIONS[option]), argnums=(0, 1),
-                            has_aux=True)
+    plan, fn, args = placed_layer(option, mesh, kernel)
     saved = expert_exchange.RAGGED_BACKENDS, expert_exchange.ragged_all_to_all
     if ragged:
         expert_exchange.RAGGED_BACKENDS, expert_exchange.ragged_all_to_all = ("cpu",), reference_ragged_all_to_all
     try:
         with plan.activate():
-            return jax.device_get(jax.jit(fn)(p, x, probe))
+            return jax.device_get(jax.jit(fn)(*args))
     finally:
         expert_exchange.RAGGED_BACKENDS, expert_exchange.ragged_all_to_all = saved
 

@@ -45,9 +45,8 @@ def option_params(option: str) -> dict:
     return p
 
 
-@functools.cache
-def run(option: str, mesh: str, kernel: str):
-    """Objective, statistics and gradients (params, x) of the layer under moe_kernel=`kernel`."""
+def placed_layer(option: str, mesh: str, kernel: str):
+    """(plan, the objective's value-and-grad, its arguments placed on the plan) of the layer under moe_kernel=`kernel`."""
     plan = plan_for(mesh, moe_kernel=kernel)
     _, x, probe = layer_inputs()
     spec = lambda k: P() if k in experts.ROUTER_PARAMS else P(plan.rules["experts"])  # noqa: E731
@@ -55,8 +54,15 @@ def run(option: str, mesh: str, kernel: str):
     x, probe = (jax.device_put(a, plan.sharding(plan.batch_spec(3))) for a in (x, probe))
     fn = jax.value_and_grad(functools.partial(layer_objective, experts.moe_ffn, OPTIONS[option]), argnums=(0, 1),
                             has_aux=True)
+    return plan, fn, (p, x, probe)
+
+
+@functools.cache
+def run(option: str, mesh: str, kernel: str):
+    """Objective, statistics and gradients (params, x) of the layer under moe_kernel=`kernel`."""
+    plan, fn, args = placed_layer(option, mesh, kernel)
     with plan.activate():
-        return jax.device_get(jax.jit(fn)(p, x, probe))
+        return jax.device_get(jax.jit(fn)(*args))
 
 
 CASES = [(option, "data=1", "tiled") for option in OPTIONS]
