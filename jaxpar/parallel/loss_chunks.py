@@ -17,6 +17,7 @@ as long as the targets are grouped the same way.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -76,8 +77,14 @@ def pick(rows: int, positions: int, vocab_columns: int, chunks: int = 0) -> int:
             raise ValueError(f"loss_chunks={chunks} must divide each device's {positions} sequence positions")
         return chunks
     wanted = math.ceil(4 * rows * positions * vocab_columns / AUTO_CHUNK_BYTES)
-    usable = [n for n in range(1, positions + 1) if positions % n == 0 and rows * positions // n >= MIN_CHUNK_TOKENS]
+    usable = [n for n in _divisors(positions) if rows * positions // n >= MIN_CHUNK_TOKENS]
     return next((n for n in usable if n >= wanted), usable[-1] if usable else 1)
+
+
+@functools.cache
+def _divisors(n: int) -> tuple[int, ...]:
+    """Ascending (the planner asks for every layout it weighs)."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def _seq_shards() -> int:

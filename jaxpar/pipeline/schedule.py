@@ -242,9 +242,29 @@ class Schedule:
         return (p - 1) / (v * m + p - 1)
 
     def slot_ticks(self, kind: str) -> dict[tuple[int, int, int], int]:
-        """(stage, microbatch, chunk) -> the tick of its `kind` slot."""
-        t, i = np.nonzero(self.actions[kind] != EMPTY)
-        return {(int(s), int(self.actions[kind][a, s]), int(self.chunks[kind][a, s])): int(a) for a, s in zip(t, i)}
+        """(stage, microbatch, chunk) -> the tick of its `kind` slot (built once per kind: the planner asks for
+        tables of thousands of microbatches; do not modify the returned dict)."""
+        if kind not in self._slot_ticks:
+            table = self.actions[kind]
+            ticks, stages = np.nonzero(table != EMPTY)
+            keys = zip(stages.tolist(), table[ticks, stages].tolist(), self.chunks[kind][ticks, stages].tolist())
+            self._slot_ticks[kind] = dict(zip(keys, ticks.tolist()))
+        return self._slot_ticks[kind]
+
+    @functools.cached_property
+    def _slot_ticks(self) -> dict:
+        return {}
+
+    def slot_tick_array(self, kind: str) -> np.ndarray:
+        """[stages, microbatches, chunks] the tick of each (stage, microbatch, chunk)'s `kind` slot: every kind
+        of an explicit table holds each once."""
+        table = self.actions[kind]
+        ticks, stages = np.nonzero(table != EMPTY)
+        out = np.full((self.stages, self.microbatches, self.virtual_stages), -1)
+        out[stages, table[ticks, stages], self.chunks[kind][ticks, stages]] = ticks
+        if (out < 0).any():
+            raise AssertionError(f"{self.name}: a {kind} slot is missing from the table")
+        return out
 
     @functools.cached_property
     def places(self) -> dict[str, np.ndarray]:
@@ -283,7 +303,7 @@ class Schedule:
         """
         if not self.explicit_backward:
             return self.microbatches
-        return self.ring_layout().ring_rows
+        return slot_places.most_held(self, "residuals")  # = ring_layout().ring_rows, without placing each set
 
     @functools.cached_property
     def cotangents_in_flight(self) -> int:
@@ -292,7 +312,7 @@ class Schedule:
         no residual buffer can hold one (`ring_layout(shared=False)`)."""
         if not self.explicit_backward or "W" not in self.actions:
             return 0
-        return self.ring_layout(shared=False).cotangent_buffer_rows
+        return slot_places.most_held(self, "cotangents")  # = ring_layout(shared=False).cotangent_buffer_rows
 
     @property
     def live_microbatches(self) -> float:

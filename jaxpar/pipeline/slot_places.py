@@ -38,41 +38,66 @@ def places(schedule) -> dict[str, np.ndarray]:
     """
     back = "B" if "B" in schedule.actions else "BW"
     out = {kind: np.zeros_like(table) for kind, table in schedule.actions.items()}
-    backward = schedule.slot_ticks(back)
+    stage, chunk = _key_stage_chunk(schedule)
+    backward = schedule.slot_tick_array(back)
     if "W" in schedule.actions:
-        head_fed = schedule.stages - 1, schedule.virtual_stages - 1
-        for (stage, j, k), t in schedule.slot_ticks("W").items():
-            out["W"][t, stage] = int(backward[stage, j, k] == t and (stage, k) == head_fed)
-    freed = {}  # (stage, j, k) -> (tick, index in ORDER) of the last read of its residuals
-    for kind in ("BW", "B", "W"):
-        for key, t in (schedule.slot_ticks(kind).items() if kind in schedule.actions else ()):
-            freed[key] = max(freed.get(key, (t, -1)), (t, ORDER.index((kind, int(out[kind][t, key[0]])))))
+        weight = schedule.slot_tick_array("W")
+        head_fed = (stage == schedule.stages - 1) & (chunk == schedule.virtual_stages - 1)
+        out["W"][weight, stage] = (backward == weight) & head_fed
+    freed = np.max([_positions(schedule, kind, out) for kind in ("BW", "B", "W") if kind in schedule.actions], 0)
     late = np.zeros(schedule.actions["F"].shape, bool)  # a row of the stage is freed after the early forward
-    for (stage, _, _), (t, position) in freed.items():
-        late[t, stage] |= position > ORDER.index(("F", 0))
-    for (stage, j, k), t in schedule.slot_ticks("F").items():
-        out["F"][t, stage] = int(backward[stage, j, k] != t and late[t, stage])
+    after = freed % len(ORDER) > ORDER.index(("F", 0))
+    late[freed[after] // len(ORDER), stage[after]] = True
+    forward = schedule.slot_tick_array("F")
+    out["F"][forward, stage] = (backward != forward) & late[forward, stage]
     return out
 
 
-def _when(schedule, kind: str) -> dict[tuple[int, int, int], int]:
-    """(stage, microbatch, chunk) -> the position of its `kind` slot in the stage's program (tick, then `ORDER`)."""
-    return {key: t * len(ORDER) + ORDER.index((kind, int(schedule.places[kind][t, key[0]])))
-            for key, t in schedule.slot_ticks(kind).items()}
+def _key_stage_chunk(schedule) -> tuple[np.ndarray, np.ndarray]:
+    """The stage and the chunk of each (stage, microbatch, chunk) in `Schedule.slot_tick_array`'s layout."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
+    stage, _, chunk = np.meshgrid(np.arange(p), np.arange(m), np.arange(v), indexing="ij")
+    return stage, chunk
 
 
-def _lives(schedule) -> dict[str, dict]:
-    """"residuals": (stage, j, k) -> (first, last) positions its VJP residuals are kept (F to the last of BW,
-    B and W); "cotangents" (split backward): from B to W where W runs in a later tick (in B's tick W takes
-    the cotangent B takes)."""
-    first = _when(schedule, "F")
-    uses = [_when(schedule, kind) for kind in ("BW", "B", "W") if kind in schedule.actions]
-    lives = {"residuals": {key: (first[key], max(use[key] for use in uses)) for key in first}, "cotangents": {}}
+def _positions(schedule, kind: str, places: dict | None = None) -> np.ndarray:
+    """[stages, microbatches, chunks] the position of each `kind` slot in its stage's program (tick, then `ORDER`)."""
+    places = schedule.places if places is None else places
+    ticks = schedule.slot_tick_array(kind)
+    stage, _ = _key_stage_chunk(schedule)
+    order = np.array([ORDER.index((kind, place)) if (kind, place) in ORDER else -1 for place in (0, 1)])
+    return ticks * len(ORDER) + order[places[kind][ticks, stage]]
+
+
+def _spans(schedule) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """"residuals": (first, last, held) [stages, microbatches, chunks] positions its VJP residuals are kept (F to
+    the last of BW, B and W); "cotangents" (split backward): from B to W where W runs in a later tick (in B's
+    tick W takes the cotangent B takes). held marks the keys that keep one."""
+    first = _positions(schedule, "F")
+    last = np.max([_positions(schedule, kind) for kind in ("BW", "B", "W") if kind in schedule.actions], 0)
+    spans = {"residuals": (first, last, np.ones(first.shape, bool))}
     if "W" in schedule.actions:
-        made, used = _when(schedule, "B"), _when(schedule, "W")
-        lives["cotangents"] = {key: (made[key], used[key]) for key in made
-                               if made[key] // len(ORDER) != used[key] // len(ORDER)}
-    return lives
+        made, used = _positions(schedule, "B"), _positions(schedule, "W")
+        spans["cotangents"] = (made, used, made // len(ORDER) != used // len(ORDER))
+    return spans
+
+
+def most_held(schedule, what: str = "residuals") -> int:
+    """The most spans of `what` (`_spans`) one stage holds at one position: the rows greedy allocation gives them
+    (an interval graph), counted without allocating, for the planner's thousands of microbatches."""
+    spans = _spans(schedule)
+    if what not in spans:
+        return 0
+    first, last, held = spans[what]
+    stage, _ = _key_stage_chunk(schedule)
+    stage, first, last = stage[held], first[held], last[held]
+    if not stage.size:
+        return 0
+    width = int(last.max()) + 2
+    change = np.zeros((schedule.stages, width), int)
+    np.add.at(change, (stage, first), 1)
+    np.add.at(change, (stage, last + 1), -1)
+    return int(np.cumsum(change, 1).max())
 
 
 def ring_layout(schedule, shared: bool = True) -> RingLayout:
@@ -83,11 +108,10 @@ def ring_layout(schedule, shared: bool = True) -> RingLayout:
     writes it into a residual buffer whose row can hold it), and only those
     that find none get a buffer of their own; otherwise all do.
     """
-    lives = _lives(schedule)
-    residuals = {("residuals", *key): span for key, span in lives["residuals"].items()}
+    spans = {what: _labelled(what, *arrays) for what, arrays in _spans(schedule).items()}
+    residuals = spans["residuals"]
     rows, where = allocate(residuals)
-    cotangents = {("cotangents", *key): span for key, span in lives["cotangents"].items()}
-    extra, kept = allocate(cotangents, where if shared else {}, rows if shared else 0, residuals)
+    extra, kept = allocate(spans.get("cotangents", {}), where if shared else {}, rows if shared else 0, residuals)
     residual = {kind: _row_table(schedule, kind, lambda key: where["residuals", *key]) for kind in schedule.actions}
     rows_of = {}
     if "W" in schedule.actions:
@@ -96,8 +120,17 @@ def ring_layout(schedule, shared: bool = True) -> RingLayout:
     return RingLayout(rows, residual, extra, rows_of)
 
 
+def _labelled(what: str, first: np.ndarray, last: np.ndarray, held: np.ndarray) -> dict:
+    """(what, stage, microbatch, chunk) -> (first, last) for the keys that hold a span."""
+    keys = np.argwhere(held)
+    return {(what, *key): span for key, span in zip(map(tuple, keys.tolist()), zip(first[held].tolist(), last[held].tolist()))}
+
+
 def _row_table(schedule, kind: str, row_of) -> np.ndarray:
     table = np.zeros_like(schedule.actions[kind])
-    for (stage, j, k), t in schedule.slot_ticks(kind).items():
-        table[t, stage] = row_of((stage, j, k))
+    slots = schedule.slot_ticks(kind)
+    if slots:
+        ticks = np.fromiter(slots.values(), int, len(slots))
+        stages = np.fromiter((stage for stage, _, _ in slots), int, len(slots))
+        table[ticks, stages] = [row_of(key) for key in slots]
     return table
