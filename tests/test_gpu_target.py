@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar import cli
-from jaxpar.core import device_facts, target
+from jaxpar.core import compile_cache, device_facts, target
 from jaxpar.core.plan import Plan
 from jaxpar.parallel import attention_flash, bits, offload
 from jaxpar.planner import compare
@@ -47,6 +47,7 @@ CELLS = {
     "ring": ("h100x8", "data=2,context=4", {"context_form": "ring", "precision": "bf16"}, "tiny"),
 }
 _REPORTS: dict[str, dict] = {}
+_CACHE_ENTRIES_WRITTEN: dict[str, set] = {}  # cell -> files its target compile added to the persistent cache
 
 
 def compiled(cell: str) -> dict:
@@ -60,8 +61,15 @@ def compiled(cell: str) -> dict:
         config = TrainConfig(model=model, batch_size=WORK.batch_size, seq_len=WORK.seq_len,
                              model_overrides=overrides[0] if overrides else {})
         run = prepare(config, plan)
+        before = cache_entries()
         _REPORTS[cell] = inspection(run)
+        _CACHE_ENTRIES_WRITTEN[cell] = cache_entries() - before
     return _REPORTS[cell]
+
+
+def cache_entries() -> set:
+    directory = compile_cache.directory()
+    return set() if directory is None else {p.name for p in directory.rglob("*")}
 
 
 def predicted(cell: str):
@@ -81,6 +89,16 @@ def test_cudnn_attention_compiles_where_the_partitioner_crashed(cell):
     assert report["target"] == CELLS[cell][0] and report["device_kind"] == "NVIDIA H100 80GB HBM3"
     assert [a.split(" ")[0] for a in report["attention"]] == ["cudnn"], report["attention"]
     assert report["memory"]["total"] > 0 and report["flops"] > 0
+
+
+@needs_plugin
+def test_a_target_compile_leaves_the_compile_cache_alone():
+    """No process without the target's GPUs can load its executable (JAX warned at every later compile of the same
+    step that it cannot read the entry): nothing is written, and the cache is on again after."""
+    before = compile_cache.directory()
+    compiled("tensor")
+    assert _CACHE_ENTRIES_WRITTEN["tensor"] == set()
+    assert compile_cache.directory() == before
 
 
 @needs_plugin

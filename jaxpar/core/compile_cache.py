@@ -10,11 +10,14 @@ Where the cache lives, first that applies: `use(setting)` from `--compile-cache 
 compile_cache`; the environment's `JAXPAR_COMPILE_CACHE` (a directory or `off`); a directory already given to JAX
 (`JAX_COMPILATION_CACHE_DIR` or `jax.config`); else `$XDG_CACHE_HOME/jaxpar/xla` (`~/.cache/jaxpar/xla`). On a
 cluster give every host the same shared path: JAX writes an entry from process 0 only and every process reads it.
-`import jaxpar` turns the default on, so one's own training loop gets it too.
+`import jaxpar` turns the default on, so one's own training loop gets it too. Compiles for a compile-only target
+(`--target`) run with it `suspended()`: no process without that hardware can load such an executable, and JAX would
+warn at each later compile of the same step that it cannot read the entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -77,6 +80,17 @@ def use_default() -> Path | None:
 
         warnings.warn(f"jaxpar: compiled steps are not cached: {error}", stacklevel=2)
         return use(OFF)
+
+
+@contextlib.contextmanager
+def suspended():
+    """No persistent cache inside (neither read nor written); the one in use before, after."""
+    before = directory()
+    use(OFF)
+    try:
+        yield
+    finally:
+        use(OFF if before is None else str(before))
 
 
 def directory() -> Path | None:

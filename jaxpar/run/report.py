@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -214,8 +215,9 @@ def inspection(run: Run, gpu_flags: str = "auto") -> dict:
         fields = preference.batch_fields(run)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=run.batch_sharding) for k, dtype in fields.items()}
     facts = device_facts.of_mesh(run.plan.mesh)
-    compiled, flags, unknown = gpu_profile.compile_with(run.step_fn.lower(state, batch),
-                                                        gpu_profile.compile_options(facts, gpu_flags))
+    with compile_cache.suspended() if facts.target else contextlib.nullcontext():
+        compiled, flags, unknown = gpu_profile.compile_with(run.step_fn.lower(state, batch),
+                                                            gpu_profile.compile_options(facts, gpu_flags))
     summary = inspect_lib.summary(compiled, run.plan.mesh, run.plan)
     if facts.target:
         summary["gpu_flags"] = {"applied": sorted(flags), "not_compile_options": unknown}
