@@ -54,6 +54,7 @@ CELLS = {
     "context-ring": ("h100x8", "data=2,context=4", {"context_form": "ring"}, "tiny", {}, {"data", "context"}),
     "context-all-gather": ("h100x8", "data=2,context=4", {"context_form": "all-gather"}, "tiny", {},
                            {"data", "context"}),
+    # refused for a target (JAX gives compile-only devices no host memory space): its row is that one line
     "offload": ("h100x8", "data=8", {"zero": 3, "offload": "optimizer", "precision": "fp32"}, "tiny", {}, {"data"}),
     "lora": ("h100x8", "data=8", {"lora_rank": 4}, "tiny", {}, {"data"}),
     "qlora": ("h100x8", "data=8", {"lora_rank": 4, "base_dtype": "nf4"}, "tiny", QLORA_SHAPES, {"data"}),

@@ -146,11 +146,14 @@ def test_the_gpu_profile_goes_in_as_compile_options():
 @needs_plugin
 def test_a_target_plan_takes_the_gpu_paths():
     """Every backend choice reads the plan's devices: under an H100 target's plan, flash attention's GPU blocks,
-    no XLA:CPU widening of 16-bit collectives, offload's pinned host memory, the H100's MFU peak."""
-    plan = Plan.create("data=8", target="h100x8", precision="bf16", offload="optimizer", zero=1)
+    no XLA:CPU widening of 16-bit collectives, the H100's MFU peak. Offload is refused: JAX gives a compile-only
+    device no memory spaces (a host sharding on it names none), so the step would not offload."""
+    plan = Plan.create("data=8", target="h100x8", precision="bf16", zero=1)
     facts = device_facts.of_mesh(plan.mesh)
     assert (facts.backend, facts.hosts, facts.devices, facts.memory) == ("gpu", 1, 8, 84942979072)
-    offload.check("optimizer", plan.mesh)
+    assert offload.on_host(plan.sharding(jax.sharding.PartitionSpec())).memory_kind is None
+    with pytest.raises(ValueError, match="offload='optimizer' cannot be compiled for target 'h100x8'"):
+        Plan.create("data=8", target="h100x8", precision="bf16", offload="optimizer", zero=1)
     with plan.activate():
         assert attention_flash.default_blocks() == attention_flash.BACKEND_BLOCKS["gpu"]
         assert not bits._widened(jax.ShapeDtypeStruct((4,), jnp.bfloat16))  # the target's devices run nothing

@@ -34,6 +34,11 @@ def check(target: str, mesh: Mesh) -> None:
     if HOST not in kinds:
         raise ValueError(f"offload={target!r} needs {HOST!r} memory, but {facts.backend} devices have "
                          f"{', '.join(kinds)}; use offload='none' on this backend")
+    if facts.target:  # JAX canonicalises a memory kind on devices that list no memories to None: no host placement
+        raise ValueError(f"offload={target!r} cannot be compiled for target {facts.target!r}: JAX gives a "
+                         f"compile-only device no memory spaces, so the step would keep its optimizer state on the "
+                         f"device; the planner's figure for it (jaxpar plan) is the planner's alone, compile it on "
+                         f"the real hosts")
 
 
 options.register_plan_check(lambda plan: check(plan.offload, plan.mesh))
