@@ -15,6 +15,7 @@ from helpers import max_relative_error
 from test_expert_kernels import NO_TARGET, placed_layer
 from test_experts import plan_for
 from jaxpar.parallel import expert_exchange, experts
+from jaxpar.planner import inspect
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -97,3 +98,5 @@ def test_on_an_h100_target_each_rank_is_sent_exactly_its_experts_rows():
                                                   options)
     routed = tokens * k * d * 4
     assert sorted(ragged_operand_bytes(compiled.as_text())) == [routed, routed, 8 * routed, 8 * routed]
+    ragged = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.kind == "ragged-all-to-all"]
+    assert [(op.axes, op.bytes, op.count) for op in ragged] == [(("expert",), routed, 1)] * 4  # as jaxpar inspect reads it

@@ -20,7 +20,7 @@ import re
 import numpy as np
 from jax.sharding import Mesh
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -212,7 +212,9 @@ def collective_ops(compiled, mesh: Mesh) -> list[CollectiveOp]:
             op_name, result_type, kind, is_start = match.groups()
             results = _arrays(result_type)
             in_place = result_type.lstrip().startswith("((")  # XLA:GPU's all-reduce-start: ((operands), results)
-            if is_start and (kind != "all-reduce" or in_place) and len(results) >= 2:
+            if kind == "ragged-all-to-all":
+                results = _ragged_rows(results, lines, line)
+            elif is_start and (kind != "all-reduce" or in_place) and len(results) >= 2:
                 results = results[len(results) // 2:]  # async start: (operands, results) tuple
             if kind == "collective-permute":
                 axes, group = _permute_axes(line, mesh)
@@ -229,6 +231,20 @@ def collective_ops(compiled, mesh: Mesh) -> list[CollectiveOp]:
                 count=counts[name], computation=name, name=op_name,
             ))
     return ops
+
+
+def _ragged_rows(results: list, lines: list[str], line: str) -> list:
+    """A ragged-all-to-all's rows (operand, output buffer, four offset/size vectors): what moves is known only at
+    run time, at most the rows its operand holds, and over the group as many as its outputs take; the smaller of
+    the two is the routed rows each way (jaxpar.parallel.expert_exchange sizes one side for the worst case).
+    An async start's type holds both; a synchronous one names its operand, whose definition gives its shape."""
+    arrays = [a for a in results if a[0] not in ("s32", "s64", "u32", "u64")]
+    if len(arrays) < 2:
+        operand = re.search(r"ragged-all-to-all\(%?([\w.\-]+)", line)
+        defined = operand and next((_arrays(m.group(0)) for m in map(_DEFINITION.match, lines)
+                                    if m and m.group(1) == operand.group(1)), None)
+        arrays = [*(defined or [])[:1], *arrays]
+    return [min(arrays[:2], key=lambda a: math.prod(a[1]))] if arrays else results
 
 
 def collectives(compiled, mesh: Mesh) -> list[dict]:

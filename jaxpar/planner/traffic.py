@@ -272,7 +272,11 @@ def expert_collectives(model: Model, layout: Layout, work: Workload, inv: Invent
     # to the experts and back, forward and backward; a remat policy re-runs the forward pair (an
     # all-to-all is no matmul, so no policy saves its output)
     calls = (4 + 2 * (remat_policy(layout, model) != "none")) * model.moe_layers / layout.pipe * layout.grad_accum
-    out = [Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back")]
+    if layout.moe_exchange == "ragged":  # each token's k rows, exactly (jaxpar.parallel.expert_exchange)
+        routed = b * s * model.top_k * d * w.values / t
+        out = [Collective("expert", "ragged-all-to-all", routed, calls, "each token's k rows to their experts and back")]
+    else:
+        out = [Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back")]
     # Parameters every expert rank holds sum their gradients over expert, except the embedding table
     # when gathering its cotangents and token ids over expert is cheaper than summing the table.
     rows = layout.expert * b * s * layout.grad_accum
