@@ -143,6 +143,14 @@ def row_parallel(x, w, equation: str, in_logical, out_logical=RESIDUAL):
 def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logical=RESIDUAL):
     """Rows of `table` for `tokens`; a table split along the vocabulary is looked up shard by shard and summed.
 
+    That split lookup is Megatron's vocab-parallel embedding written out in both
+    tensor forms (jaxpar.parallel.tensor_explicit.embedding): each tensor rank
+    reads the ids in its rows, zeros elsewhere, and the rows are summed over
+    `tensor` (reduce-scattered along the sequence under sequence parallelism).
+    Left to XLA as a gather on the split table, jax 0.12's SPMD partitioner
+    aborts the process (a CHECK in PartitionGatherTrivialSlicedOperandDimensions)
+    when the step is manual over `data` and the batch is also split over `expert`.
+
     Under ZeRO-2/3, when that moves fewer bytes than gathering the table and
     reduce-scattering its whole gradient (`zero_layout.table_gather_is_cheaper`),
     each data rank looks up the whole data group's tokens in the rows it holds
@@ -163,10 +171,10 @@ def embedding_lookup(tokens, table, table_logical=("vocab", "embed"), out_logica
         local, hit = vocab.local_index(everyone, shard.shape[0], data_axes)
         found = jnp.where(hit[..., None], jnp.take(shard, local, axis=0), 0)
         rows = bits.psum_scatter(found, data_axes, scatter_dimension=0)
-    elif axes and _explicit():
+    elif axes:  # both forms: XLA never sees a gather on a vocabulary-split table (see the docstring)
         rows = tensor_explicit.embedding(tokens, table, table_logical, out_logical, axes)
     else:
-        rows = constrain(jnp.take(table, tokens, axis=0), replicated_over(out_logical, axes))
+        rows = jnp.take(table, tokens, axis=0)
     return constrain(rows, out_logical)
 
 

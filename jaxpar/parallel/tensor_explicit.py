@@ -5,7 +5,9 @@ over `data`) gives saved activations specs naming the outer manual axes, which
 fails to lower; a custom VJP saves exactly what it names, with specs it chooses.
 The public layers (jaxpar.parallel.tensor) call these under `Plan.tensor_form ==
 "explicit"`; only this form guarantees true reduce-scatters under sequence
-parallelism on the CPU backend.
+parallelism on the CPU backend. The vocabulary-split `embedding` serves both
+forms: XLA's partitioning of a gather on the split table is not to be relied on
+(jax 0.12 aborts on it beside a manual `data` and a batch split over `expert`).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def row(x, w, eq, in_logical, w_names, out_logical, axes):
 
 
 def embedding(tokens, table, table_logical, out_logical, axes):
-    """Each vocabulary shard looks up the tokens it holds (zeros elsewhere); the rows are summed.
+    """Each vocabulary shard looks up the tokens it holds (zeros elsewhere); the rows are summed (both forms).
 
     The batch axes are manual too: XLA would otherwise all-gather the batch for
     the scatter-add of the table's gradient, rather than add locally and reduce.

@@ -175,20 +175,29 @@ def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Dev
     block = ticks * chunk * (4 + (layout.remat == "full"))
     one = microbatch_sequences(layout, work) * local_seq(layout, work) * model.d_model  # elements
     if p == 1:
-        edges = 2 * one  # the vocab-parallel embedding's sum, the head input's gradient
+        embedded, head = one, one  # the vocab-parallel embedding's sum, the head input's gradient
     elif layout.schedule == "1f1b":
-        edges = ticks * one + layout.microbatches * one / p  # embedding on every forward slot; head per microbatch
+        embedded, head = ticks * one, layout.microbatches * one / p  # embedding on every forward slot
     else:
-        edges = layout.microbatches * one * (1 + 1 / p)  # all microbatches embedded at once; one head
-    kinds = ("all-reduce",)
-    if layout.sequence_parallel:
-        annotated = layout.tensor_form == "annotation" and device.scatter_as_all_reduce
-        kinds = ("all-gather", "all-reduce" if annotated else "reduce-scatter")
+        embedded, head = layout.microbatches * one, layout.microbatches * one / p  # all microbatches at once
     out = []
-    for k in kinds:
-        width = w.values if k == "all-gather" and layout.tensor_form == "explicit" else w.summed
-        out.append(Collective("tensor", k, one * width, block * layout.grad_accum, "Megatron f/g, per block half"))
-        out.append(Collective("tensor", k, edges * width, layout.grad_accum, "vocab-parallel embedding and head"))
+    if not layout.sequence_parallel:
+        for what, count, elements in (("Megatron f/g, per block half", block, one),
+                                      ("vocab-parallel embedding and head", 1, embedded + head)):
+            out.append(Collective("tensor", "all-reduce", elements * w.summed, count * layout.grad_accum, what))
+    else:
+        # the blocks and the head as their form places them; the embedding is written out in both forms
+        # (jaxpar.parallel.tensor_explicit.embedding): its rows reduce-scattered, its cotangent's bits gathered
+        annotated = layout.tensor_form == "annotation"
+        gather = w.summed if annotated else w.values
+        leave = "all-reduce" if annotated and device.scatter_as_all_reduce else "reduce-scatter"
+        out += [Collective("tensor", "all-gather", one * gather, block * layout.grad_accum, "Megatron f, per block half"),
+                Collective("tensor", leave, one * w.summed, block * layout.grad_accum, "Megatron g, per block half"),
+                Collective("tensor", "all-gather", head * gather, layout.grad_accum, "the head's input"),
+                Collective("tensor", leave, head * w.summed, layout.grad_accum, "the head input's gradient"),
+                Collective("tensor", "all-gather", embedded * w.values, layout.grad_accum, "the embedding's cotangent"),
+                Collective("tensor", "reduce-scatter", embedded * w.summed, layout.grad_accum,
+                           "the vocab-parallel embedding's rows")]
     if layout.tensor > model.n_kv_heads:
         out += replicated_kv_collectives(model, layout, w, ticks * chunk * layout.grad_accum)
     return out
@@ -277,10 +286,11 @@ def expert_collectives(model: Model, layout: Layout, work: Workload, inv: Invent
         out = [Collective("expert", "ragged-all-to-all", routed, calls, "each token's k rows to their experts and back")]
     else:
         out = [Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back")]
-    # Parameters every expert rank holds sum their gradients over expert, except the embedding table
-    # when gathering its cotangents and token ids over expert is cheaper than summing the table.
+    # Parameters every expert rank holds sum their gradients over expert, except, without tensor parallelism,
+    # the embedding table when XLA gathers its cotangents and token ids over expert instead, cheaper than
+    # summing the table; a table split over tensor is looked up shard by shard and its gradient always summed.
     rows = layout.expert * b * s * layout.grad_accum
-    table = model.vocab * d / t if rows <= model.vocab / t else 0.0
+    table = model.vocab * d if t == 1 and rows <= model.vocab else 0.0
     out.append(Collective("expert", "all-reduce", (inv.dense_replicated_over_expert - table) * w.grads, 1,
                           "gradients of parameters every expert rank holds"))
     if table:
