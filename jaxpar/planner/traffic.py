@@ -277,12 +277,12 @@ def expert_collectives(model: Model, layout: Layout, work: Workload, inv: Invent
     group = model.group_size or s
     groups = b * s // group
     slots = model.n_experts * capacity(model, group) * groups  # per device per MoE layer
-    buffer = slots * d * w.values / t
+    buffer = slots * d * w.values  # every tensor rank routes and sends the whole rows (with SP too: gathered first)
     # to the experts and back, forward and backward; a remat policy re-runs the forward pair (an
     # all-to-all is no matmul, so no policy saves its output)
     calls = (4 + 2 * (remat_policy(layout, model) != "none")) * model.moe_layers / layout.pipe * layout.grad_accum
     if layout.moe_exchange == "ragged":  # each token's k rows, exactly (jaxpar.parallel.expert_exchange)
-        routed = b * s * model.top_k * d * w.values / t
+        routed = b * s * model.top_k * d * w.values
         out = [Collective("expert", "ragged-all-to-all", routed, calls, "each token's k rows to their experts and back")]
     else:
         out = [Collective("expert", "all-to-all", buffer, calls, "tokens to their experts and back")]
