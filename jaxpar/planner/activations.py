@@ -151,8 +151,9 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
         share = model.moe_layers / model.n_layers
         # the dense MLP's values the MoE layer replaces: under `dots` gate, up and the down projection's output
         # (qwen3-30b-a3b on h100x8 at data=8 zero=3 remat=none: q, k, v, the attention projection's output and the
-        # MoE layer's input and output per token and layer, in XLA:GPU's stacked residuals)
-        mlp = 2 * f / t + d / d_split if policy == "dots" else 3 * f / t
+        # MoE layer's input and output per token and layer, in XLA:GPU's stacked residuals; the capacity-routed
+        # layer keeps its calibration against the CPU grid)
+        mlp = 2 * f / t + d / d_split if policy == "dots" and sorted_dropless(model, layout) else 3 * f / t
         values += share * (moe_mlp_values_per_token(model, layout, seq) - mlp)
     return values
 
