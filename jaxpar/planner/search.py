@@ -99,6 +99,9 @@ class Ranking:
             "considered": len(self.ranked) + len(self.dropped), "fitting": len(self.ranked),
             "dropped_reasons": reasons, "top": [e.to_dict() for e in self.ranked[:top]],
             "explanation": explain_choice(self),
+            **({"instead_of": {"precision": nearest(self.instead_of.dropped).layout.precision,
+                               "nearest": str(nearest(self.instead_of.dropped).layout),
+                               "reason": nearest(self.instead_of.dropped).reason}} if self.instead_of else {}),
             "ranked": [{"layout": str(e.layout), "step_time": e.step_time, "mfu": e.mfu, "memory": e.peak}
                        for e in self.ranked],
             "dropped": [{"layout": str(e.layout), "reason": e.reason} for e in self.dropped],
