@@ -203,8 +203,7 @@ def instead(ranking: Ranking) -> str:
     closest = nearest(asked.dropped)
     precision = closest.layout.precision
     return (f"no layout fits with precision={precision} (fp32 master parameters beside Adam's two fp32 moments, "
-            f"and under gradient accumulation the fp32 accumulator beside each microbatch's fp32 gradient of the "
-            f"held shards): the nearest, {closest.layout}, {closest.reason}. The layouts below hold the parameters "
+            f"and under gradient accumulation their fp32 accumulators): the nearest, {closest.layout}, {closest.reason}. The layouts below hold the parameters "
             f"and moments in bf16 instead (precision={ranking.best.layout.precision}, no fp32 master: updates "
             f"smaller than a bf16 step of a weight are rounded away); pass --precision to choose.")
 
