@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxpar.core import options, usage, zero_layout
 from jaxpar.core.trace import active_plan
-from jaxpar.parallel import lora, lora_dropout, zero
+from jaxpar.parallel import grad_sink, lora, lora_dropout, zero
 
 # What a block keeps for its backward pass: everything, nothing (recompute the
 # whole block), or the outputs of its weight matmuls (recompute attention and
@@ -85,8 +85,35 @@ def scan_layers(block: Callable, stacked: Any, x: Any, *, remat: Callable | None
         returns_aux.append(isinstance(out, tuple))
         return out if isinstance(out, tuple) else (out, None)
 
-    y, aux = jax.lax.scan(remat(body), x, sources)
+    sinks = grad_sink.claim(sources)
+    if all(s is None for s in sinks):
+        y, aux = jax.lax.scan(remat(body), x, sources)
+    else:
+        y, aux = _scan_into_accumulators(remat, body, x, sources, sinks)
     return (y, aux) if returns_aux[-1] else y
+
+
+def _scan_into_accumulators(remat: Callable, body: Callable, x, sources, sinks: list):
+    """`lax.scan(remat(body), x, sources)` with the claimed accumulators (`sinks`, None where a leaf has none) as
+    a carry each layer's backward adds its gradient into (jaxpar.parallel.grad_sink)."""
+    leaves, treedef = jax.tree.flatten(sources)
+    held = [i for i, s in enumerate(sinks) if s is not None]
+    # the scan's use of a held parameter differentiates into its accumulator only: no stacked gradient of it
+    leaves = [jax.lax.stop_gradient(leaf) if i in held else leaf for i, leaf in enumerate(leaves)]
+
+    def sunk(carry, xs):
+        h, accs = carry
+        p, index = xs
+        p = list(p)
+        accs = list(accs)
+        for k, i in enumerate(held):
+            p[i], accs[k] = grad_sink.through(p[i], accs[k], index)
+        h, aux = body(h, jax.tree.unflatten(treedef, p))
+        return (h, tuple(accs)), aux
+
+    start = (x, tuple(sinks[i] for i in held))
+    (y, accs), aux = jax.lax.scan(remat(sunk), start, (tuple(leaves), jax.numpy.arange(leaves[0].shape[0])))
+    return grad_sink.seed(y, accs), aux
 
 
 class Stack(nnx.Module):

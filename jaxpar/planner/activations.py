@@ -146,9 +146,15 @@ def block_values_per_token(model: Model, layout: Layout, seq: int) -> float:
         return ((2 * h * keys + 6 * f + 2 * (h + kv) * hd) / t + 6 * d / d_split + (3 * d if t > 1 else 0)
                 + qk_norm_values(model, layout))
     values = activation_values_per_token(model, layout, seq)
-    if model.n_experts and remat_policy(layout, model) != "full":
+    policy = remat_policy(layout, model)
+    if model.n_experts and policy != "full":
         share = model.moe_layers / model.n_layers
-        values += share * (moe_mlp_values_per_token(model, layout, seq) - 3 * f / t)
+        # the dense MLP's values the MoE layer replaces: under `dots` gate, up and the down projection's output
+        # (qwen3-30b-a3b on h100x8 at data=8 zero=3 remat=none: q, k, v, the attention projection's output and the
+        # MoE layer's input and output per token and layer, in XLA:GPU's stacked residuals; the capacity-routed
+        # layer keeps its calibration against the CPU grid)
+        mlp = 2 * f / t + d / d_split if policy == "dots" and sorted_dropless(model, layout) else 3 * f / t
+        values += share * (moe_mlp_values_per_token(model, layout, seq) - mlp)
     return values
 
 

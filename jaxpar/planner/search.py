@@ -82,6 +82,7 @@ class Ranking:
     devices: int
     ranked: list[Estimate]
     dropped: list[Estimate]
+    instead_of: "Ranking | None" = None  # the precision asked for, when no layout fit in it (`plan`)
 
     @property
     def best(self) -> Estimate | None:
@@ -98,6 +99,9 @@ class Ranking:
             "considered": len(self.ranked) + len(self.dropped), "fitting": len(self.ranked),
             "dropped_reasons": reasons, "top": [e.to_dict() for e in self.ranked[:top]],
             "explanation": explain_choice(self),
+            **({"instead_of": {"precision": nearest(self.instead_of.dropped).layout.precision,
+                               "nearest": str(nearest(self.instead_of.dropped).layout),
+                               "reason": nearest(self.instead_of.dropped).reason}} if self.instead_of else {}),
             "ranked": [{"layout": str(e.layout), "step_time": e.step_time, "mfu": e.mfu, "memory": e.peak}
                        for e in self.ranked],
             "dropped": [{"layout": str(e.layout), "reason": e.reason} for e in self.dropped],
@@ -109,8 +113,21 @@ def plan(model: Model, devices: int, work: Workload, device: Device | str = "h10
 
     Context parallelism joins the candidates when no layout without it fits (a sequence too long for
     one device's share of the attention), then host offload of the optimizer state when none fits still.
+    When none fits with an fp32 master (bf16, fp16), the layouts that hold the parameters in bf16
+    (`bf16-params`) are ranked instead, the ranking asked for kept in `instead_of` to say so.
     """
     device = load_device(device) if isinstance(device, str) else device
+    ranking = _ranking(model, devices, work, device, precision)
+    if ranking.ranked or precision not in FALLBACK:
+        return ranking
+    other = _ranking(model, devices, work, device, FALLBACK[precision])
+    return dataclasses.replace(other, instead_of=ranking) if other.ranked else ranking
+
+
+FALLBACK = {"bf16": "bf16-params", "fp16": "bf16-params"}  # no fp32 master: 6 bytes of state per parameter, not 12
+
+
+def _ranking(model: Model, devices: int, work: Workload, device: Device, precision: str) -> Ranking:
     ranked, dropped = [], []
     split = tuple(c for c in _divisors(devices) if 1 < c <= device.devices_per_node)
     for contexts, offload in (((1,), "none"), (split, "none"), ((1, *split), "optimizer")):
@@ -145,7 +162,8 @@ def explain_choice(ranking: Ranking) -> list[str]:
         closest = nearest(ranking.dropped)
         return [f"no layout fits: the nearest, {closest.layout}, {closest.reason}"]
     lay, t = best.layout, best.time
-    lines = [f"{lay}: {t['step']:.3g} s/step, MFU {best.mfu:.0%}, {best.peak / 1e9:.1f} GB per device "
+    lines = [] if ranking.instead_of is None else [instead(ranking)]
+    lines += [f"{lay}: {t['step']:.3g} s/step, MFU {best.mfu:.0%}, {best.peak / 1e9:.1f} GB per device "
              f"of {ranking.device.capacity / 1e9:.0f} GB usable."]
     exposed = t["comm_tensor"] + t["comm_pipe"] + t["comm_expert"] + t["exposed_data"]
     lines.append(f"compute {t['compute']:.3g} s (bubble {best.bubble:.1%}), exposed communication "
@@ -177,6 +195,17 @@ def explain_choice(ranking: Ranking) -> list[str]:
         lines.append(f"{len(oom)} layouts do not fit (the fastest of them, {fastest.layout}, "
                      f"{fastest.reason}); {len(ranking.dropped) - len(oom)} cannot run the model.")
     return lines
+
+
+def instead(ranking: Ranking) -> str:
+    """Why the ranking holds another precision than the one asked for: the nearest layout in it, and what differs."""
+    asked = ranking.instead_of
+    closest = nearest(asked.dropped)
+    precision = closest.layout.precision
+    return (f"no layout fits with precision={precision} (fp32 master parameters beside Adam's two fp32 moments, "
+            f"and under gradient accumulation their fp32 accumulators): the nearest, {closest.layout}, {closest.reason}. The layouts below hold the parameters "
+            f"and moments in bf16 instead (precision={ranking.best.layout.precision}, no fp32 master: updates "
+            f"smaller than a bf16 step of a weight are rounded away); pass --precision to choose.")
 
 
 def _bottleneck(est: Estimate) -> str:

@@ -26,7 +26,7 @@ from jaxpar.core import trace, usage
 from jaxpar.core.microbatches import microbatches
 from jaxpar.core.plan import Plan
 from jaxpar.core.rules import specs_over
-from jaxpar.parallel import documents, lora, lora_dropout, offload, zero
+from jaxpar.parallel import documents, grad_sink, lora, lora_dropout, offload, zero
 from jaxpar.parallel.tensor import WEIGHTED
 from jaxpar.parallel.constrain import varying_axes
 from jaxpar.pipeline import layer_order
@@ -186,10 +186,12 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
 
     dtype = precision.POLICIES[plan.precision].cast_at_use  # bf16/fp16: fp32 params, 2-byte compute
 
-    def compute(trained, b, carried, j):
+    def compute(trained, b, carried, j, acc=None, sinks=None):
         key = step_key if step_key is None or k == 1 else jax.random.fold_in(step_key, j)  # None over data
         p = model.with_trained(params, trained)
         with zero.layer_registry(), layer_order.train_state_layers():
+            if acc is not None:  # the layer scans sum this microbatch's gradients into them (grad_sink)
+                sinks.extend(grad_sink.offer(trained, acc))
             whole = zero.gather_params(p, param_specs if over_data else None, dtype, at_use_all)
             module = model.merge(lora.fold(whole, unstacked_only=True, keep=True), carried[1], rngs=carried[0])
             with documents.scope(documents.of_batch(b)):
@@ -201,11 +203,23 @@ def _per_rank(model: ModelDef, loss_fn: LossFn, plan: Plan, seed: int, over_data
         grads, (loss, aux, carried) = jax.grad(compute, has_aux=True)(model.trained(params), b, carried, j)
         return (loss, aux, grads), carried
 
+    def into(acc, b, carried, j):
+        """`acc` plus one microbatch's gradients: summed in place by the layer scans that claim their
+        accumulators, the rest (and any other use of those parameters) added after."""
+        sinks = []
+        (grads, summed), (loss, aux, carried) = jax.grad(
+            functools.partial(compute, sinks=sinks), argnums=(0, 4), has_aux=True)(model.trained(params), b,
+                                                                                    carried, j, acc)
+        claimed = jax.tree.unflatten(jax.tree.structure(acc), [s.claimed for s in sinks])
+        total = jax.tree.map(lambda a, s, g, c: (s if c else a) + g.astype(a.dtype), acc, summed, grads, claimed)
+        return (loss, aux, total), carried
+
     carried = (model.streams_at(step), variables)
     if k == 1:
         (loss, aux, grads), carried = one_microbatch(batch, carried)
     else:
-        (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried)
+        sums_in_scan = plan.axis_size("pipe") == 1
+        (loss, aux, grads), carried = _accumulate(one_microbatch, batch, k, carried, into if sums_in_scan else None)
     grads = _to(grads, dtype)
     if over_data:
         grads = zero.sum_gradients(zero.scatter_gradients(grads, grad_specs, trained_specs), grad_specs, at_use)
@@ -266,7 +280,7 @@ def _to(grads, dtype):
     return jax.tree.map(lambda g: g.astype(dtype) if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
 
 
-def _accumulate(one_microbatch: Callable, batch: dict, k: int, carried):
+def _accumulate(one_microbatch: Callable, batch: dict, k: int, carried, into: Callable | None = None):
     """Sum (loss, aux, grads) over k strided microbatches in a scan, in fp32 accumulators; carry the model's state.
 
     The sums come back in the dtypes one microbatch gives (the step then sums
@@ -285,8 +299,12 @@ def _accumulate(one_microbatch: Callable, batch: dict, k: int, carried):
     def add(state, inputs):
         total, carried = state
         b, j = inputs
-        out, carried = one_microbatch(b, carried, j)
-        return (jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, out), carried), None
+        if into is None:
+            out, carried = one_microbatch(b, carried, j)
+            return (jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, out), carried), None
+        (loss, aux, grads), carried = into(total[2], b, carried, j)
+        summed = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total[:2], (loss, aux))
+        return ((*summed, grads), carried), None
 
     (total, carried), _ = jax.lax.scan(add, (jax.tree.map(zeros, shapes), carried), (mb, jnp.arange(k)))
     return jax.tree.map(lambda t, s: t.astype(s.dtype), total, shapes), carried
