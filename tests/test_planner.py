@@ -249,6 +249,8 @@ GRID = [
                             "cond moved the peak into the backward slot's cond and left the temp as it was")),
     ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}, "tiny"),
     ("data=2,expert=4", {"zero": 3}, "moe-tiny"),
+    # each tensor rank sends whole rows over expert; the experts' own f/g sum on the capacity buffer
+    ("data=2,expert=2,tensor=2", {"zero": 3}, "moe-tiny"),
     ("data=2,context=4", {"context_form": "ring"}, "tiny"),
     ("data=2,context=2,tensor=2", {"tensor_form": "explicit"}, "tiny"),
     ("replica=2,data=4", {"zero": 2}, "tiny"),
@@ -280,17 +282,6 @@ def test_prediction_matches_compiled_step(mesh, options, model):
     for key, ratio in ratios.items():
         tolerance = TOLERANCE.get(key, 0.10)
         assert abs(ratio - 1) <= tolerance, f"{key}: prediction / compiled = {ratio:.3f} (tolerance {tolerance:.0%})"
-
-
-def test_every_tensor_rank_exchanges_whole_rows_over_expert():
-    """Under expert x tensor each tensor rank routes its tokens and sends their whole rows over `expert` (it
-    divided them by tensor: 0.5-0.7 of the compiled bytes). Known gap, not held here: the MoE layers' own tensor
-    all-reduces run on the capacity buffer ([local experts, slots, d]) and the planner counts them as a dense
-    MLP's (tensor traffic 0.53 of the compiled on this cell)."""
-    cell = ("data=2,expert=2,tensor=2", {"zero": 3}, "moe-tiny")
-    ratios = compare.ratios(predicted_cell(*cell), compiled_cell(*cell))
-    for key in ("arguments", "traffic_data", "traffic_expert"):
-        assert abs(ratios[key] - 1) <= TOLERANCE.get(key, 0.10), f"{key}: prediction / compiled = {ratios[key]:.3f}"
 
 
 # -- DeepSeek-V3's latent attention ---------------------------------------------------------------------------

@@ -182,9 +182,17 @@ def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Dev
         embedded, head = layout.microbatches * one, layout.microbatches * one / p  # all microbatches at once
     out = []
     if not layout.sequence_parallel:
-        for what, count, elements in (("Megatron f/g, per block half", block, one),
+        # a capacity-routed MoE layer's experts sum over tensor on their buffer, not on the tokens: forward their
+        # output; backward the gate's and the up's input gradients (XLA sums them apart) and, under ZeRO-3, whose
+        # layer recomputes its forward (compiled: the output's all-reduce again), that one too
+        moe_runs = ticks * chunk * model.moe_layers / model.n_layers if capacity_buffered(model, layout) else 0.0
+        moe_sums = 3 + (layout.zero == 3)
+        for what, count, elements in (("Megatron f/g, per block half", block - 2 * moe_runs, one),
+                                      ("MoE experts' f/g, on the capacity buffer", moe_sums * moe_runs,
+                                       expert_slots(model, layout, work) * model.d_model if moe_runs else 0),
                                       ("vocab-parallel embedding and head", 1, embedded + head)):
-            out.append(Collective("tensor", "all-reduce", elements * w.summed, count * layout.grad_accum, what))
+            if count:
+                out.append(Collective("tensor", "all-reduce", elements * w.summed, count * layout.grad_accum, what))
     else:
         # the blocks and the head as their form places them; the embedding is written out in both forms
         # (jaxpar.parallel.tensor_explicit.embedding): its rows reduce-scattered, its cotangent's bits gathered
@@ -271,13 +279,22 @@ def context_collectives(model: Model, layout: Layout, work: Workload, grad_bytes
     return out
 
 
+def expert_slots(model: Model, layout: Layout, work: Workload) -> int:
+    """Capacity-buffer rows of one device's tokens in one MoE layer: experts x capacity x routing groups."""
+    s = local_seq(layout, work)
+    group = model.group_size or s
+    return model.n_experts * capacity(model, group) * (microbatch_sequences(layout, work) * s // group)
+
+
+def capacity_buffered(model: Model, layout: Layout) -> bool:
+    """Whether the MoE layers run on capacity buffers (capacity routing, or dropless in the buffered form)."""
+    return bool(model.n_experts) and (not model.dropless or layout.moe_kernel == "buffered")
+
+
 def expert_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
     """The tokens' all-to-alls to their experts and back, and the gradients of what every expert rank holds."""
     b, s, d, t = microbatch_sequences(layout, work), local_seq(layout, work), model.d_model, layout.tensor
-    group = model.group_size or s
-    groups = b * s // group
-    slots = model.n_experts * capacity(model, group) * groups  # per device per MoE layer
-    buffer = slots * d * w.values  # every tensor rank routes and sends the whole rows (with SP too: gathered first)
+    buffer = expert_slots(model, layout, work) * d * w.values  # every tensor rank sends whole rows (SP: gathered)
     # to the experts and back, forward and backward; a remat policy re-runs the forward pair (an
     # all-to-all is no matmul, so no policy saves its output)
     calls = (4 + 2 * (remat_policy(layout, model) != "none")) * model.moe_layers / layout.pipe * layout.grad_accum
