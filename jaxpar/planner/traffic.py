@@ -25,7 +25,7 @@ from jaxpar.planner.layout import (
 )
 from jaxpar.planner.memory import Inventory, compute_bytes, inventory, state_bytes_per_param
 from jaxpar.planner.model import Model, capacity
-from jaxpar.planner.ticks import schedule_ticks
+from jaxpar.planner.ticks import permutes, schedule_ticks, weight_ticks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,22 +130,26 @@ def zero_collectives(model: Model, layout: Layout, work: Workload, parts: tuple[
     ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated
     parameters once per step. ZeRO-2/3 gather inside the loss: the layers once
     per stage program run (per microbatch, per pipeline tick) and again for the
-    backward pass under ZeRO-3, the rest once (XLA hoists that gather out of the
-    accumulation loop); autodiff reduce-scatters each gather's gradient. Only
-    what trains has gradients, and ZeRO-1 gathers only what the update changed;
-    ZeRO-2/3 gather a frozen base too (a quantized one in its codes' bytes).
+    backward pass under ZeRO-3 (a third time in ZB-H1's weight-backward slots,
+    the only ones that reduce-scatter its gradients), the rest once (XLA hoists
+    that gather out of the accumulation loop); autodiff reduce-scatters each
+    gather's gradient. Only what trains has gradients, and ZeRO-1 gathers only
+    what the update changed; ZeRO-2/3 gather a frozen base too (a quantized one
+    in its codes' bytes).
     """
     inv, tr, q = parts
     n, runs = layout.data, layout.grad_accum * schedule_ticks(layout)
+    # ZB-H1 makes (and reduce-scatters) the weight gradients in its W slots' ticks, and ZeRO-3 gathers there again
+    weight_runs = layout.grad_accum * weight_ticks(layout)
     table = model.vocab * model.d_model if sharded_lookup(model, layout, work) and model.separate_head else 0.0
     # the table is used nowhere else: neither gathered nor reduce-scattered
     rest, layers = _zero_parts(tr, n)
     rest -= table if tr.local == inv.local else 0.0  # a LoRA run's table is frozen: it has no gradient
-    scattered = rest * layout.grad_accum + layers * runs if layout.zero >= 2 else rest + layers
+    scattered = rest * layout.grad_accum + layers * (weight_runs or runs) if layout.zero >= 2 else rest + layers
     if layout.zero == 1:
         gathered = rest + layers
     else:
-        layer_runs = runs * (2 if layout.zero == 3 else 1)
+        layer_runs = runs * (2 if layout.zero == 3 else 1) + (weight_runs if layout.zero == 3 else 0)
         (rest, layers), (_, quantized) = _zero_parts(inv, n), _zero_parts(q, n)
         gathered = rest - table + layers * layer_runs
         gathered -= (1 - model.quantized_bytes / w.params) * quantized * layer_runs
@@ -172,11 +176,14 @@ def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Dev
     p = layout.pipe
     chunk = model.n_layers / (p * layout.virtual_stages)  # layers one tick runs
     ticks = schedule_ticks(layout)
-    block = ticks * chunk * (4 + (layout.remat == "full"))
+    # ZB-H1's W slots run the blocks' backward again, full remat's recomputation too (its dx chain feeds the
+    # earlier layers' weight gradients)
+    full = layout.remat == "full"
+    block = ticks * chunk * (4 + full) + weight_ticks(layout) * chunk * (2 + full)
     one = microbatch_sequences(layout, work) * local_seq(layout, work) * model.d_model  # elements
     if p == 1:
         edges = 2 * one  # the vocab-parallel embedding's sum, the head input's gradient
-    elif layout.schedule == "1f1b":
+    elif layout.schedule in ("1f1b", "zb-h1"):
         edges = ticks * one + layout.microbatches * one / p  # embedding on every forward slot; head per microbatch
     else:
         edges = layout.microbatches * one * (1 + 1 / p)  # all microbatches embedded at once; one head
@@ -213,18 +220,18 @@ def replicated_kv_collectives(model: Model, layout: Layout, w: Widths, layer_run
 def pipe_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
     """The pipeline's permutes between stages, the loss head's exchange of positions, and the gradients of
     the parameters every stage holds."""
-    ticks = schedule_ticks(layout)
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     one = b * s * model.d_model * w.values / (layout.tensor if layout.sequence_parallel else 1)
     m = layout.microbatches
-    if layout.schedule == "1f1b":
-        # warm-up, steady and cool-down ticks; the cool-down's last send has no receiver and is dropped
-        out = [Collective("pipe", "collective-permute", one, (2 * ticks - 1) * layout.grad_accum,
+    if layout.schedule in ("1f1b", "zb-h1"):
+        # one send per tick of a scan with forward slots and one per tick of a scan with backward slots
+        # (`ticks.permutes`); the head runs on the m ticks where the last stage's forward holds a microbatch
+        out = [Collective("pipe", "collective-permute", one, permutes(layout) * layout.grad_accum,
                           "activations forward and cotangents backward, one per tick"),
                Collective("pipe", "all-to-all", one, m * layout.grad_accum, "the loss head's positions"),
                Collective("pipe", "all-gather", one, m * layout.grad_accum, "the head's input gradients")]
     else:
-        out = [Collective("pipe", "collective-permute", one, 2 * ticks * layout.grad_accum,
+        out = [Collective("pipe", "collective-permute", one, 2 * schedule_ticks(layout) * layout.grad_accum,
                           "activations forward and cotangents backward, one per tick"),
                Collective("pipe", "all-to-all", one * m, 2 * layout.grad_accum,
                           "the loss head's positions and their gradients")]
