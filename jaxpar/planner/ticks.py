@@ -1,4 +1,5 @@
-"""What a pipeline schedule's tick table implies: ticks per step, the bubble, the activation sets in flight.
+"""What a pipeline schedule's tick table implies: ticks per step, the bubble, the activation sets (and ZB-H1's kept
+cotangents) in flight, the permutes its scans send.
 
 The figures are read off the tick tables jaxpar.pipeline.schedule builds, so
 the planner counts exactly what the executor runs.
@@ -80,7 +81,9 @@ def _separate_cotangent_rows(stages: int, microbatches: int) -> int:
 def cotangent_rows(layout: Layout) -> int:
     """Activation-sized rows of ZB-H1's separate cotangent buffer (jaxpar.pipeline.table_executor's "saved"), 0 for
     every other schedule: its B slots' cotangents kept for a W in a later tick live in ring rows no residual set
-    holds; only those that find none (m < 2p - 2: max(0, 2p - 2 - m) of them) take a row of their own."""
+    holds; only those that find none (m < 2p - 2: max(0, 2p - 2 - m) of them) take a row of their own. (The
+    ring holds them in a residual buffer of the activation's shape, as the layer scan's stacked inputs are:
+    `jaxpar.pipeline.residual_ring.ResidualRing.holder`.)"""
     if layout.pipe == 1 or layout.schedule != "zb-h1":
         return 0
     return _separate_cotangent_rows(layout.pipe, layout.microbatches)
