@@ -2,9 +2,9 @@
 communication that is not hidden.
 
 Model FLOPs are 6 N per token plus 12 L s (h hd) for attention, and the
-recomputation on top (ZB-H1's weight-backward replays included). Tensor, expert, context and pipe traffic sit on the
-critical path; data-parallel traffic hides behind the backward pass where the
-ZeRO stage lets it overlap.
+recomputation on top (ZB-H1's weight-backward replays included). Tensor,
+expert, context and pipe traffic sit on the critical path; data-parallel
+traffic hides behind the backward pass where the ZeRO stage lets it overlap.
 """
 
 from __future__ import annotations
