@@ -282,10 +282,12 @@ GRID = [
                             "cond moved the peak into the backward slot's cond and left the temp as it was")),
     ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}, "tiny"),
     # zb-h1: its W slots' ZeRO-3 gathers and reduce-scatters (m = p = 2), kept cotangents in a buffer of their own
-    # and the last forward tick's dropped send (m = p = 4), its W slots' Megatron all-reduces under full remat
+    # and the last forward tick's dropped send (m = p = 4), its W slots' Megatron collectives under full remat and
+    # sequence parallelism (the loss head's exchange whole)
     ("data=4,pipe=2", {"schedule": "zb-h1", "microbatches": 2, "zero": 3}, "tiny"),
     ("data=2,pipe=4", {"schedule": "zb-h1", "microbatches": 4}, "tiny"),
-    ("data=2,tensor=2,pipe=2", {"schedule": "zb-h1", "microbatches": 4, "zero": 1, "remat": "full"}, "tiny"),
+    ("data=2,tensor=2,pipe=2", {"schedule": "zb-h1", "microbatches": 4, "zero": 1, "remat": "full",
+                                "sequence_parallel": True}, "tiny"),
     ("data=2,expert=4", {"zero": 3}, "moe-tiny"),
     ("data=2,context=4", {"context_form": "ring"}, "tiny"),
     ("data=2,context=2,tensor=2", {"tensor_form": "explicit"}, "tiny"),

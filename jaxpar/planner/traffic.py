@@ -172,14 +172,14 @@ def lookup_collectives(model: Model, layout: Layout, work: Workload, w: Widths) 
 def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Device, w: Widths) -> list[Collective]:
     """Megatron's f/g: each block half ends in one all-reduce (SP: a reduce-scatter, and starts with an
     all-gather) forward, and one more in the backward pass. Full remat re-runs the forward in the backward
-    pass, but only the attention half's all-reduce feeds anything the gradients need."""
+    pass, but only the attention half's all-reduce feeds anything the gradients need (SP: both halves'
+    all-gathers). ZB-H1's W slots run the blocks' backward again, and full remat's recomputation: its dx chain
+    feeds the earlier layers' weight gradients."""
     p = layout.pipe
     chunk = model.n_layers / (p * layout.virtual_stages)  # layers one tick runs
-    ticks = schedule_ticks(layout)
-    # ZB-H1's W slots run the blocks' backward again, full remat's recomputation too (its dx chain feeds the
-    # earlier layers' weight gradients)
+    ticks, replays = schedule_ticks(layout), weight_ticks(layout)
     full = layout.remat == "full"
-    block = ticks * chunk * (4 + full) + weight_ticks(layout) * chunk * (2 + full)
+    block = ticks * chunk * (4 + full)
     one = microbatch_sequences(layout, work) * local_seq(layout, work) * model.d_model  # elements
     if p == 1:
         edges = 2 * one  # the vocab-parallel embedding's sum, the head input's gradient
@@ -194,10 +194,12 @@ def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Dev
     out = []
     for k in kinds:
         width = w.values if k == "all-gather" and layout.tensor_form == "explicit" else w.summed
-        out.append(Collective("tensor", k, one * width, block * layout.grad_accum, "Megatron f/g, per block half"))
+        again = replays * chunk * (2 + full * (2 if k == "all-gather" else 1))  # ZB-H1's W slots
+        out.append(Collective("tensor", k, one * width, (block + again) * layout.grad_accum,
+                              "Megatron f/g, per block half"))
         out.append(Collective("tensor", k, edges * width, layout.grad_accum, "vocab-parallel embedding and head"))
-    if layout.tensor > model.n_kv_heads:
-        out += replicated_kv_collectives(model, layout, w, ticks * chunk * layout.grad_accum)
+    if layout.tensor > model.n_kv_heads:  # weight gradients: in ZB-H1's W slots
+        out += replicated_kv_collectives(model, layout, w, (replays or ticks) * chunk * layout.grad_accum)
     return out
 
 
@@ -221,15 +223,17 @@ def pipe_collectives(model: Model, layout: Layout, work: Workload, inv: Inventor
     """The pipeline's permutes between stages, the loss head's exchange of positions, and the gradients of
     the parameters every stage holds."""
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
-    one = b * s * model.d_model * w.values / (layout.tensor if layout.sequence_parallel else 1)
+    whole = b * s * model.d_model * w.values
+    one = whole / (layout.tensor if layout.sequence_parallel else 1)
     m = layout.microbatches
     if layout.schedule in ("1f1b", "zb-h1"):
         # one send per tick of a scan with forward slots and one per tick of a scan with backward slots
-        # (`ticks.permutes`); the head runs on the m ticks where the last stage's forward holds a microbatch
+        # (`ticks.permutes`); the head runs on the m ticks where the last stage's forward holds a microbatch, on
+        # the whole activation (sequence parallelism splits what the stages send, not what the head exchanges)
         out = [Collective("pipe", "collective-permute", one, permutes(layout) * layout.grad_accum,
                           "activations forward and cotangents backward, one per tick"),
-               Collective("pipe", "all-to-all", one, m * layout.grad_accum, "the loss head's positions"),
-               Collective("pipe", "all-gather", one, m * layout.grad_accum, "the head's input gradients")]
+               Collective("pipe", "all-to-all", whole, m * layout.grad_accum, "the loss head's positions"),
+               Collective("pipe", "all-gather", whole, m * layout.grad_accum, "the head's input gradients")]
     else:
         out = [Collective("pipe", "collective-permute", one, 2 * schedule_ticks(layout) * layout.grad_accum,
                           "activations forward and cotangents backward, one per tick"),
