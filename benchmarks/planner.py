@@ -44,7 +44,9 @@ def sweep(quick: bool) -> list[tuple[str, dict, str]]:
     for mesh, schedule, extra in (("data=4,pipe=2", "gpipe", {}), ("data=4,pipe=2", "1f1b", {}),
                                   ("data=4,pipe=2", "interleaved", {"virtual_stages": 2}),
                                   ("data=2,pipe=4", "1f1b", {}), ("data=2,tensor=2,pipe=2", "1f1b", {"zero": 1}),
-                                  ("data=2,tensor=2,pipe=2", "gpipe", {"remat": "full"})):
+                                  ("data=2,tensor=2,pipe=2", "gpipe", {"remat": "full"}),
+                                  ("data=4,pipe=2", "zb-h1", {}), ("data=2,pipe=4", "zb-h1", {"zero": 3}),
+                                  ("data=2,tensor=2,pipe=2", "zb-h1", {"zero": 1, "remat": "full"})):
         for m in (4, 8):
             cells.append((mesh, {"schedule": schedule, "microbatches": m, **extra}, "tiny"))
     for mesh in ("data=2,expert=4", "expert=8", "data=4,expert=2", "data=2,expert=2,tensor=2"):

@@ -81,6 +81,39 @@ def test_megatron_bubble(p, m, v):
         assert schedule_ticks(layout) == Schedule(schedule, p, m, v).forward_ticks
 
 
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 8), (8, 10), (8, 16)])
+def test_zb_h1_counts_read_off_its_tick_table(p, m):
+    """ZB-H1 as the executor runs it: m + p - 1 forward ticks, the bubble 2(p - 1)/(3m + 2(p - 1)), the residual
+    ring's rows (1F1B's, min(m, 2p - 2)), max(0, 2p - 2 - m) kept cotangents in a buffer of their own, W slots on
+    m ticks (m + 1 at p = 2, one F and B tick scanned with them) and 2(m + p - 1) permutes less the dropped sends
+    of one-tick scans; every schedule the executor runs is one the planner counts."""
+    from jaxpar.pipeline import schedule as schedule_lib
+    from jaxpar.planner import layout as layout_lib
+    from jaxpar.planner.ticks import cotangent_rows, in_flight, permutes, weight_ticks
+
+    layout, table = Layout(pipe=p, schedule="zb-h1", microbatches=m), Schedule("zb-h1", p, m)
+    assert schedule_ticks(layout) == table.forward_ticks == m + p - 1
+    assert bubble(layout) == pytest.approx(table.bubble) == pytest.approx(2 * (p - 1) / (3 * m + 2 * (p - 1)))
+    assert bubble(layout) < bubble(Layout(pipe=p, schedule="1f1b", microbatches=m))
+    assert in_flight(layout) == table.in_flight == min(m, 2 * p - 2)
+    assert cotangent_rows(layout) == table.ring_layout().cotangent_buffer_rows == max(0, 2 * p - 2 - m)
+    assert weight_ticks(layout) == m + (p == 2)
+    assert permutes(layout) == 2 * (m + p - 1) - (p == 2) - (m == p > 2)
+    assert permutes(Layout(pipe=p, schedule="1f1b", microbatches=m)) == 2 * (m + p - 1) - (p == 2)
+    assert set(layout_lib.SCHEDULES) == set(schedule_lib.SCHEDULES)
+
+
+def test_the_search_weighs_zb_h1():
+    """`jaxpar plan` enumerates zb-h1 wherever the executor runs it (m >= p) and the estimate counts it."""
+    from jaxpar.planner.search import layouts
+
+    found = [lay for lay in layouts(Model.named("tiny", TINY), 8, WORK, load_device("cpu")) if lay.schedule == "zb-h1"]
+    assert {(lay.pipe, lay.microbatches) for lay in found} >= {(2, 2), (2, 4), (4, 4)}
+    assert all(lay.microbatches >= lay.pipe for lay in found)
+    est = estimate(Model.named("tiny", TINY), found[0], WORK, "cpu")
+    assert not est.reason and est.bubble == pytest.approx(Schedule("zb-h1", found[0].pipe, found[0].microbatches).bubble)
+
+
 @pytest.mark.parametrize("t", [2, 4, 8])
 def test_tensor_traffic_per_layer(t):
     """Megatron: 4 all-reduces of b s h per layer (2 forward, 2 backward), ring traffic 8 b s h (t-1)/t."""
@@ -231,7 +264,7 @@ def test_plan_from_file_runs_on_cpu(tmp_path):
 
 # (mesh, plan options, model): each ZeRO stage, tensor (and sequence) parallelism, every pipeline schedule,
 # experts, every remat policy (ZeRO-3's own `dots` too), mixed precision and both context-parallel forms (with
-# tensor parallelism too) and HSDP, each at least once, in 10 compiles.
+# tensor parallelism too) and HSDP, each at least once, in 13 compiles.
 GRID = [
     ("data=8", {}, "tiny"),
     ("data=4,tensor=2", {"zero": 1, "precision": "bf16", "remat": "selective"}, "tiny"),
@@ -248,6 +281,13 @@ GRID = [
                             "(35 and 36 copies); the planner does not model them. Writing the ring outside the "
                             "cond moved the peak into the backward slot's cond and left the temp as it was")),
     ("data=4,pipe=2", {"schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}, "tiny"),
+    # zb-h1: its W slots' ZeRO-3 gathers and reduce-scatters (m = p = 2), kept cotangents in a buffer of their own
+    # and the last forward tick's dropped send (m = p = 4), its W slots' Megatron collectives under full remat and
+    # sequence parallelism (the loss head's exchange whole)
+    ("data=4,pipe=2", {"schedule": "zb-h1", "microbatches": 2, "zero": 3}, "tiny"),
+    ("data=2,pipe=4", {"schedule": "zb-h1", "microbatches": 4}, "tiny"),
+    ("data=2,tensor=2,pipe=2", {"schedule": "zb-h1", "microbatches": 4, "zero": 1, "remat": "full",
+                                "sequence_parallel": True}, "tiny"),
     ("data=2,expert=4", {"zero": 3}, "moe-tiny"),
     # each tensor rank sends whole rows over expert; the experts' own f/g sum on the capacity buffer
     ("data=2,expert=2,tensor=2", {"zero": 3}, "moe-tiny"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxpar.planner.layout import Layout, Workload, local_seq, microbatch_sequences, remat_policy
 from jaxpar.planner.model import Model, capacity
-from jaxpar.planner.ticks import explicit_backward, in_flight, schedule_ticks
+from jaxpar.planner.ticks import cotangent_rows, explicit_backward, in_flight, schedule_ticks
 
 
 def activation_values_per_token(model: Model, layout: Layout, seq: int) -> float:
@@ -162,7 +162,8 @@ def activation_bytes(model: Model, layout: Layout, work: Workload, value_bytes: 
     """Activations kept per device: values per token x tokens of a microbatch x layers of a chunk x the
     chunk-sized sets alive at once (one; every tick's under GPipe; the residual ring's rows under 1F1B,
     interleaved and zb-h1). GPipe's tick scan also keeps each tick's stage weights, a per-tick
-    value to autodiff; the ring keeps ZeRO-2's gathered weights with each microbatch's residuals."""
+    value to autodiff; the ring keeps ZeRO-2's gathered weights with each microbatch's residuals. ZB-H1's
+    cotangents kept from B to W that find no free ring row (m < 2p - 2) take activation-sized rows of their own."""
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
     layers = model.n_layers / (layout.pipe * layout.virtual_stages)
     sets = in_flight(layout)
@@ -171,4 +172,5 @@ def activation_bytes(model: Model, layout: Layout, work: Workload, value_bytes: 
         kept += stage_weights * schedule_ticks(layout)
     elif layout.pipe > 1 and layout.zero == 2 and layout.data > 1:
         kept += stage_weights / layout.virtual_stages * sets  # ZeRO-2's gathered weights are residuals of each microbatch's VJP
-    return kept
+    d_split = layout.tensor if layout.sequence_parallel else 1
+    return kept + cotangent_rows(layout) * value_bytes * b * s * model.d_model / d_split

@@ -17,7 +17,7 @@ from jaxpar.core import zero_layout
 from jaxpar.planner.model import Model
 
 AXES = mesh_lib.AXES  # `Layout` has a size field for each, outermost (across hosts) first, as jaxpar.core.mesh nests them
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the pipeline schedules the planner counts (all the executor's)
 REMATS = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-params")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16-params": 2}

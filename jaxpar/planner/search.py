@@ -8,10 +8,24 @@ import dataclasses
 import itertools
 import math
 
+from jaxpar.pipeline.schedule import validate
 from jaxpar.planner.devices import Device, load_device
 from jaxpar.planner.estimate import Estimate, estimate
 from jaxpar.planner.layout import REMATS, Layout, Workload
 from jaxpar.planner.model import Model
+
+
+PIPELINES = (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 4))  # (schedule, chunks)
+
+
+def runs_pipeline(schedule: str, stages: int, microbatches: int, virtual_stages: int) -> bool:
+    """Whether the executor runs `schedule` with these counts: its own check (jaxpar.pipeline.schedule.validate:
+    at least one microbatch per stage, interleaved's groups of p), not a copy of it."""
+    try:
+        validate(schedule, stages, microbatches, virtual_stages)
+    except ValueError:
+        return False
+    return True
 
 
 def _divisors(n: int) -> list[int]:
@@ -53,8 +67,8 @@ def layouts(model: Model, devices: int, work: Workload, device: Device, precisio
                                                       sequence_parallel=sp, tensor_form=tensor_form, context=c,
                                                       context_form=form))
                                 continue
-                            for sched, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 4)):
-                                if steps < p or (sched == "interleaved" and (steps % p or model.pipeline_units % (p * v))):
+                            for sched, v in PIPELINES:
+                                if not runs_pipeline(sched, p, steps, v) or model.pipeline_units % (p * v):
                                     continue
                                 out.append(Layout(n, t, p, e, z, sched, steps, v, remat=remat, precision=precision,
                                                   sequence_parallel=sp))

@@ -2,9 +2,9 @@
 communication that is not hidden.
 
 Model FLOPs are 6 N per token plus 12 L s (h hd) for attention, and the
-recomputation on top. Tensor, expert, context and pipe traffic sit on the
-critical path; data-parallel traffic hides behind the backward pass where the
-ZeRO stage lets it overlap.
+recomputation on top (ZB-H1's weight-backward replays included). Tensor,
+expert, context and pipe traffic sit on the critical path; data-parallel
+traffic hides behind the backward pass where the ZeRO stage lets it overlap.
 """
 
 from __future__ import annotations
@@ -24,13 +24,21 @@ def flops_per_token(model: Model, seq: int) -> float:
 
 
 def recompute_flops_per_token(model: Model, layout: Layout, seq: int) -> float:
-    """Extra FLOPs of recomputation: a whole forward (full) or the attention matmuls (selective)."""
+    """Extra FLOPs of recomputation: a whole forward (full) or the attention matmuls (selective).
+
+    ZB-H1's W slot replays the stage's stored VJP for the weight gradients, so
+    the layers' input-gradient chain (2 N of the layers and attention's
+    backward, 4 L s h w) and the remat recomputation run twice per microbatch
+    (jaxpar.pipeline.tick; compiled at data=4,pipe=2, m = 4, xla attention:
+    zb-h1's matmul FLOPs exceed 1f1b's by exactly (m + p - 1) B slots' input
+    gradients, the bubble ticks' slots included).
+    """
     attention = 2 * model.n_layers * seq * model.n_heads * model.attention_matmul_width
-    if layout.remat == "full":
-        return 2 * (model.flop_params - model.vocab * model.d_model) + attention
-    if layout.remat == "selective":
-        return attention
-    return 0.0
+    layers = 2 * (model.flop_params - model.vocab * model.d_model)
+    extra = layers + attention if layout.remat == "full" else attention if layout.remat == "selective" else 0.0
+    if layout.pipe > 1 and layout.schedule == "zb-h1":
+        extra = 2 * extra + layers + 2 * attention
+    return extra
 
 
 def step_time(model, layout, work, device, hw_flops, traffic, memory) -> dict[str, float]:

@@ -25,7 +25,7 @@ from jaxpar.planner.layout import (
 )
 from jaxpar.planner.memory import Inventory, compute_bytes, inventory, state_bytes_per_param
 from jaxpar.planner.model import Model, capacity
-from jaxpar.planner.ticks import schedule_ticks
+from jaxpar.planner.ticks import permutes, schedule_ticks, weight_ticks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,22 +130,26 @@ def zero_collectives(model: Model, layout: Layout, work: Workload, parts: tuple[
     ZeRO-1 reduce-scatters the accumulated gradient and gathers the updated
     parameters once per step. ZeRO-2/3 gather inside the loss: the layers once
     per stage program run (per microbatch, per pipeline tick) and again for the
-    backward pass under ZeRO-3, the rest once (XLA hoists that gather out of the
-    accumulation loop); autodiff reduce-scatters each gather's gradient. Only
-    what trains has gradients, and ZeRO-1 gathers only what the update changed;
-    ZeRO-2/3 gather a frozen base too (a quantized one in its codes' bytes).
+    backward pass under ZeRO-3 (a third time in ZB-H1's weight-backward slots,
+    the only ones that reduce-scatter its gradients), the rest once (XLA hoists
+    that gather out of the accumulation loop); autodiff reduce-scatters each
+    gather's gradient. Only what trains has gradients, and ZeRO-1 gathers only
+    what the update changed; ZeRO-2/3 gather a frozen base too (a quantized one
+    in its codes' bytes).
     """
     inv, tr, q = parts
     n, runs = layout.data, layout.grad_accum * schedule_ticks(layout)
+    # ZB-H1 makes (and reduce-scatters) the weight gradients in its W slots' ticks, and ZeRO-3 gathers there again
+    weight_runs = layout.grad_accum * weight_ticks(layout)
     table = model.vocab * model.d_model if sharded_lookup(model, layout, work) and model.separate_head else 0.0
     # the table is used nowhere else: neither gathered nor reduce-scattered
     rest, layers = _zero_parts(tr, n)
     rest -= table if tr.local == inv.local else 0.0  # a LoRA run's table is frozen: it has no gradient
-    scattered = rest * layout.grad_accum + layers * runs if layout.zero >= 2 else rest + layers
+    scattered = rest * layout.grad_accum + layers * (weight_runs or runs) if layout.zero >= 2 else rest + layers
     if layout.zero == 1:
         gathered = rest + layers
     else:
-        layer_runs = runs * (2 if layout.zero == 3 else 1)
+        layer_runs = runs * (2 if layout.zero == 3 else 1) + (weight_runs if layout.zero == 3 else 0)
         (rest, layers), (_, quantized) = _zero_parts(inv, n), _zero_parts(q, n)
         gathered = rest - table + layers * layer_runs
         gathered -= (1 - model.quantized_bytes / w.params) * quantized * layer_runs
@@ -168,26 +172,31 @@ def lookup_collectives(model: Model, layout: Layout, work: Workload, w: Widths) 
 def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Device, w: Widths) -> list[Collective]:
     """Megatron's f/g: each block half ends in one all-reduce (SP: a reduce-scatter, and starts with an
     all-gather) forward, and one more in the backward pass. Full remat re-runs the forward in the backward
-    pass, but only the attention half's all-reduce feeds anything the gradients need."""
+    pass, but only the attention half's all-reduce feeds anything the gradients need (SP: both halves'
+    all-gathers). ZB-H1's W slots run the blocks' backward again, and full remat's recomputation: its dx chain
+    feeds the earlier layers' weight gradients."""
     p = layout.pipe
     chunk = model.n_layers / (p * layout.virtual_stages)  # layers one tick runs
-    ticks = schedule_ticks(layout)
-    block = ticks * chunk * (4 + (layout.remat == "full"))
+    ticks, replays = schedule_ticks(layout), weight_ticks(layout)
+    full = layout.remat == "full"
+    block = ticks * chunk * (4 + full)
     one = microbatch_sequences(layout, work) * local_seq(layout, work) * model.d_model  # elements
     if p == 1:
         embedded, head = one, one  # the vocab-parallel embedding's sum, the head input's gradient
-    elif layout.schedule == "1f1b":
+    elif layout.schedule in ("1f1b", "zb-h1"):
         embedded, head = ticks * one, layout.microbatches * one / p  # embedding on every forward slot
     else:
         embedded, head = layout.microbatches * one, layout.microbatches * one / p  # all microbatches at once
     out = []
+    # ZB-H1's W slots: the blocks' backward again, full remat's recomputation too (SP: both halves' gathers)
+    again = {kind: replays * chunk * (2 + full * (2 if kind == "all-gather" else 1)) for kind in ("all-gather", "g")}
     if not layout.sequence_parallel:
         # a capacity-routed MoE layer's experts sum over tensor on their buffer, not on the tokens: forward their
         # output; backward the gate's and the up's input gradients (XLA sums them apart) and, under ZeRO-3, whose
         # layer recomputes its forward (compiled: the output's all-reduce again), that one too
         moe_runs = ticks * chunk * model.moe_layers / model.n_layers if capacity_buffered(model, layout) else 0.0
         moe_sums = 3 + (layout.zero == 3)
-        for what, count, elements in (("Megatron f/g, per block half", block - 2 * moe_runs, one),
+        for what, count, elements in (("Megatron f/g, per block half", block + again["g"] - 2 * moe_runs, one),
                                       ("MoE experts' f/g, on the capacity buffer", moe_sums * moe_runs,
                                        expert_slots(model, layout, work) * model.d_model if moe_runs else 0),
                                       ("vocab-parallel embedding and head", 1, embedded + head)):
@@ -199,15 +208,17 @@ def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Dev
         annotated = layout.tensor_form == "annotation"
         gather = w.summed if annotated else w.values
         leave = "all-reduce" if annotated and device.scatter_as_all_reduce else "reduce-scatter"
-        out += [Collective("tensor", "all-gather", one * gather, block * layout.grad_accum, "Megatron f, per block half"),
-                Collective("tensor", leave, one * w.summed, block * layout.grad_accum, "Megatron g, per block half"),
+        out += [Collective("tensor", "all-gather", one * gather, (block + again["all-gather"]) * layout.grad_accum,
+                           "Megatron f, per block half"),
+                Collective("tensor", leave, one * w.summed, (block + again["g"]) * layout.grad_accum,
+                           "Megatron g, per block half"),
                 Collective("tensor", "all-gather", head * gather, layout.grad_accum, "the head's input"),
                 Collective("tensor", leave, head * w.summed, layout.grad_accum, "the head input's gradient"),
                 Collective("tensor", "all-gather", embedded * w.values, layout.grad_accum, "the embedding's cotangent"),
                 Collective("tensor", "reduce-scatter", embedded * w.summed, layout.grad_accum,
                            "the vocab-parallel embedding's rows")]
-    if layout.tensor > model.n_kv_heads:
-        out += replicated_kv_collectives(model, layout, w, ticks * chunk * layout.grad_accum)
+    if layout.tensor > model.n_kv_heads:  # weight gradients: in ZB-H1's W slots
+        out += replicated_kv_collectives(model, layout, w, (replays or ticks) * chunk * layout.grad_accum)
     return out
 
 
@@ -230,18 +241,20 @@ def replicated_kv_collectives(model: Model, layout: Layout, w: Widths, layer_run
 def pipe_collectives(model: Model, layout: Layout, work: Workload, inv: Inventory, w: Widths) -> list[Collective]:
     """The pipeline's permutes between stages, the loss head's exchange of positions, and the gradients of
     the parameters every stage holds."""
-    ticks = schedule_ticks(layout)
     b, s = microbatch_sequences(layout, work), local_seq(layout, work)
-    one = b * s * model.d_model * w.values / (layout.tensor if layout.sequence_parallel else 1)
+    whole = b * s * model.d_model * w.values
+    one = whole / (layout.tensor if layout.sequence_parallel else 1)
     m = layout.microbatches
-    if layout.schedule == "1f1b":
-        # warm-up, steady and cool-down ticks; the cool-down's last send has no receiver and is dropped
-        out = [Collective("pipe", "collective-permute", one, (2 * ticks - 1) * layout.grad_accum,
+    if layout.schedule in ("1f1b", "zb-h1"):
+        # one send per tick of a scan with forward slots and one per tick of a scan with backward slots
+        # (`ticks.permutes`); the head runs on the m ticks where the last stage's forward holds a microbatch, on
+        # the whole activation (sequence parallelism splits what the stages send, not what the head exchanges)
+        out = [Collective("pipe", "collective-permute", one, permutes(layout) * layout.grad_accum,
                           "activations forward and cotangents backward, one per tick"),
-               Collective("pipe", "all-to-all", one, m * layout.grad_accum, "the loss head's positions"),
-               Collective("pipe", "all-gather", one, m * layout.grad_accum, "the head's input gradients")]
+               Collective("pipe", "all-to-all", whole, m * layout.grad_accum, "the loss head's positions"),
+               Collective("pipe", "all-gather", whole, m * layout.grad_accum, "the head's input gradients")]
     else:
-        out = [Collective("pipe", "collective-permute", one, 2 * ticks * layout.grad_accum,
+        out = [Collective("pipe", "collective-permute", one, 2 * schedule_ticks(layout) * layout.grad_accum,
                           "activations forward and cotangents backward, one per tick"),
                Collective("pipe", "all-to-all", one * m, 2 * layout.grad_accum,
                           "the loss head's positions and their gradients")]
