@@ -36,7 +36,9 @@ class Device:
     the backend runs bf16/fp16 collectives in fp32 (XLA:CPU does); low_precision_in_fp32: it also
     keeps bf16/fp16 activations and gradients in fp32 (XLA:CPU before jaxlib 0.11); scatter_as_all_reduce: the
     backend lowers a reduce-scatter that sharding annotations ask for to an all-reduce and a slice
-    (XLA:CPU does; jaxpar's explicit forms write true reduce-scatters); host_bandwidth: bytes/s between
+    (XLA:CPU does; jaxpar's explicit forms write true reduce-scatters); sums_apart: the backend all-reduces
+    each of two partial sums that are then added (a capacity-routed MoE layer's gate and up input gradients)
+    instead of their sum, and a ZeRO-3 layer's recomputed expert output again (XLA:CPU); host_bandwidth: bytes/s between
     device and host memory one way (PCIe Gen5 x16 for the GPUs), what `--offload optimizer` moves over.
     """
 
@@ -53,6 +55,7 @@ class Device:
     widens_low_precision: bool = False
     low_precision_in_fp32: bool = False
     scatter_as_all_reduce: bool = False
+    sums_apart: bool = False
     host_bandwidth: float = 55 * GB
     ragged_exchange: bool = True  # XLA has ragged-all-to-all (a MoE layer's rows sent exactly; XLA:CPU has none)
 
@@ -97,7 +100,7 @@ DEVICES: dict[str, Device] = {
     # The host CPU that the tests force into 8 XLA devices: only memory and traffic are meaningful here.
     "cpu": Device("host CPU (XLA:CPU)", 16 * GiB, 1e11, 1e11, 20 * GB, 10 * GB, 10 * GB, 8, usable=1.0,
                   efficiency=0.5, widens_low_precision=True, ragged_exchange=False, low_precision_in_fp32=_old_xla_cpu(),
-                  scatter_as_all_reduce=True),
+                  scatter_as_all_reduce=True, sums_apart=True),
 }
 ALIASES = {"tpuv5p": "tpu-v5p", "v5p": "tpu-v5p", "tpu_v5p": "tpu-v5p", "h100-sxm": "h100", "a100-80gb": "a100"}
 

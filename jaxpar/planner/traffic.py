@@ -192,10 +192,10 @@ def tensor_collectives(model: Model, layout: Layout, work: Workload, device: Dev
     again = {kind: replays * chunk * (2 + full * (2 if kind == "all-gather" else 1)) for kind in ("all-gather", "g")}
     if not layout.sequence_parallel:
         # a capacity-routed MoE layer's experts sum over tensor on their buffer, not on the tokens: forward their
-        # output; backward the gate's and the up's input gradients (XLA sums them apart) and, under ZeRO-3, whose
-        # layer recomputes its forward (compiled: the output's all-reduce again), that one too
+        # output, backward their input gradient; XLA:CPU sums the gate's and the up's apart and, under ZeRO-3,
+        # the recomputed output again (`sums_apart`)
         moe_runs = ticks * chunk * model.moe_layers / model.n_layers if capacity_buffered(model, layout) else 0.0
-        moe_sums = 3 + (layout.zero == 3)
+        moe_sums = 3 + (layout.zero == 3) if device.sums_apart else 2
         for what, count, elements in (("Megatron f/g, per block half", block + again["g"] - 2 * moe_runs, one),
                                       ("MoE experts' f/g, on the capacity buffer", moe_sums * moe_runs,
                                        expert_slots(model, layout, work) * model.d_model if moe_runs else 0),
