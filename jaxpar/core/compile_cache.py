@@ -63,6 +63,7 @@ def use(setting: str | None = None, environ=os.environ) -> Path | None:
             raise ValueError(f"--compile-cache {directory}: cannot make the directory ({error.strerror}); give a "
                              f"writable directory, or 'off'") from None
     jax.config.update("jax_compilation_cache_dir", None if directory is None else str(directory))
+    jax.config.update("jax_enable_compilation_cache", directory is not None)  # off: no key, no lookup either
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:  # a threshold of the user's own stays
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     compilation_cache.reset_cache()  # JAX decides whether it uses a cache once, at its first compile
@@ -103,13 +104,14 @@ def loaded_whole() -> None:
     """Count a step loaded whole from the cache (core/executables.py) as a hit, for `Watch`."""
     _counts.listen()
     _counts._event(_HIT)
+    _counts.whole += 1
 
 
 class _Counts:
     """Persistent-cache hits and misses of this process, from JAX's monitoring events."""
 
     def __init__(self):
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.whole = 0  # whole: steps loaded by core/executables.py
         self._lock = threading.Lock()
         self._listening = False
 
@@ -137,13 +139,15 @@ class Watch:
     """
 
     def __init__(self):
-        self.hits, self.misses = _counts.hits, _counts.misses
+        self.hits, self.misses, self.whole = _counts.hits, _counts.misses, _counts.whole
 
     def source(self) -> str | None:
         directory = jax.config.jax_compilation_cache_dir
         hits, misses = _counts.hits - self.hits, _counts.misses - self.misses
         if not directory:
             return "compiled (the compile cache is off)"
-        if misses:
+        # the step loaded whole decides, whatever small helper program beside it missed (one that compiled
+        # faster than the cache's threshold the first time was never written)
+        if misses and _counts.whole == self.whole:
             return f"compiled (compile cache {directory})"
         return f"loaded from the compile cache {directory}" if hits else None
