@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import reference as reference_lib
-from helpers import TINY, batches as text_batches, copy_state, max_relative_error, single_device_plan
+from helpers import TINY, batches as text_batches, compile_and_train, copy_state, max_relative_error, single_device_plan
 from jaxpar.planner import inspect, memory, traffic
 from jaxpar.planner.devices import load_device
 from jaxpar.planner.layout import Layout, Workload
@@ -21,7 +21,7 @@ from jaxpar.planner.model import Model as PlannerModel, llama_leaves
 from jaxpar.parallel import tensor, vocab
 from jaxpar.models.llama import Llama, LlamaConfig, rms_norm, run_layers
 from jaxpar.core.plan import Plan
-from jaxpar.train.state import abstract_state, describe, init_state, place_state
+from jaxpar.train.state import abstract_state, describe, init_state, place_state, state_shardings
 from jaxpar.train.step import make_train_step
 
 # 16 query / 8 kv heads split 8 ways; vocab 200 is padded to 256, so at tensor=8
@@ -423,18 +423,14 @@ def test_tiny_on_data_expert_tensor_at_seq_32_trains_like_the_reference():
     steps = [data[0], data[1]]  # text: two steps of SGD lower its loss
     expected = reference_lib.train(reference_lib.loss_fn(cfg), copy_state(state).params, steps, optimizer)
     plan = make_plan("data=2,expert=2,tensor=2")
-    placed = place_state(copy_state(state), model, optimizer, plan)
-    compiled = make_train_step(model, lambda m, b: m(b), optimizer, plan).lower(placed, steps[0]).compile()
-    losses = []
-    for batch in steps:
-        placed, metrics = compiled(placed, batch)
-        losses.append(float(metrics["loss"]))
-    assert np.max(np.abs(np.array(losses) / expected.losses - 1)) <= 1e-5
-    assert max_relative_error(jax.device_get(placed.params), expected.params) <= 1e-5
+    losses, final, compiled = compile_and_train(model, state, optimizer, plan, steps, len(steps))
+    assert np.max(np.abs(losses / expected.losses - 1)) <= 1e-5
+    assert max_relative_error(final.params, expected.params) <= 1e-5
     assert expected.losses[-1] < expected.losses[0]
     # expert acts as more data here: over it, the gradients of what one device holds (the table's shard
     # among them) are all-reduced, with the loss (one fp32 scalar), and nothing else moves
     over_expert = [op for op in inspect.collective_ops(compiled, plan.mesh) if op.axes == ("expert",)]
-    held = sum(leaf.addressable_shards[0].data.size for leaf in jax.tree.leaves(placed.params))
+    shardings = jax.tree.leaves(state_shardings(model, optimizer, plan).params)
+    held = sum(math.prod(s.shard_shape(x.shape)) for x, s in zip(jax.tree.leaves(final.params), shardings))
     assert {op.kind for op in over_expert} == {"all-reduce"}
     assert sum(op.bytes * op.count for op in over_expert) == 4 * (held + 1)

@@ -123,7 +123,8 @@ def ring_layout(schedule, shared: bool = True) -> RingLayout:
 def _labelled(what: str, first: np.ndarray, last: np.ndarray, held: np.ndarray) -> dict:
     """(what, stage, microbatch, chunk) -> (first, last) for the keys that hold a span."""
     keys = np.argwhere(held)
-    return {(what, *key): span for key, span in zip(map(tuple, keys.tolist()), zip(first[held].tolist(), last[held].tolist()))}
+    spans = zip(first[held].tolist(), last[held].tolist())
+    return {(what, *key): span for key, span in zip(map(tuple, keys.tolist()), spans)}
 
 
 def _row_table(schedule, kind: str, row_of) -> np.ndarray:
